@@ -1,0 +1,53 @@
+"""Tokenizers by name: any tiktoken encoding ('gpt2' by default), or 'byte'.
+
+'byte' is UTF-8 bytes as ids 0..255 plus an end-of-text id 256: it needs no download,
+so a machine with no network can prepare, train and sample.
+"""
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+
+class Tokenizer(NamedTuple):
+    name: str
+    vocab_size: int  # ids are 0 .. vocab_size - 1, end-of-text included
+    eot: int  # the end-of-text id, appended after every document
+    encode: Callable[[str], list]  # ordinary text: special-token strings are plain text
+    decode: Callable[[list], str]
+
+
+class TokenizerError(Exception):
+    pass
+
+
+def _byte_tokenizer():
+    def encode(text):
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).tolist()
+
+    def decode(ids):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    return Tokenizer("byte", 257, 256, encode, decode)
+
+
+def _tiktoken_tokenizer(name):
+    import tiktoken
+
+    try:
+        enc = tiktoken.get_encoding(name)
+    except ValueError as e:
+        raise TokenizerError(
+            f"unknown tokenizer {name!r}: use 'byte' or a tiktoken encoding "
+            f"({', '.join(tiktoken.list_encoding_names())})") from e
+    except Exception as e:
+        raise TokenizerError(
+            f"tiktoken could not load the {name!r} vocabulary ({type(e).__name__}: {e}). "
+            "tiktoken downloads it once and caches it; with no network, copy the "
+            ".tiktoken file into a folder under the cache name tiktoken expects and set "
+            "TIKTOKEN_CACHE_DIR to that folder, or use --tokenizer=byte, which needs no "
+            "download.") from e
+    return Tokenizer(name, enc.n_vocab, enc.eot_token, enc.encode_ordinary, enc.decode)
+
+
+def get_tokenizer(name):
+    return _byte_tokenizer() if name == "byte" else _tiktoken_tokenizer(name)
