@@ -166,41 +166,43 @@ def open_split(data_dir, split, block_size, vocab_size=None, log=print):
 
 # ---- sampling: pure functions of (seed, global sample index), vectorised, O(1) memory ----
 
-def _mix(x):
-    """splitmix64's finaliser: a well-mixed 64-bit hash of each element (wraps on purpose)."""
-    z = np.array(x, dtype=np.uint64)
-    z ^= z >> np.uint64(30)
-    z *= np.uint64(0xBF58476D1CE4E5B9)
-    z ^= z >> np.uint64(27)
-    z *= np.uint64(0x94D049BB133111EB)
-    z ^= z >> np.uint64(31)
-    return z
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+def _mix(z):
+    """splitmix64's finaliser: a well-mixed 64-bit hash of a python int or of each element of
+    a uint64 array (arrays wrap on overflow, ints are masked)."""
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK64
+    return z ^ (z >> 31)
 
 
 def _key(*parts):
-    h = np.zeros(1, dtype=np.uint64)
+    """A 64-bit key (a python int) from a few integers."""
+    h = 0
     for p in parts:
-        h = _mix(h ^ _mix(np.array([p & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64)))
+        h = _mix(h ^ _mix(int(p) & _MASK64))
     return h
 
 
-def _feistel(x, half_bits, key):
-    mask = np.uint64((1 << half_bits) - 1)
-    left, right = x >> np.uint64(half_bits), x & mask
-    for r in range(6):
-        left, right = right, left ^ (_mix(right ^ _key(int(key[0]), r)) & mask)
-    return (left << np.uint64(half_bits)) | right
+def _feistel(x, half_bits, round_keys):
+    mask = (1 << half_bits) - 1
+    left, right = x >> half_bits, x & mask
+    for k in round_keys:
+        left, right = right, left ^ (_mix(right ^ k) & mask)
+    return (left << half_bits) | right
 
 
 def permute(i, n, key):
     """A keyed bijection of [0, n): a Feistel network on the smallest even-bit power of two
     >= n, cycle-walked back into range. Nothing of size n is ever built."""
     half_bits = max(1, (max(n - 1, 1).bit_length() + 1) // 2)
-    out = _feistel(np.asarray(i, dtype=np.uint64), half_bits, key)
-    outside = out >= np.uint64(n)
+    round_keys = [_key(key, r) for r in range(6)]
+    out = _feistel(np.asarray(i, dtype=np.uint64), half_bits, round_keys)
+    outside = out >= n
     while outside.any():
-        out[outside] = _feistel(out[outside], half_bits, key)
-        outside = out >= np.uint64(n)
+        out[outside] = _feistel(out[outside], half_bits, round_keys)
+        outside = out >= n
     return out
 
 
@@ -219,7 +221,7 @@ def sample_offsets(sample_index, n_tokens, block_size, seed, mode):
     phase shift both drawn from (seed, e)."""
     g = np.asarray(sample_index, dtype=np.int64)
     if mode == "random":
-        return (_mix(_key(seed, 1) ^ g.astype(np.uint64)) % np.uint64(n_tokens - block_size)
+        return (_mix(g.astype(np.uint64) ^ _key(seed, 1)) % (n_tokens - block_size)
                 ).astype(np.int64)
     if mode != "epoch":
         raise ValueError(f"sampling mode {mode!r} is not one of {SAMPLING_MODES}")
@@ -229,8 +231,8 @@ def sample_offsets(sample_index, n_tokens, block_size, seed, mode):
     epochs = g // n_blocks
     for e in np.unique(epochs):
         here = epochs == e
-        block = permute(g[here] % n_blocks, n_blocks, _key(seed, 2, int(e)))
-        phase = int(_key(seed, 3, int(e))[0] % np.uint64(max_phase + 1))
+        block = permute(g[here] % n_blocks, n_blocks, _key(seed, 2, e))
+        phase = _key(seed, 3, e) % (max_phase + 1)
         out[here] = phase + block.astype(np.int64) * block_size
     return out
 
@@ -261,7 +263,7 @@ def read_windows(tokens, offsets, block_size):
     """(x, y) int64 tensors of shape (len(offsets), block_size); y is x shifted by one."""
     mm = tokens.tokens()
     t = torch.from_numpy(np.stack([mm[o:o + block_size + 1] for o in offsets]).astype(np.int64))
-    return t[:, :-1], t[:, 1:]
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
 def check_token_ids(tokens, x, y, vocab_size, offsets):

@@ -1,0 +1,75 @@
+"""Checkpoints in out_dir: ckpt_<iter>.pt, written whole under a temporary name, then renamed.
+
+The contents use nanoGPT's key layout (model, optimizer, model_args, iter_num, best_val_loss,
+config) plus scaler, samples_consumed (the data position) and data_meta (the data's meta.json,
+which names the tokenizer). A nanoGPT ckpt.pt in out_dir is found too, as the oldest.
+Loading never runs code from the file (weights_only=True).
+"""
+import errno
+import glob
+import os
+import re
+
+import torch
+
+from data import publish
+
+_NAME = re.compile(r"ckpt_(\d+)\.pt$")
+
+
+class CheckpointError(Exception):
+    pass
+
+
+def path_for(out_dir, iter_num):
+    return os.path.join(out_dir, f"ckpt_{iter_num:07d}.pt")
+
+
+def list_checkpoints(out_dir):
+    """Checkpoint paths in out_dir, newest first."""
+    ours = sorted((p for p in glob.glob(os.path.join(out_dir, "ckpt_*.pt"))
+                   if _NAME.search(p)), key=lambda p: int(_NAME.search(p).group(1)), reverse=True)
+    nanogpt = os.path.join(out_dir, "ckpt.pt")
+    return ours + ([nanogpt] if os.path.isfile(nanogpt) else [])
+
+
+def save(out_dir, state, keep):
+    """Write state as the checkpoint of state['iter_num'] and keep the newest `keep`."""
+    path = path_for(out_dir, state["iter_num"])
+    tmp = path + ".tmp"
+    try:
+        torch.save(state, tmp)
+        publish(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        room = " (the disk is full)" if e.errno == errno.ENOSPC else ""
+        raise CheckpointError(
+            f"could not write checkpoint {path}{room}: {e.strerror or e}. The previous "
+            f"checkpoints in {out_dir} are intact; free space or set out_dir elsewhere, then "
+            f"resume with --init_from=resume.") from e
+    for old in list_checkpoints(out_dir)[keep:]:
+        if _NAME.search(old):
+            os.remove(old)
+    return path
+
+
+def model_state(state):
+    """The model weights of a checkpoint, ready for GPT.load_state_dict: without the prefix
+    torch.compile adds, and without the causal-mask buffers of pre-2.0 nanoGPT checkpoints."""
+    return {k.removeprefix("_orig_mod."): v for k, v in state["model"].items()
+            if not k.endswith(".attn.bias") or v.dim() != 4}
+
+
+def load_latest(out_dir, log=print):
+    """(state, path) of the newest checkpoint that loads, or (None, None) if there is none.
+    A damaged newest checkpoint is reported and skipped in favour of the one before it."""
+    for path in list_checkpoints(out_dir):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            state["model"], state["model_args"], state["iter_num"]
+            return state, path
+        except Exception as e:  # a truncated zip, a pickle with code in it, missing keys...
+            log(f"checkpoint: {path} cannot be loaded ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200] if str(e) else ''}); trying an older one")
+    return None, None
