@@ -259,23 +259,21 @@ def eval_offsets(n_tokens, block_size, count_):
     return np.linspace(0, last, num=count_).round().astype(np.int64)
 
 
-def read_windows(tokens, offsets, block_size):
-    """(x, y) int64 tensors of shape (len(offsets), block_size); y is x shifted by one."""
+def read_windows(tokens, offsets, block_size, vocab_size=None):
+    """(x, y) int64 tensors of shape (len(offsets), block_size); y is x shifted by one.
+    With vocab_size, ids the model cannot embed are a DataError here rather than a CUDA
+    device-side assert later."""
     mm = tokens.tokens()
-    t = torch.from_numpy(np.stack([mm[o:o + block_size + 1] for o in offsets]).astype(np.int64))
-    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
-
-
-def check_token_ids(tokens, x, y, vocab_size, offsets):
-    """Ids past the model's vocabulary would fail later as a CUDA device-side assert."""
-    biggest = max(int(x.max()), int(y.max()))
-    if biggest >= vocab_size:
+    buf = np.stack([mm[o:o + block_size + 1] for o in offsets]).astype(np.int64)
+    if vocab_size is not None and buf.max() >= vocab_size:
+        row = int(np.argmax(buf.max(axis=1) >= vocab_size))
         raise DataError(
-            f"{tokens.path} holds token id {biggest} in the window at offset "
-            f"{int(offsets[int((torch.maximum(x, y).amax(1) == biggest).nonzero()[0])])}, "
-            f"but the model's vocab_size is {vocab_size}: the file does not belong to this "
-            f"model's tokenizer, or it is corrupt. Prepare the data with the model's tokenizer "
-            f"or set vocab_size to at least {biggest + 1}.")
+            f"{tokens.path} holds token id {int(buf[row].max())} in the window at token offset "
+            f"{int(offsets[row])}, but the model's vocab_size is {vocab_size}: the file was "
+            f"made with another tokenizer, or it is corrupt. Prepare the data with the model's "
+            f"tokenizer, or set vocab_size above the largest id.")
+    t = torch.from_numpy(buf)
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
 def rank_batches(tokens, *, block_size, batch_size, micro_steps, rank, world_size, seed, mode,
@@ -287,8 +285,7 @@ def rank_batches(tokens, *, block_size, batch_size, micro_steps, rank, world_siz
     def load(step, micro):
         g = rank_sample_indices(step, micro, rank, world_size, batch_size, micro_steps)
         offsets = sample_offsets(g, tokens.n_tokens, block_size, seed, mode)
-        x, y = read_windows(tokens, offsets, block_size)
-        check_token_ids(tokens, x, y, vocab_size, offsets)
+        x, y = read_windows(tokens, offsets, block_size, vocab_size)
         return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
 
     order = ((s, m) for s in count(start_step) for m in range(micro_steps))

@@ -214,7 +214,7 @@ def data_identity(tokens):
 
 
 @torch.no_grad()
-def evaluate(model, splits, cfg, rank, world_size, autocast, device):
+def evaluate(model, splits, cfg, rank, world_size, autocast, device, vocab_size):
     """Mean loss over the fixed evaluation windows of each split, over all ranks."""
     model.eval()
     out = {}
@@ -224,7 +224,7 @@ def evaluate(model, splits, cfg, rank, world_size, autocast, device):
         total = torch.zeros(2, dtype=torch.float64, device=device)
         for i in range(0, len(offsets), cfg.batch_size):
             chunk = offsets[i:i + cfg.batch_size]
-            x, y = data.read_windows(tokens, chunk, cfg.block_size)
+            x, y = data.read_windows(tokens, chunk, cfg.block_size, vocab_size)
             with autocast:
                 _, loss = model(x.to(device), y.to(device))
             total += torch.stack([loss.double() * len(chunk), torch.tensor(
@@ -367,7 +367,8 @@ def train(cfg, rank, world_size, master, log, device, device_type):
     t_last = time.perf_counter()
     while True:
         if iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters or cfg.eval_only:
-            losses = evaluate(eval_model, splits, cfg, rank, world_size, autocast, device)
+            losses = evaluate(eval_model, splits, cfg, rank, world_size, autocast, device,
+                              model_args["vocab_size"])
             log(f"iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             record({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]})
             improved = losses["val"] < best_val

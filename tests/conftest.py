@@ -27,7 +27,7 @@ def env(tiktoken_cache):
     """The environment a user's shell would have, offline, one thread per process."""
     e = dict(os.environ, TIKTOKEN_CACHE_DIR=tiktoken_cache, OMP_NUM_THREADS="1",
              PYTHONUNBUFFERED="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
-             WANDB_MODE="offline")
+             WANDB_MODE="offline", PYTHONPATH=ROOT)  # PYTHONPATH: for helper scripts in tests/
     e.pop("RANK", None), e.pop("WORLD_SIZE", None), e.pop("LOCAL_RANK", None)
     return e
 

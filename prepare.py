@@ -1,0 +1,394 @@
+"""
+Turn a text corpus into token files for training: <out_dir>/train.bin, val.bin and meta.json,
+in the format data.py describes.
+
+    python prepare.py                                       # OpenWebText, from the HF hub
+    python prepare.py --dataset=pystdlib --tokenizer=byte   # needs no network
+    python prepare.py --dataset=my_texts/ --out_dir=data/mine
+
+The corpus is read twice: once to count its non-empty documents, which fixes the train/val split
+up front, and once to tokenize. Documents stream through a pool of workers in chunks and their
+tokens are appended to the output files as they come back, so memory does not grow with the
+corpus (OpenWebText is 9B tokens).
+"""
+import argparse
+import glob
+import json
+import os
+import re
+import signal
+import sys
+import sysconfig
+import time
+import tokenize
+from collections import deque
+from multiprocessing import Pool
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+import data
+from tokenizer import TokenizerError, get_tokenizer
+
+EXTENSIONS = (".txt", ".jsonl", ".json", ".parquet")
+CHUNK_CHARS = 1 << 20  # text sent to a worker at a time: big enough to amortise the pickling
+
+
+class PrepareError(Exception):
+    """Bad input; the message says what is wrong and how to fix it."""
+
+
+# ---- reading: each source is a function that yields one string per document ----
+
+def utf8_lines(path):
+    # newline="" keeps the text exactly as it is in the file, \r\n included
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            yield from f
+    except UnicodeDecodeError as e:
+        raise PrepareError(f"{path} is not UTF-8 text ({e}): convert it to UTF-8 (e.g. with "
+                           f"iconv) or move it out of the corpus.") from e
+
+
+def parse_json(text, where):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PrepareError(f"{where} is not valid JSON ({e}).") from e
+
+
+def text_field(record, column, where):
+    if not isinstance(record, dict) or column not in record:
+        has = sorted(record) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+        raise PrepareError(f"{where} has no {column!r} field (it has: {has}): pass "
+                           f"--text_column=<the field that holds the text>.")
+    if not isinstance(record[column], (str, type(None))):
+        raise PrepareError(f"{where}: {column!r} holds a {type(record[column]).__name__}, not "
+                           f"text: pass --text_column=<the field that holds the text>.")
+    return record[column] or ""
+
+
+def json_documents(path, column):
+    lines = utf8_lines(path)
+    if path.endswith(".json") and open(path, "rb").read(64).lstrip().startswith(b"["):
+        records = parse_json("".join(lines), path)
+        for i, record in enumerate(records if isinstance(records, list) else [records]):
+            yield text_field(record, column, f"{path}[{i}]")
+        return
+    for lineno, line in enumerate(lines, 1):  # .jsonl, and .json that is JSON lines
+        if line.strip():
+            where = f"{path}:{lineno}"
+            yield text_field(parse_json(line, where), column, where)
+
+
+def check_arrow_column(schema, column, where):
+    kind = schema.field(column).type if column in schema.names else None
+    if kind is None or not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        has = ", ".join(f"{f.name} ({f.type})" for f in schema)
+        raise PrepareError(f"{where} has no text column {column!r} (it has: {has}): pass "
+                           f"--text_column=<the column that holds the text>.")
+
+
+def arrow_documents(batches, column):
+    for batch in batches:
+        yield from (text or "" for text in batch.column(column).to_pylist())
+
+
+def parquet_documents(path, column):
+    try:
+        f = pq.ParquetFile(path)
+        check_arrow_column(f.schema_arrow, column, path)
+        yield from arrow_documents(f.iter_batches(batch_size=1024, columns=[column]), column)
+    except (OSError, pa.ArrowException) as e:
+        raise PrepareError(f"{path} could not be read as parquet ({e}).") from e
+
+
+def file_documents(path, column):
+    if path.endswith(".txt"):
+        yield "".join(utf8_lines(path))
+    elif path.endswith(".parquet"):
+        yield from parquet_documents(path, column)
+    else:
+        yield from json_documents(path, column)
+
+
+def python_source(path):
+    """A .py file decoded the way Python reads source (coding cookie, else UTF-8); None for the
+    few files the stdlib ships undecodable on purpose (test/tokenizedata/bad_coding.py)."""
+    try:
+        with tokenize.open(path) as f:
+            return f.read()
+    except (SyntaxError, UnicodeDecodeError):
+        return None
+
+
+def stdlib_files(root):
+    files = sorted(os.path.relpath(p, root) for p in glob.glob(f"{root}/**/*.py", recursive=True))
+    return [os.path.join(root, p) for p in files
+            if not {"site-packages", "dist-packages"} & set(p.split(os.sep))]
+
+
+def local_files(dataset):
+    if os.path.isfile(dataset) and not dataset.endswith(EXTENSIONS):
+        raise PrepareError(f"{dataset} is not a file type prepare.py reads "
+                           f"({', '.join(EXTENSIONS)}): convert or rename it.")
+    pattern = os.path.join(dataset, "**", "*") if os.path.isdir(dataset) else dataset
+    files = [p for p in sorted(glob.glob(pattern, recursive=True))
+             if os.path.isfile(p) and p.endswith(EXTENSIONS)]
+    if not files:
+        raise PrepareError(f"--dataset={dataset!r} matches no {', '.join(EXTENSIONS)} files: "
+                           f"check the path (relative paths start at {os.getcwd()}).")
+    return files
+
+
+def local_name(dataset):
+    """A file's stem, a folder's name, or for a glob the folder it starts in."""
+    if glob.has_magic(dataset):
+        dataset = os.path.dirname(re.split(r"[*?[]", dataset)[0])
+    path = os.path.abspath(dataset or ".")
+    return os.path.basename(path) if os.path.isdir(path) else \
+        os.path.splitext(os.path.basename(path))[0]
+
+
+def hub_dataset(name, column):
+    import datasets  # slow to import, and only needed here
+    try:
+        # datasets>=4 runs no dataset scripts, but the hub's parquet conversion of a scripted
+        # dataset (OpenWebText is one) loads; datasets that are parquet already have none
+        ds = datasets.load_dataset(name, split="train", revision="refs/convert/parquet")
+    except Exception:
+        try:
+            ds = datasets.load_dataset(name, split="train")
+        except Exception as e:
+            raise PrepareError(
+                f"--dataset={name!r} is not a file, folder or glob match here, and the datasets "
+                f"library could not load it from the Hugging Face hub ({type(e).__name__}: {e}). "
+                f"Hub datasets need network access the first time (then they are cached): "
+                f"check the name and the network, or pass a local {'/'.join(EXTENSIONS)} file, "
+                f"folder or glob, or --dataset=pystdlib, which needs no network.") from e
+    check_arrow_column(ds.data.schema, column, f"hub dataset {name!r}")
+    # the Arrow table is memory-mapped: reading it in slices never holds all the text
+    return ds.select_columns([column]).with_format("arrow")
+
+
+def open_source(dataset, column):
+    """(default folder name, a description, a function that yields the documents)."""
+    if dataset == "pystdlib":
+        root = sysconfig.get_paths()["stdlib"]
+        files = stdlib_files(root)
+        return "pystdlib", f"{len(files)} .py files of {root}", lambda: map(python_source, files)
+    if os.path.exists(dataset) or glob.has_magic(dataset) or dataset.endswith(EXTENSIONS):
+        files = local_files(dataset)
+        return local_name(dataset), f"{len(files)} files from {dataset}", \
+            lambda: (doc for path in files for doc in file_documents(path, column))
+    ds = hub_dataset(dataset, column)
+    return dataset.split("/")[-1], f"hub dataset {dataset} ({len(ds):,} rows)", \
+        lambda: arrow_documents(ds.iter(batch_size=1024), column)
+
+
+# ---- tokenizing: pass 1 counts the documents, pass 2 encodes them in a pool of workers ----
+
+def is_document(text):
+    return bool(text) and not text.isspace()
+
+
+def count_documents(documents):
+    """Non-empty documents, empty ones, and files that could not be decoded (None)."""
+    n = {"documents": 0, "empty": 0, "undecodable": 0}
+    for text in tqdm(documents(), desc="counting documents", unit=" docs"):
+        n["undecodable" if text is None else "documents" if is_document(text) else "empty"] += 1
+    return n
+
+
+def validation_size(args, n_docs, source):
+    if n_docs == 0:
+        raise PrepareError(f"the corpus ({source}) holds no non-empty documents: check "
+                           f"--dataset and --text_column.")
+    if not 0 <= args.val_fraction < 1:
+        raise PrepareError(f"--val_fraction={args.val_fraction} is not in [0, 1).")
+    n_val = args.val_docs if args.val_docs is not None else \
+        max(1, round(n_docs * args.val_fraction))
+    if not 1 <= n_val < n_docs:
+        raise PrepareError(f"{n_val} validation documents out of the corpus's {n_docs} non-empty "
+                           f"ones ({source}) leave no training or no validation data: pass a "
+                           f"--val_docs or --val_fraction that keeps 1 to {n_docs - 1} documents "
+                           f"for validation.")
+    return n_val
+
+
+def chunks(texts, n_docs, n_val, key):
+    """(texts, which of them go to val), about CHUNK_CHARS characters at a time. Document d
+    (non-empty documents counted from 0 in corpus order) goes to val iff
+    permute(d, n_docs, key) < n_val: the split is a function of the seed and needs no memory."""
+    batch, size, first = [], 0, 0
+    for text in texts:
+        batch.append(text)
+        size += len(text)
+        if size >= CHUNK_CHARS:
+            yield batch, in_val(first, len(batch), n_docs, n_val, key)
+            batch, size, first = [], 0, first + len(batch)
+    if batch:
+        yield batch, in_val(first, len(batch), n_docs, n_val, key)
+
+
+def in_val(first, count, n_docs, n_val, key):
+    return (data.permute(np.arange(first, first + count), n_docs, key) < n_val).tolist()
+
+
+_tokenizer = None  # each worker's own
+
+
+def init_worker(tokenizer_name):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the main process to handle
+    global _tokenizer
+    _tokenizer = get_tokenizer(tokenizer_name)
+
+
+def encode_chunk(task):
+    """[(tokens, documents) of the train documents, the same of the val documents]."""
+    texts, val = task
+    ids = ([], [])
+    for text, v in zip(texts, val):
+        ids[v].extend(_tokenizer.encode(text))
+        ids[v].append(_tokenizer.eot)
+    dtype = data.token_dtype(_tokenizer.vocab_size)
+    return [(np.array(ids[v], dtype=dtype), val.count(v)) for v in (False, True)]
+
+
+def ordered_map(pool, fn, items, ahead):
+    """pool.imap, reading at most `ahead` items ahead of the results: imap's feeder thread
+    would pull the whole corpus into memory whenever reading is faster than encoding."""
+    pending = deque()
+    for item in items:
+        pending.append(pool.apply_async(fn, (item,)))
+        if len(pending) >= ahead:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def write_tokens(files, texts, n_docs, n_val, args):
+    stats = {s: {"tokens": 0, "documents": 0, "max_token_id": 0} for s in data.SPLITS}
+    work = chunks(texts, n_docs, n_val, data._key(args.seed))
+    with Pool(args.num_proc, init_worker, (args.tokenizer,)) as pool, \
+            tqdm(total=n_docs, desc="tokenizing", unit=" docs") as bar:
+        for result in ordered_map(pool, encode_chunk, work, ahead=2 * args.num_proc):
+            for split, (ids, n) in zip(data.SPLITS, result):
+                ids.tofile(files[split])
+                s = stats[split]
+                s["tokens"], s["documents"] = s["tokens"] + len(ids), s["documents"] + n
+                s["max_token_id"] = max(s["max_token_id"], int(ids.max(initial=0)))
+                bar.update(n)
+    if sum(s["documents"] for s in stats.values()) != n_docs:
+        raise PrepareError("the corpus changed while it was being read: run prepare.py again.")
+    return stats
+
+
+# ---- output: .tmp files, renamed to their final names when complete, meta.json last ----
+
+def open_outputs(out_dir):
+    """The .tmp token files, opened first so that an unwritable out_dir fails before any work."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        return {s: open(os.path.join(out_dir, f"{s}.bin.tmp"), "wb") for s in data.SPLITS}
+    except OSError as e:
+        raise PrepareError(f"cannot write to --out_dir={out_dir} ({e}): pass an --out_dir "
+                           f"that you can create and write files in.") from e
+
+
+def publish(out_dir, files, meta):
+    # meta.json vouches for the .bin files, so the old one goes before they change
+    if os.path.exists(os.path.join(out_dir, data.META_NAME)):
+        os.remove(os.path.join(out_dir, data.META_NAME))
+    for split, f in files.items():
+        data.publish(f.name, os.path.join(out_dir, f"{split}.bin"))
+    data.write_meta(out_dir, meta)
+
+
+def prepare(args):
+    if args.num_proc < 1:
+        raise PrepareError(f"--num_proc={args.num_proc}: use at least 1 process.")
+    tokenizer = get_tokenizer(args.tokenizer)
+    name, source, documents = open_source(args.dataset, args.text_column)
+    out_dir = args.out_dir or os.path.join("data", name)
+    files = open_outputs(out_dir)
+    try:
+        counts = count_documents(documents)
+        n_val = validation_size(args, counts["documents"], source)
+        stats = write_tokens(files, filter(is_document, documents()), counts["documents"],
+                             n_val, args)
+        for f in files.values():
+            f.close()
+        for s in data.SPLITS:
+            stats[s]["fingerprint"] = data.sampled_fingerprint(files[s].name)
+        publish(out_dir, files, {
+            "format_version": data.FORMAT_VERSION,
+            "dtype": data.token_dtype(tokenizer.vocab_size).name,
+            "vocab_size": tokenizer.vocab_size, "tokenizer": args.tokenizer,
+            "eot_token": tokenizer.eot, "splits": stats,
+            "source": args.dataset, "source_detail": source, "text_column": args.text_column,
+            "val_selection": f"non-empty document d (from 0, in corpus order) is in val iff "
+                             f"data.permute(d, {counts['documents']}, data._key({args.seed})) "
+                             f"< {n_val}",
+            "seed": args.seed, "skipped_empty_documents": counts["empty"],
+            "skipped_undecodable_files": counts["undecodable"]})
+    except BaseException:
+        for f in files.values():
+            f.close()
+            if os.path.exists(f.name):
+                os.remove(f.name)
+        raise
+    return out_dir, stats, counts
+
+
+def parse_args():
+    p = argparse.ArgumentParser(
+        description="Tokenize a corpus into train.bin, val.bin and meta.json (format: data.py).")
+    p.add_argument("--dataset", default="openwebtext", help=(
+        "a Hugging Face hub dataset (its train split; needs network the first time), or local "
+        "files: a .txt file (one document), .jsonl (an object per line), .json (a list of "
+        "objects, or JSON lines if it does not start with '['), .parquet (a document per row), "
+        "a folder (all such files in it, recursively, sorted) or a quoted glob; or 'pystdlib': "
+        "the .py files of this Python's standard library, a document each, no network needed. "
+        "Default: %(default)s"))
+    p.add_argument("--text_column", default="text",
+                   help="the field or column that holds the text (default: %(default)s)")
+    p.add_argument("--out_dir", help="default: data/<dataset name, or file or folder stem>")
+    p.add_argument("--tokenizer", default="gpt2",
+                   help="a tiktoken encoding, or 'byte' (default: %(default)s)")
+    val = p.add_mutually_exclusive_group()
+    val.add_argument("--val_fraction", type=float, default=0.0005,
+                     help="fraction of the documents for validation, at least one "
+                          "(default: %(default)s)")
+    val.add_argument("--val_docs", type=int, help="number of documents for validation")
+    p.add_argument("--seed", type=int, default=2357,
+                   help="chooses the validation documents (default: %(default)s)")
+    p.add_argument("--num_proc", type=int, default=os.cpu_count(),
+                   help="tokenizer processes (default: one per core, %(default)s)")
+    return p.parse_args()
+
+
+def main():
+    args = parse_args()
+    t0 = time.time()
+    try:
+        out_dir, stats, counts = prepare(args)
+    except (PrepareError, TokenizerError, data.DataError, OSError) as e:
+        sys.exit(f"prepare.py: error: {e}")
+    except KeyboardInterrupt:
+        sys.exit("prepare.py: interrupted; no new output was published.")
+    elapsed = time.time() - t0
+    for s in data.SPLITS:
+        path = os.path.join(out_dir, f"{s}.bin")
+        print(f"{s:5s}: {stats[s]['tokens']:,} tokens, {stats[s]['documents']:,} documents -> "
+              f"{path} ({os.path.getsize(path) / 1e6:.1f} MB)")
+    print(f"meta : {os.path.join(out_dir, data.META_NAME)}")
+    print(f"skipped {counts['empty']:,} empty documents, {counts['undecodable']:,} undecodable "
+          f"files; {sum(stats[s]['tokens'] for s in data.SPLITS) / elapsed:,.0f} tokens/s, "
+          f"{elapsed:.1f} s in all")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""data.py: O(1) sampling, exact epochs, rank disjointness, world-size invariance, resume,
+lazily opened memmaps, and clear errors for bad token files."""
+import glob
+import json
+import os
+import pickle
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import data
+from conftest import ROOT, python, torchrun
+
+
+def write_split(folder, split, tokens, dtype, vocab_size, meta=True):
+    """Token files in data.py's format (what prepare.py writes), from an array of ids."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{split}.bin")
+    np.asarray(tokens, dtype=dtype).tofile(path)
+    if meta:
+        old = data.read_meta(folder) or {
+            "format_version": data.FORMAT_VERSION, "dtype": np.dtype(dtype).name,
+            "vocab_size": vocab_size, "tokenizer": "test", "eot_token": vocab_size - 1,
+            "splits": {}}
+        old["splits"][split] = {"tokens": len(tokens), "documents": 1,
+                                "max_token_id": int(np.max(tokens)),
+                                "fingerprint": data.sampled_fingerprint(path)}
+        data.write_meta(folder, old)
+    return path
+
+
+@pytest.fixture
+def counting_data(tmp_path):
+    """A split whose token at offset i is i, so every window names its own offset."""
+    folder = str(tmp_path / "counting")
+    n = 50_000
+    write_split(folder, "train", np.arange(n), np.uint32, n + 1)
+    write_split(folder, "val", np.arange(5_000), np.uint32, n + 1)
+    return folder, n
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 16, 17, 255, 1000, 4099])
+def test_permute_is_a_bijection(n):
+    for key in (0, 1, 12345):
+        assert sorted(data.permute(np.arange(n), n, key).tolist()) == list(range(n))
+
+
+def test_epoch_mode_reads_every_block_once_per_epoch_in_a_new_order():
+    n_tokens, block = 10_007, 64
+    per_epoch = data.blocks_per_epoch(n_tokens, block)
+    assert per_epoch == (n_tokens - 1) // block - 1
+    orders, phases = [], set()
+    for epoch in range(4):
+        g = np.arange(epoch * per_epoch, (epoch + 1) * per_epoch)
+        offsets = data.sample_offsets(g, n_tokens, block, seed=3, mode="epoch")
+        phase = int(offsets.min())
+        assert phase < block
+        assert sorted(((offsets - phase) // block).tolist()) == list(range(per_epoch))
+        assert ((offsets - phase) % block == 0).all()
+        assert offsets.max() + block + 1 <= n_tokens
+        orders.append(offsets.tolist())
+        phases.add(phase)
+    assert len({tuple(o) for o in orders}) == 4, "each epoch must have its own order"
+    assert len(phases) > 1, "block boundaries must shift between epochs"
+
+
+def test_random_mode_stays_in_range_and_depends_on_seed():
+    g = np.arange(100_000)
+    a = data.sample_offsets(g, 5_000, 100, seed=1, mode="random")
+    assert a.min() >= 0 and a.max() <= 5_000 - 100 - 1
+    assert len(np.unique(a)) > 4_800  # covers nearly every one of the 4,900 offsets
+    assert not np.array_equal(a, data.sample_offsets(g, 5_000, 100, seed=2, mode="random"))
+
+
+def test_sampling_needs_no_memory_of_the_dataset_size():
+    # a sample of a 9e9-token file (OpenWebText) costs what a sample of a tiny one does
+    for mode in data.SAMPLING_MODES:
+        offsets = data.sample_offsets(np.arange(10**12, 10**12 + 480), 9 * 10**9, 1024, 1, mode)
+        assert offsets.min() >= 0 and offsets.max() + 1025 <= 9 * 10**9
+
+
+def test_token_file_pickles_without_its_data(counting_data):
+    folder, n = counting_data
+    tokens = data.open_split(folder, "train", 64)
+    tokens.tokens()  # open the memmap, then make sure it does not travel
+    blob = pickle.dumps(data.BlockDataset(tokens, 64))
+    assert len(blob) < 1000
+    again = pickle.loads(blob)
+    assert again.tokens._mm is None
+    x, y = again[5]
+    assert torch.equal(x[1:], y[:-1])
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_dataloader_workers_read_the_same_batches_as_the_trainer(counting_data, start_method):
+    folder, n = counting_data
+    tokens = data.open_split(folder, "train", 32)
+    loader = torch.utils.data.DataLoader(
+        data.BlockDataset(tokens, 32, seed=7), batch_size=4, num_workers=2,
+        multiprocessing_context=start_method,
+        sampler=data.RankSampler(4, rank=1, world_size=2, micro_steps=3, num_steps=2))
+    from_loader = [x for x, _ in loader]
+    trainer = data.rank_batches(tokens, block_size=32, batch_size=4, micro_steps=3, rank=1,
+                                world_size=2, seed=7, mode="epoch", start_step=0, device="cpu",
+                                vocab_size=n + 1)
+    assert len(from_loader) == 6
+    for x in from_loader:
+        assert torch.equal(x, next(trainer)[0])
+
+
+def read_with_ranks(env, folder, out, nproc, micro_steps, start_step=0, steps=3, batch=4,
+                    block=32, mode="epoch"):
+    torchrun(nproc, "tests/rank_reader.py", folder, out, block, batch, micro_steps, start_step,
+             steps, mode, env=env)
+    ranks = []
+    for path in sorted(glob.glob(f"{out}.rank*.json")):
+        with open(path) as f:
+            ranks.append(json.load(f))
+        os.remove(path)
+    assert len(ranks) == nproc
+    return ranks
+
+
+def global_batches(ranks):
+    """{step: sorted offsets read by all ranks and micro-steps together}"""
+    batches = {}
+    for r in ranks:
+        for read in r["reads"]:
+            assert read["shift_ok"]
+            batches.setdefault(read["step"], []).extend(read["first_tokens"])
+    return {s: sorted(v) for s, v in batches.items()}
+
+
+def test_global_batches_are_the_same_for_any_world_size_split_and_resume(
+        env, counting_data, tmp_path):
+    folder, _ = counting_data
+    out = str(tmp_path / "read")
+    one_by_four = read_with_ranks(env, folder, out, nproc=1, micro_steps=4, steps=4)
+    two_by_two = read_with_ranks(env, folder, out, nproc=2, micro_steps=2, steps=4)
+    resumed = read_with_ranks(env, folder, out, nproc=2, micro_steps=2, start_step=2, steps=2)
+    reference = global_batches(one_by_four)
+    assert all(len(v) == 16 for v in reference.values())
+    assert global_batches(two_by_two) == reference
+    assert global_batches(resumed) == {s: reference[s] for s in (2, 3)}
+    # the two ranks read disjoint slices of each global batch
+    for step in reference:
+        seen = [set(o for read in r["reads"] if read["step"] == step
+                    for o in read["first_tokens"]) for r in two_by_two]
+        assert not seen[0] & seen[1]
+    # 4 ranks x 1 micro-step, in random mode too
+    random_1 = global_batches(read_with_ranks(env, folder, out, 1, 4, mode="random"))
+    random_4 = global_batches(read_with_ranks(env, folder, out, 4, 1, mode="random"))
+    assert random_1 == random_4
+
+
+def test_sixteen_gib_file_costs_eight_ranks_no_more_memory_than_sixteen_mib(env, tmp_path):
+    rss = {}
+    for name, size in (("small", 16 * 2**20), ("huge", 16 * 2**30)):
+        folder = tmp_path / name
+        folder.mkdir()
+        for split in data.SPLITS:  # sparse: nothing is written, the files read as zeros
+            subprocess.run(["truncate", "-s", str(size), str(folder / f"{split}.bin")],
+                           check=True)
+        ranks = read_with_ranks(env, str(folder), str(tmp_path / name), nproc=8,
+                                micro_steps=1, steps=2, batch=12, block=1024)
+        rss[name] = max(r["rss_first_batch"] for r in ranks)
+        assert all(len(r["reads"]) == 2 for r in ranks)
+    assert rss["huge"] < rss["small"] + 16 * 2**20, rss
+
+
+# ---- bad token files: what train.py says, before any step ----
+
+TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=2",
+        "--gradient_accumulation_steps=1", "--max_iters=1", "--eval_iters=1", "--device=cpu"]
+
+
+def train_error(env, folder, tmp_path, *extra):
+    p = python("train.py", f"--data_dir={folder}", f"--out_dir={tmp_path / 'out'}", *TINY,
+               *extra, env=env, check=False)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    return p.stderr
+
+
+def small_folder(tmp_path, n=1000, dtype=np.uint16, vocab=257, meta=True):
+    folder = str(tmp_path / "d")
+    rng = np.random.default_rng(0)
+    for split in data.SPLITS:
+        write_split(folder, split, rng.integers(0, vocab - 1, n), dtype, vocab, meta=meta)
+    return folder
+
+
+def test_missing_file_names_the_path_and_the_prepare_command(env, tmp_path):
+    folder = small_folder(tmp_path)
+    os.remove(os.path.join(folder, "val.bin"))
+    err = train_error(env, folder, tmp_path)
+    assert "val.bin does not exist" in err and "python prepare.py" in err
+
+
+def test_odd_sized_file_is_not_a_whole_number_of_tokens(env, tmp_path):
+    folder = small_folder(tmp_path, meta=False)
+    with open(os.path.join(folder, "train.bin"), "ab") as f:
+        f.write(b"\0")
+    err = train_error(env, folder, tmp_path)
+    assert "2001 bytes" in err and "not a whole number of uint16 tokens" in err
+
+
+def test_truncated_file_disagrees_with_meta(env, tmp_path):
+    folder = small_folder(tmp_path)
+    path = os.path.join(folder, "train.bin")
+    os.truncate(path, os.path.getsize(path) - 20)
+    err = train_error(env, folder, tmp_path)
+    assert "990 tokens" in err and "says 1000" in err
+
+
+def test_replaced_file_of_the_same_size_fails_the_fingerprint(env, tmp_path):
+    folder = small_folder(tmp_path)
+    np.zeros(1000, dtype=np.uint16).tofile(os.path.join(folder, "train.bin"))
+    assert "does not match the fingerprint" in train_error(env, folder, tmp_path)
+
+
+def test_split_shorter_than_one_block(env, tmp_path):
+    folder = small_folder(tmp_path, n=20)
+    err = train_error(env, folder, tmp_path)
+    assert "fewer than one block of block_size=32" in err and "at most 19" in err
+
+
+def test_vocabulary_larger_than_the_model(env, tmp_path):
+    folder = small_folder(tmp_path, dtype=np.uint32, vocab=70000)
+    err = train_error(env, folder, tmp_path, "--vocab_size=512")
+    assert "70000 ids do not fit the model's vocab_size=512" in err
+
+
+def test_token_ids_beyond_the_vocabulary_in_a_raw_file(env, tmp_path):
+    folder = small_folder(tmp_path, meta=False)
+    np.full(1000, 60000, dtype=np.uint16).tofile(os.path.join(folder, "train.bin"))
+    err = train_error(env, folder, tmp_path, "--vocab_size=512")
+    assert "token id 60000" in err and "vocab_size is 512" in err
+
+
+def test_raw_nanogpt_files_are_read_as_uint16_with_a_notice(env, tmp_path):
+    folder = small_folder(tmp_path, meta=False)
+    p = python("train.py", f"--data_dir={folder}", f"--out_dir={tmp_path / 'out'}", *TINY,
+               "--vocab_size=512", env=env)
+    assert "no meta.json" in p.stdout and "raw uint16" in p.stdout
