@@ -6,10 +6,10 @@ in the format data.py describes.
     python prepare.py --dataset=pystdlib --tokenizer=byte   # needs no network
     python prepare.py --dataset=my_texts/ --out_dir=data/mine
 
-The corpus is read twice: once to count its non-empty documents, which fixes the train/val split
-up front, and once to tokenize. Documents stream through a pool of workers in chunks and their
-tokens are appended to the output files as they come back, so memory does not grow with the
-corpus (OpenWebText is 9B tokens).
+The corpus is read twice: once to check it and count its non-empty documents, which fixes the
+train/val split up front, and once to tokenize. Documents stream through a pool of workers in
+chunks and their tokens are appended to the output files as they come back, so memory does not
+grow with the corpus (OpenWebText is 9B tokens).
 """
 import argparse
 import glob
@@ -71,13 +71,13 @@ def text_field(record, column, where):
 
 
 def json_documents(path, column):
-    lines = utf8_lines(path)
-    if path.endswith(".json") and open(path, "rb").read(64).lstrip().startswith(b"["):
-        records = parse_json("".join(lines), path)
-        for i, record in enumerate(records if isinstance(records, list) else [records]):
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        is_list = path.endswith(".json") and f.read(4096).lstrip().startswith("[")
+    if is_list:
+        for i, record in enumerate(parse_json("".join(utf8_lines(path)), path)):
             yield text_field(record, column, f"{path}[{i}]")
         return
-    for lineno, line in enumerate(lines, 1):  # .jsonl, and .json that is JSON lines
+    for lineno, line in enumerate(utf8_lines(path), 1):  # .jsonl, or a .json of JSON lines
         if line.strip():
             where = f"{path}:{lineno}"
             yield text_field(parse_json(line, where), column, where)
@@ -289,7 +289,6 @@ def write_tokens(files, texts, n_docs, n_val, args):
 # ---- output: .tmp files, renamed to their final names when complete, meta.json last ----
 
 def open_outputs(out_dir):
-    """The .tmp token files, opened first so that an unwritable out_dir fails before any work."""
     try:
         os.makedirs(out_dir, exist_ok=True)
         return {s: open(os.path.join(out_dir, f"{s}.bin.tmp"), "wb") for s in data.SPLITS}
@@ -312,11 +311,11 @@ def prepare(args):
         raise PrepareError(f"--num_proc={args.num_proc}: use at least 1 process.")
     tokenizer = get_tokenizer(args.tokenizer)
     name, source, documents = open_source(args.dataset, args.text_column)
+    counts = count_documents(documents)
+    n_val = validation_size(args, counts["documents"], source)
     out_dir = args.out_dir or os.path.join("data", name)
     files = open_outputs(out_dir)
     try:
-        counts = count_documents(documents)
-        n_val = validation_size(args, counts["documents"], source)
         stats = write_tokens(files, filter(is_document, documents()), counts["documents"],
                              n_val, args)
         for f in files.values():

@@ -1,0 +1,161 @@
+"""sample.py as a user runs it, on tiny models that train.py trains once per module."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import data
+from conftest import python
+from tokenizer import get_tokenizer
+
+SEP = "---------------"
+CORPUS = "".join(f"def greet_{i}(name):\n    return 'hello ' + name + ' number {i}'\n\n"
+                 for i in range(150))
+TRAIN = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
+         "--gradient_accumulation_steps=1", "--max_iters=30", "--eval_interval=30",
+         "--eval_iters=2", "--device=cpu", "--compile=False", "--learning_rate=1e-2",
+         "--warmup_iters=0"]
+
+
+def write_data(folder, tok):
+    """train.bin, val.bin and meta.json in data.py's format, as prepare.py writes them."""
+    os.makedirs(folder)
+    ids = np.array(tok.encode(CORPUS) + [tok.eot], dtype=np.uint16)
+    meta = {"format_version": data.FORMAT_VERSION, "dtype": "uint16",
+            "vocab_size": tok.vocab_size, "tokenizer": tok.name, "eot_token": tok.eot,
+            "splits": {}}
+    cut = len(ids) * 9 // 10
+    for split, part in (("train", ids[:cut]), ("val", ids[cut:])):
+        path = os.path.join(folder, f"{split}.bin")
+        part.tofile(path)
+        meta["splits"][split] = {"tokens": len(part), "documents": 1,
+                                 "max_token_id": int(part.max()),
+                                 "fingerprint": data.sampled_fingerprint(path)}
+    data.write_meta(folder, meta)
+
+
+def variant(src_dir, dst_dir, change):
+    """A copy of src_dir's checkpoint with change(state) applied, as the only file of dst_dir."""
+    (path,) = [os.path.join(src_dir, f) for f in os.listdir(src_dir) if f.startswith("ckpt_")]
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    change(state)
+    os.makedirs(dst_dir)
+    torch.save(state, os.path.join(dst_dir, os.path.basename(path)))
+    return dst_dir
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiktoken_cache):
+    """out_dirs by name: 'byte' and 'r50k' (GPT-2's vocabulary) models, variants of their
+    checkpoints, and an 'empty' folder."""
+    root = tmp_path_factory.mktemp("sample")
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # train.py needs no tokenizer; one process
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIKTOKEN_CACHE_DIR", tiktoken_cache)
+        tokenizers = {"byte": get_tokenizer("byte"), "r50k": get_tokenizer("r50k_base")}
+    outs = {"empty": str(root / "empty")}
+    os.makedirs(outs["empty"])
+    for name, tok in tokenizers.items():
+        write_data(str(root / f"data_{name}"), tok)
+        outs[name] = str(root / f"out_{name}")
+        python("train.py", f"--data_dir={root / f'data_{name}'}", f"--out_dir={outs[name]}",
+               *TRAIN, env=env)
+
+    def tokenizer(name):
+        return lambda state: state["data_meta"].update(tokenizer=name)
+
+    def no_data_meta(state):  # as a checkpoint of raw .bin data has
+        state["data_meta"] = None
+
+    def padding_wins(state):  # the padded ids (50257..50303) get by far the largest logits
+        w = state["model"]["lm_head.weight"]  # tied to transformer.wte.weight
+        w[50257:] *= 1000
+        w[:50257] = 0
+
+    for name, src, change in (("gpt2", "r50k", tokenizer("gpt2")),
+                              ("unknown_tokenizer", "byte", tokenizer("no_such_tokenizer")),
+                              ("no_data_meta", "byte", no_data_meta),
+                              ("padding_wins", "r50k", padding_wins)):
+        outs[name] = variant(outs[src], str(root / f"out_{name}"), change)
+    return outs
+
+
+def sample(out_dir, *args, env, check=True):
+    return python("sample.py", f"--out_dir={out_dir}", "--max_new_tokens=40", *args, env=env,
+                  check=check)
+
+
+def samples(stdout):
+    """The samples printed, each followed by the separator line."""
+    parts = stdout.split(f"\n{SEP}\n")
+    assert parts[-1] == "", f"output does not end with the separator:\n{stdout}"
+    return parts[:-1]
+
+
+def test_prints_num_samples_each_starting_with_the_prompt(trained, env):
+    p = sample(trained["byte"], "--start=def ", "--num_samples=3", env=env)
+    out = samples(p.stdout)
+    assert len(out) == 3 and all(s.startswith("def ") and len(s) > len("def ") for s in out)
+    assert "tokenizer 'byte' from the checkpoint's data_meta" in p.stderr
+
+
+def test_same_seed_same_samples_other_seed_others(trained, env):
+    runs = [sample(trained["byte"], f"--seed={seed}", env=env).stdout for seed in (5, 5, 6)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert len(set(samples(runs[0]))) == 3  # the samples of one run differ too
+
+
+def test_prompt_from_file(trained, env, tmp_path):
+    prompt = "naïve prompt\nfrom a file: "
+    (tmp_path / "prompt.txt").write_text(prompt, encoding="utf-8")
+    p = sample(trained["byte"], f"--start=FILE:{tmp_path / 'prompt.txt'}", "--num_samples=2",
+               env=env)
+    assert [s[:len(prompt)] for s in samples(p.stdout)] == [prompt, prompt]
+
+
+def test_tiktoken_data_samples_offline(trained, env):
+    p = sample(trained["r50k"], "--start=def greet", "--num_samples=2", env=env)
+    assert all(s.startswith("def greet") for s in samples(p.stdout))
+    assert "tokenizer 'r50k_base'" in p.stderr
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "tokenizer.py loads 'gpt2' through tiktoken's gpt2 encoding, whose files (vocab.bpe, "
+    "encoder.json) the offline test cache does not hold; it holds r50k_base, which has the same "
+    "ranks. Passes once tokenizer.py loads 'gpt2' from the r50k_base file."))
+def test_gpt2_data_samples_offline(trained, env):
+    p = sample(trained["gpt2"], "--start=def greet", "--num_samples=2", env=env)
+    assert all(s.startswith("def greet") for s in samples(p.stdout))
+
+
+def test_padded_vocabulary_ids_are_never_sampled(trained, env):
+    # without the mask tiktoken fails on the first padded id with a KeyError
+    p = sample(trained["padding_wins"], "--start=def", "--top_k=0", env=env)
+    assert len(samples(p.stdout)) == 3
+
+
+def test_without_data_meta_the_data_dirs_meta_json_names_the_tokenizer(trained, env):
+    p = sample(trained["no_data_meta"], "--start=def ", env=env)
+    assert all(s.startswith("def ") for s in samples(p.stdout))
+    assert "tokenizer 'byte' from" in p.stderr and "meta.json" in p.stderr
+
+
+@pytest.mark.parametrize("out, args, words", [
+    ("empty", [], ["holds no loadable checkpoint", "--out_dir"]),
+    ("byte", ["--start=FILE:no/such/prompt.txt"], ["no/such/prompt.txt", "No such file"]),
+    ("byte", ["--temprature=1"], ["'temprature'", "did you mean temperature"]),
+    ("byte", ["--start="], ["prompt", "empty", "--start"]),
+    ("byte", ["--temperature=0"], ["temperature=0.0", "--top_k=1"]),
+    ("unknown_tokenizer", [], ["unknown tokenizer 'no_such_tokenizer'", "'byte'"]),
+], ids=["empty out_dir", "missing prompt file", "misspelt key", "empty prompt",
+        "zero temperature", "unknown tokenizer"])
+def test_errors_are_one_paragraph_without_a_traceback(trained, env, out, args, words):
+    p = sample(trained[out], *args, env=env, check=False)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr and p.stdout == ""
+    message = p.stderr.strip().splitlines()[-1]
+    assert message.startswith("sample.py: error: ")
+    assert all(w in message for w in words), message
