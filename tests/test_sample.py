@@ -70,9 +70,9 @@ def trained(tmp_path_factory, tiktoken_cache):
     def no_data_meta(state):  # as a checkpoint of raw .bin data has
         state["data_meta"] = None
 
-    def padding_wins(state):  # the padded ids (50257..50303) get by far the largest logits
-        w = state["model"]["lm_head.weight"]  # tied to transformer.wte.weight
-        w[50257:] *= 1000
+    def padding_wins(state):  # the padded ids (50257..50303) get by far the largest logits:
+        w = state["model"]["lm_head.weight"]  # (tied to transformer.wte.weight)
+        w[50257:] *= -1000  # training pushed their rows away from the hidden states
         w[:50257] = 0
 
     for name, src, change in (("gpt2", "r50k", tokenizer("gpt2")),

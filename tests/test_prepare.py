@@ -1,0 +1,199 @@
+"""prepare.py run as a user runs it, on small corpora in tmp_path: the token files must decode back
+to the documents, meta.json must describe them, and bad input must fail with one clear line."""
+import glob
+import json
+import os
+import sys
+import sysconfig
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import ROOT, python
+
+sys.path.insert(0, ROOT)
+import data  # noqa: E402
+from tokenizer import get_tokenizer  # noqa: E402
+
+DOCS = ["Hello, world!\n", "ünïcödé — 日本語 🎉\r\nsecond line", "", "   \n\t",
+        "a document that says <|endoftext|> in the middle", "x"] + \
+       [f"document {i}: " + "lorem ipsum " * i for i in range(20)]
+NON_EMPTY = [d for d in DOCS if d.strip()]
+OUTPUTS = ("train.bin", "val.bin", data.META_NAME)
+
+
+def write_jsonl(path, docs, column="text"):
+    path.write_text("".join(json.dumps({column: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+
+
+def write_parquet(path, docs, column="text"):
+    pq.write_table(pa.table({column: docs, "id": list(range(len(docs)))}), path)
+
+
+def decoded(out_dir, tok):
+    """{split: [document, ...]} decoded from the token files, checking meta.json on the way."""
+    meta = json.loads((out_dir / data.META_NAME).read_text())
+    assert meta["format_version"] == data.FORMAT_VERSION
+    assert meta["dtype"] == data.token_dtype(tok.vocab_size).name
+    assert (meta["vocab_size"], meta["eot_token"], meta["tokenizer"]) == \
+        (tok.vocab_size, tok.eot, tok.name)
+    docs = {}
+    for split in data.SPLITS:
+        path = out_dir / f"{split}.bin"
+        tokens = np.fromfile(path, dtype=meta["dtype"])
+        info = meta["splits"][split]
+        assert tokens[-1] == tok.eot  # every document ends with end-of-text
+        ends = np.flatnonzero(tokens == tok.eot)
+        assert info == {"tokens": len(tokens), "documents": len(ends),
+                        "max_token_id": int(tokens.max()),
+                        "fingerprint": data.sampled_fingerprint(path)}
+        data.open_split(str(out_dir), split, block_size=1)  # what training will check
+        starts = np.concatenate([[0], ends[:-1] + 1])
+        docs[split] = [tok.decode(tokens[a:b].tolist()) for a, b in zip(starts, ends)]
+    assert not glob.glob(str(out_dir / "*.tmp"))
+    return docs
+
+
+@pytest.mark.parametrize("tokenizer", ["r50k_base", "byte"])
+def test_round_trip(tokenizer, env, tmp_path, monkeypatch):
+    # r50k_base is gpt2's vocabulary under the name the shared offline cache file provides
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", env["TIKTOKEN_CACHE_DIR"])
+    tok = get_tokenizer(tokenizer)
+    write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    p = python("prepare.py", "--dataset", tmp_path / "docs.jsonl", "--tokenizer", tokenizer,
+               "--out_dir", tmp_path / "out", "--val_docs=4", "--seed=7", "--num_proc=2",
+               env=env)
+    assert "tokens/s" in p.stdout
+    docs = decoded(tmp_path / "out", tok)
+    assert Counter(docs["train"] + docs["val"]) == Counter(NON_EMPTY)
+    # the documented rule: non-empty document d is in val iff permute(d, n, key(seed)) < n_val
+    in_val = data.permute(np.arange(len(NON_EMPTY)), len(NON_EMPTY), data._key(7)) < 4
+    assert docs["val"] == [d for d, v in zip(NON_EMPTY, in_val) if v]
+    assert docs["train"] == [d for d, v in zip(NON_EMPTY, in_val) if not v]
+    meta = json.loads((tmp_path / "out" / data.META_NAME).read_text())
+    assert meta["skipped_empty_documents"] == 2 and meta["seed"] == 7
+
+
+def txt_glob(d):
+    for i, doc in enumerate(DOCS):
+        (d / f"{i:02d}.txt").write_text(doc, newline="")
+    (d / "notes.md").write_text("not part of the corpus")
+    return [f"{d}/*.txt"], "corpus"
+
+
+def jsonl(d):
+    write_jsonl(d / "web.jsonl", DOCS)
+    return [d / "web.jsonl"], "web"
+
+
+def json_list(d):
+    (d / "books.json").write_text(json.dumps([{"body": doc} for doc in DOCS]))
+    return [d / "books.json", "--text_column=body"], "books"
+
+
+def parquet(d):
+    write_parquet(d / "shard.parquet", DOCS, column="content")
+    return [d / "shard.parquet", "--text_column=content"], "shard"
+
+
+def folder(d):
+    (d / "a" / "b").mkdir(parents=True)
+    (d / "a" / "0.txt").write_text(DOCS[0])
+    write_jsonl(d / "a" / "b" / "1.jsonl", DOCS[1:8])
+    write_parquet(d / "a" / "2.parquet", DOCS[8:16])
+    (d / "a" / "b" / "3.json").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                  for t in DOCS[16:]))  # JSON lines
+    return [d / "a"], "a"
+
+
+@pytest.mark.parametrize("source", [txt_glob, jsonl, json_list, parquet, folder])
+def test_source_kinds(source, env, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    args, name = source(corpus)
+    # no --out_dir: the default is data/<name> under the working directory
+    python("prepare.py", "--dataset", *args, "--tokenizer=byte", "--val_docs=3", "--num_proc=2",
+           env=env, cwd=tmp_path)
+    docs = decoded(tmp_path / "data" / name, get_tokenizer("byte"))
+    assert Counter(docs["train"] + docs["val"]) == Counter(NON_EMPTY) and len(docs["val"]) == 3
+
+
+def test_pystdlib(env, tmp_path):
+    """The README quick start's corpus: this Python's own standard library, no network."""
+    python("prepare.py", "--dataset=pystdlib", "--tokenizer=byte", "--val_docs=20",
+           "--num_proc=2", env=env, cwd=tmp_path)
+    out = tmp_path / "data" / "pystdlib"
+    meta = json.loads((out / data.META_NAME).read_text())
+    root = sysconfig.get_paths()["stdlib"]
+    files = [p for p in glob.glob(f"{root}/**/*.py", recursive=True)
+             if "site-packages" not in os.path.relpath(p, root)]
+    n = meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"]
+    assert n + meta["skipped_empty_documents"] + meta["skipped_undecodable_files"] == len(files)
+    assert meta["splits"]["val"]["documents"] == 20
+    assert meta["splits"]["train"]["tokens"] > 10_000_000
+    for split in data.SPLITS:
+        assert meta["splits"][split]["fingerprint"] == data.sampled_fingerprint(
+            out / f"{split}.bin")
+    assert not glob.glob(str(out / "*.tmp"))
+
+
+def test_same_seed_same_bytes(env, tmp_path):
+    write_jsonl(tmp_path / "docs.jsonl", DOCS * 3)
+    for out in ("one", "two"):
+        python("prepare.py", "--dataset", tmp_path / "docs.jsonl", "--tokenizer=byte",
+               "--out_dir", tmp_path / out, "--val_fraction=0.1", "--num_proc=2", env=env)
+    for name in OUTPUTS:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+    meta = json.loads((tmp_path / "one" / data.META_NAME).read_text())
+    assert meta["splits"]["val"]["documents"] == round(len(NON_EMPTY) * 3 * 0.1)
+
+
+def bad_input(tmp_path, env):
+    """(arguments, what the message must name) for each kind of bad input."""
+    write_jsonl(tmp_path / "body.jsonl", DOCS, column="body")
+    write_parquet(tmp_path / "body.parquet", DOCS, column="body")
+    write_jsonl(tmp_path / "blank.jsonl", ["", " \n ", "\t"])
+    write_jsonl(tmp_path / "three.jsonl", ["a", "b", "c"])
+    (tmp_path / "latin1.txt").write_bytes("café crème".encode("latin-1"))
+    (tmp_path / "latin1.jsonl").write_bytes('{"text": "café"}\n'.encode("latin-1"))
+    (tmp_path / "a_file").write_text("x")
+    empty_cache = tmp_path / "empty_cache"
+    empty_cache.mkdir()
+    env["TIKTOKEN_CACHE_DIR"] = str(empty_cache)  # nothing cached, and no network
+    jsonl_ = str(tmp_path / "three.jsonl")
+    return {
+        "no such file": (["--dataset", tmp_path / "missing.jsonl"], "missing.jsonl"),
+        "no glob match": (["--dataset", f"{tmp_path}/*.parquet.gz"], "*.parquet.gz"),
+        "not on the hub": (["--dataset=nobody-xyz/no-such-corpus"], "network"),
+        "no text field": (["--dataset", tmp_path / "body.jsonl"], "'body'"),
+        "no text column": (["--dataset", tmp_path / "body.parquet"], "body (string), id (int64)"),
+        "empty corpus": (["--dataset", tmp_path / "blank.jsonl"], "no non-empty documents"),
+        "val takes all": (["--dataset", jsonl_, "--val_docs=3"], "no training"),
+        "unwritable out_dir": (["--dataset", jsonl_, "--out_dir", tmp_path / "a_file" / "out"],
+                               "a_file"),
+        "not utf-8 txt": (["--dataset", tmp_path / "latin1.txt"], "latin1.txt"),
+        "not utf-8 jsonl": (["--dataset", tmp_path / "latin1.jsonl"], "latin1.jsonl"),
+        "unknown tokenizer": (["--dataset", jsonl_, "--tokenizer=nope"], "'nope'"),
+        "vocab offline": (["--dataset", jsonl_, "--tokenizer=cl100k_base"], "TIKTOKEN_CACHE_DIR"),
+    }
+
+
+@pytest.mark.parametrize("case", ["no such file", "no glob match", "not on the hub",
+                                  "no text field", "no text column", "empty corpus",
+                                  "val takes all", "unwritable out_dir", "not utf-8 txt",
+                                  "not utf-8 jsonl", "unknown tokenizer", "vocab offline"])
+def test_bad_input(case, env, tmp_path):
+    args, named = bad_input(tmp_path, env)[case]
+    tokenizer = [] if any(str(a).startswith("--tokenizer") for a in args) else ["--tokenizer=byte"]
+    p = python("prepare.py", *args, *tokenizer, "--num_proc=1", env=env, cwd=tmp_path,
+               check=False)
+    assert p.returncode == 1, p.stderr
+    assert "Traceback" not in p.stderr
+    message = p.stderr.strip().splitlines()[-1]
+    assert message.startswith("prepare.py: error: ") and named in message, message
+    left = [f for f in glob.glob(f"{tmp_path}/**/*", recursive=True)
+            if f.endswith(OUTPUTS + (".tmp",))]
+    assert not left
