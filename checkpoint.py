@@ -9,6 +9,7 @@ import errno
 import glob
 import os
 import re
+import shutil
 
 import torch
 
@@ -37,17 +38,21 @@ def save(out_dir, state, keep):
     """Write state as the checkpoint of state['iter_num'] and keep the newest `keep`."""
     path = path_for(out_dir, state["iter_num"])
     tmp = path + ".tmp"
+    for stale in glob.glob(os.path.join(out_dir, "ckpt_*.pt.tmp")):  # from a killed writer
+        os.remove(stale)
     try:
         torch.save(state, tmp)
         publish(tmp, path)
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # torch.save reports a short write as RuntimeError
+        free = shutil.disk_usage(out_dir).free
         if os.path.exists(tmp):
             os.remove(tmp)
-        room = " (the disk is full)" if e.errno == errno.ENOSPC else ""
+        full = getattr(e, "errno", None) == errno.ENOSPC or free < 64 * 2**20
+        why = f"the disk is full ({free / 2**20:.1f} MiB free)" if full else str(e).strip()
         raise CheckpointError(
-            f"could not write checkpoint {path}{room}: {e.strerror or e}. The previous "
-            f"checkpoints in {out_dir} are intact; free space or set out_dir elsewhere, then "
-            f"resume with --init_from=resume.") from e
+            f"could not write checkpoint {path}: {why}. The previous checkpoints in "
+            f"{out_dir} are intact; free space or set out_dir elsewhere, then resume with "
+            f"--init_from=resume.") from e
     for old in list_checkpoints(out_dir)[keep:]:
         if _NAME.search(old):
             os.remove(old)

@@ -59,11 +59,14 @@ def _read_config_file(path):
 
 def _parse_value(raw, typ):
     try:
-        return ast.literal_eval(raw)
+        value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
-        if typ is str:  # --out_dir=out-small needs no quotes
-            return raw
-        raise ConfigError(f"cannot read the value {raw!r}") from None
+        value = None
+    if typ is str and not isinstance(value, str):  # --out_dir=out-2 and --start=42 are text
+        return raw
+    if value is None:
+        raise ConfigError(f"cannot read the value {raw!r}")
+    return value
 
 
 def parse(config_cls, argv):

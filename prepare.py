@@ -131,9 +131,9 @@ def stdlib_files(root):
 
 
 def local_files(dataset):
-    if os.path.isfile(dataset) and not dataset.endswith(EXTENSIONS):
-        raise PrepareError(f"{dataset} is not a file type prepare.py reads "
-                           f"({', '.join(EXTENSIONS)}): convert or rename it.")
+    if not (os.path.exists(dataset) or glob.has_magic(dataset)):
+        raise PrepareError(f"--dataset={dataset!r} does not exist: check the path (relative "
+                           f"paths start at {os.getcwd()}).")
     pattern = os.path.join(dataset, "**", "*") if os.path.isdir(dataset) else dataset
     files = [p for p in sorted(glob.glob(pattern, recursive=True))
              if os.path.isfile(p) and p.endswith(EXTENSIONS)]
@@ -154,20 +154,28 @@ def local_name(dataset):
 
 def hub_dataset(name, column):
     import datasets  # slow to import, and only needed here
-    try:
-        # datasets>=4 runs no dataset scripts, but the hub's parquet conversion of a scripted
-        # dataset (OpenWebText is one) loads; datasets that are parquet already have none
-        ds = datasets.load_dataset(name, split="train", revision="refs/convert/parquet")
-    except Exception:
+    # datasets>=4 runs no dataset scripts, but the hub's parquet export of a scripted dataset
+    # (OpenWebText is one) loads; datasets that are parquet already have no export
+    errors = []
+    for revision in ("refs/convert/parquet", None):
         try:
-            ds = datasets.load_dataset(name, split="train")
+            builder = datasets.load_dataset_builder(name, revision=revision)
+            builder.download_and_prepare()
+            ds = builder.as_dataset(split="train")
+            break
         except Exception as e:
-            raise PrepareError(
-                f"--dataset={name!r} is not a file, folder or glob match here, and the datasets "
-                f"library could not load it from the Hugging Face hub ({type(e).__name__}: {e}). "
-                f"Hub datasets need network access the first time (then they are cached): "
-                f"check the name and the network, or pass a local {'/'.join(EXTENSIONS)} file, "
-                f"folder or glob, or --dataset=pystdlib, which needs no network.") from e
+            errors.append(f"{revision or 'default branch'}: {type(e).__name__}: {e}")
+    else:
+        raise PrepareError(
+            f"--dataset={name!r} is not a file, folder or glob match here, and the datasets "
+            f"library could not load it from the Hugging Face hub ({'; '.join(errors)}). Hub "
+            f"datasets need network access the first time (then they are cached): check the "
+            f"name and the network, or pass a local {'/'.join(EXTENSIONS)} file, folder or "
+            f"glob, or --dataset=pystdlib, which needs no network.")
+    if any("partial-" in f for f in (builder.config.data_files or {}).get("train", [])):
+        print(f"prepare.py: warning: the hub's parquet export of {name} holds only the start of "
+              f"its train split (exports stop at about 5 GB). For all of it, save the dataset as "
+              f"parquet with datasets<4 and pass that folder as --dataset.", file=sys.stderr)
     check_arrow_column(ds.data.schema, column, f"hub dataset {name!r}")
     # the Arrow table is memory-mapped: reading it in slices never holds all the text
     return ds.select_columns([column]).with_format("arrow")
@@ -181,7 +189,7 @@ def open_source(dataset, column):
         return "pystdlib", f"{len(files)} .py files of {root}", lambda: map(python_source, files)
     if os.path.exists(dataset) or glob.has_magic(dataset) or dataset.endswith(EXTENSIONS):
         files = local_files(dataset)
-        return local_name(dataset), f"{len(files)} files from {dataset}", \
+        return local_name(dataset), f"{dataset}, {len(files)} file(s)", \
             lambda: (doc for path in files for doc in file_documents(path, column))
     ds = hub_dataset(dataset, column)
     return dataset.split("/")[-1], f"hub dataset {dataset} ({len(ds):,} rows)", \
@@ -228,7 +236,8 @@ def chunks(texts, n_docs, n_val, key):
         size += len(text)
         if size >= CHUNK_CHARS:
             yield batch, in_val(first, len(batch), n_docs, n_val, key)
-            batch, size, first = [], 0, first + len(batch)
+            first += len(batch)
+            batch, size = [], 0
     if batch:
         yield batch, in_val(first, len(batch), n_docs, n_val, key)
 
@@ -278,11 +287,10 @@ def write_tokens(files, texts, n_docs, n_val, args):
             for split, (ids, n) in zip(data.SPLITS, result):
                 ids.tofile(files[split])
                 s = stats[split]
-                s["tokens"], s["documents"] = s["tokens"] + len(ids), s["documents"] + n
+                s["tokens"] += len(ids)
+                s["documents"] += n
                 s["max_token_id"] = max(s["max_token_id"], int(ids.max(initial=0)))
                 bar.update(n)
-    if sum(s["documents"] for s in stats.values()) != n_docs:
-        raise PrepareError("the corpus changed while it was being read: run prepare.py again.")
     return stats
 
 
@@ -297,7 +305,7 @@ def open_outputs(out_dir):
                            f"that you can create and write files in.") from e
 
 
-def publish(out_dir, files, meta):
+def publish_outputs(out_dir, files, meta):
     # meta.json vouches for the .bin files, so the old one goes before they change
     if os.path.exists(os.path.join(out_dir, data.META_NAME)):
         os.remove(os.path.join(out_dir, data.META_NAME))
@@ -322,7 +330,7 @@ def prepare(args):
             f.close()
         for s in data.SPLITS:
             stats[s]["fingerprint"] = data.sampled_fingerprint(files[s].name)
-        publish(out_dir, files, {
+        publish_outputs(out_dir, files, {
             "format_version": data.FORMAT_VERSION,
             "dtype": data.token_dtype(tokenizer.vocab_size).name,
             "vocab_size": tokenizer.vocab_size, "tokenizer": args.tokenizer,
@@ -344,7 +352,8 @@ def prepare(args):
 
 def parse_args():
     p = argparse.ArgumentParser(
-        description="Tokenize a corpus into train.bin, val.bin and meta.json (format: data.py).")
+        description="Tokenize a corpus into train.bin, val.bin and meta.json (format: data.py): "
+                    "each non-empty document followed by end-of-text; empty ones are skipped.")
     p.add_argument("--dataset", default="openwebtext", help=(
         "a Hugging Face hub dataset (its train split; needs network the first time), or local "
         "files: a .txt file (one document), .jsonl (an object per line), .json (a list of "
@@ -359,8 +368,8 @@ def parse_args():
                    help="a tiktoken encoding, or 'byte' (default: %(default)s)")
     val = p.add_mutually_exclusive_group()
     val.add_argument("--val_fraction", type=float, default=0.0005,
-                     help="fraction of the documents for validation, at least one "
-                          "(default: %(default)s)")
+                     help="fraction of the documents for validation, rounded, at least "
+                          "one document (default: %(default)s)")
     val.add_argument("--val_docs", type=int, help="number of documents for validation")
     p.add_argument("--seed", type=int, default=2357,
                    help="chooses the validation documents (default: %(default)s)")

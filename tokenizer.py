@@ -30,11 +30,16 @@ def _byte_tokenizer():
     return Tokenizer("byte", 257, 256, encode, decode)
 
 
+# tiktoken's 'gpt2' reads two files (vocab.bpe, encoder.json) that hold the same ranks, pattern
+# and special tokens as the single r50k_base file: load that one, so one cached file serves both
+_SAME_AS = {"gpt2": "r50k_base"}
+
+
 def _tiktoken_tokenizer(name):
     import tiktoken
 
     try:
-        enc = tiktoken.get_encoding(name)
+        enc = tiktoken.get_encoding(_SAME_AS.get(name, name))
     except ValueError as e:
         raise TokenizerError(
             f"unknown tokenizer {name!r}: use 'byte' or a tiktoken encoding "

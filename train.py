@@ -115,7 +115,12 @@ def distributed_env():
                 raise RunError(
                     f"{key} is not set: with one srun task per GPU, train.py needs MASTER_ADDR "
                     f"and MASTER_PORT; launch through launch/srun.sh, which sets them.")
-        return int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]), int(env["SLURM_NTASKS"])
+        rank, local_rank, world_size = (int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]),
+                                        int(env["SLURM_NTASKS"]))
+        # init_process_group's env:// rendezvous reads RANK and WORLD_SIZE: set them as
+        # torchrun would (srun sets only the SLURM_* variables)
+        env.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size))
+        return rank, local_rank, world_size
     return 0, 0, 1
 
 
@@ -373,8 +378,11 @@ def train(cfg, rank, world_size, master, log, device, device_type):
             record({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]})
             improved = losses["val"] < best_val
             best_val = min(best_val, losses["val"])
-            if master and iter_num > start_iter and (improved or cfg.always_save_checkpoint
-                                                     or iter_num >= cfg.max_iters):
+            if not all(map(math.isfinite, losses.values())):
+                log(f"warning: non-finite evaluation loss at iter {iter_num}: no checkpoint "
+                    f"written, the previous ones are kept")
+            elif master and iter_num > start_iter and (
+                    improved or cfg.always_save_checkpoint or iter_num >= cfg.max_iters):
                 save()
             t_last = time.perf_counter()
         if cfg.eval_only or iter_num >= cfg.max_iters:
@@ -452,7 +460,8 @@ def run_cli(argv):
         return main(argv)
     except (configurator.ConfigError, RunError, data.DataError,
             checkpoint.CheckpointError) as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
+        where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
+        print(f"train.py: error{where}: {e}", file=sys.stderr)
         return 1
 
 

@@ -3,8 +3,12 @@ to the documents, meta.json must describe them, and bad input must fail with one
 import glob
 import json
 import os
+import signal
+import subprocess
 import sys
 import sysconfig
+import time
+import tokenize
 from collections import Counter
 
 import numpy as np
@@ -57,9 +61,8 @@ def decoded(out_dir, tok):
     return docs
 
 
-@pytest.mark.parametrize("tokenizer", ["r50k_base", "byte"])
+@pytest.mark.parametrize("tokenizer", ["gpt2", "byte"])
 def test_round_trip(tokenizer, env, tmp_path, monkeypatch):
-    # r50k_base is gpt2's vocabulary under the name the shared offline cache file provides
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", env["TIKTOKEN_CACHE_DIR"])
     tok = get_tokenizer(tokenizer)
     write_jsonl(tmp_path / "docs.jsonl", DOCS)
@@ -122,21 +125,34 @@ def test_source_kinds(source, env, tmp_path):
 
 
 def test_pystdlib(env, tmp_path):
-    """The README quick start's corpus: this Python's own standard library, no network."""
-    python("prepare.py", "--dataset=pystdlib", "--tokenizer=byte", "--val_docs=20",
+    """The README quick start's command: this Python's own standard library, no network."""
+    python("prepare.py", "--dataset=pystdlib", "--tokenizer=byte", "--val_fraction=0.02",
            "--num_proc=2", env=env, cwd=tmp_path)
     out = tmp_path / "data" / "pystdlib"
     meta = json.loads((out / data.META_NAME).read_text())
     root = sysconfig.get_paths()["stdlib"]
     files = [p for p in glob.glob(f"{root}/**/*.py", recursive=True)
-             if "site-packages" not in os.path.relpath(p, root)]
-    n = meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"]
-    assert n + meta["skipped_empty_documents"] + meta["skipped_undecodable_files"] == len(files)
-    assert meta["splits"]["val"]["documents"] == 20
+             if not {"site-packages", "dist-packages"} & set(os.path.relpath(p, root).split("/"))]
+    train, val = (meta["splits"][s]["documents"] for s in data.SPLITS)
+    skipped = meta["skipped_empty_documents"] + meta["skipped_undecodable_files"]
+    assert train + val + skipped == len(files) and val == round((train + val) * 0.02)
     assert meta["splits"]["train"]["tokens"] > 10_000_000
     for split in data.SPLITS:
+        data.open_split(str(out), split, block_size=128)  # config/quickstart.py's block_size
         assert meta["splits"][split]["fingerprint"] == data.sampled_fingerprint(
             out / f"{split}.bin")
+    # each validation document is a whole source file, as Python decodes it (coding cookies)
+    sources = set()
+    for path in files:
+        try:
+            with tokenize.open(path) as f:
+                sources.add(f.read())
+        except (SyntaxError, UnicodeDecodeError):
+            pass
+    tokens = np.fromfile(out / "val.bin", dtype=np.uint16)
+    ends = np.flatnonzero(tokens == 256)
+    for a, b in zip(np.concatenate([[0], ends[:-1] + 1]), ends):
+        assert tokens[a:b].astype(np.uint8).tobytes().decode() in sources
     assert not glob.glob(str(out / "*.tmp"))
 
 
@@ -149,6 +165,23 @@ def test_same_seed_same_bytes(env, tmp_path):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
     meta = json.loads((tmp_path / "one" / data.META_NAME).read_text())
     assert meta["splits"]["val"]["documents"] == round(len(NON_EMPTY) * 3 * 0.1)
+
+
+def test_interrupted_run_publishes_nothing(env, tmp_path):
+    """Ctrl-C while tokenizing: the .tmp files go, and no final-named file appears."""
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "prepare.py"), "--dataset=pystdlib",
+                          "--tokenizer=byte", "--num_proc=1", "--out_dir", out], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (out / "train.bin.tmp").exists() or (out / "train.bin.tmp").stat().st_size == 0:
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    _, stderr = p.communicate(timeout=60)
+    assert p.returncode == 1 and "Traceback" not in stderr, stderr
+    assert "interrupted" in stderr.strip().splitlines()[-1]
+    assert os.listdir(out) == []
 
 
 def bad_input(tmp_path, env):

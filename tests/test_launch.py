@@ -1,0 +1,300 @@
+"""launch/ on a real SLURM: ../shared/slurm/up.sh starts a private munged, slurmctld and two
+slurmd posing as nodes n1 and n2 (8 fake GPUs each) on this host, for this module only, and
+down.sh stops exactly those. The jobs are the real launch/slurm.sbatch with 2 nodes x 2 ranks
+(NPROC_PER_NODE=2, gloo, a tiny model on the CPU): training to the end, a USR1 that stops,
+requeues and resumes the job on the same batches, a SIGTERM, a failing rank, and one srun
+task per rank."""
+import json
+import os
+import random
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+
+import pytest
+
+from conftest import ROOT, python, run
+
+SLURM_SCRIPTS = os.path.join(ROOT, "..", "shared", "slurm")
+TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
+        "--eval_iters=4", "--device=cpu", "--backend=gloo", "--gradient_accumulation_steps=4",
+        "--learning_rate=3e-3", "--warmup_iters=2", "--lr_decay_iters=300", "--min_lr=3e-4"]
+MAX_ITERS = 300  # a few seconds on 4 CPU ranks: long enough for a signal to land mid-run
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+                "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"}
+
+
+def _free(port):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _cluster_ports():
+    """slurmctld's port and the first of two slurmd ports, free now, below launch/srun.sh's
+    rendezvous ports (20000-28999) and below the ephemeral range."""
+    for _ in range(100):
+        ctld = random.randrange(17000, 19900, 10)
+        if all(_free(p) for p in (ctld, ctld + 4, ctld + 5)):
+            return ctld, ctld + 4
+    raise RuntimeError("no free ports for the test cluster")
+
+
+@pytest.fixture(scope="module")
+def slurm(tiktoken_cache):
+    """A SLURM cluster of two nodes, n1 and n2, for this module; yields the environment that
+    submits to it: a user's shell with SLURM_CONF, python with torch first on PATH."""
+    if os.geteuid() != 0:
+        pytest.skip("the test SLURM cluster (../shared/slurm/up.sh) must be started as root")
+    up = os.path.join(SLURM_SCRIPTS, "up.sh")
+    if not os.path.exists(up):
+        pytest.fail(f"{up} is missing: the tests need ../shared beside the checkout")
+    base = tempfile.mkdtemp(prefix="ddpgpt_slurm_", dir="/tmp")  # up.sh: /two/levels deep
+    os.chmod(base, 0o755)  # munged runs as the munge user and must reach its folder in it
+    ctld, slurmd0 = _cluster_ports()
+    cluster = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    cluster.update(BASE=base, NODES="2", CPUS_PER_NODE="8", GPUS_PER_NODE="8",
+                   CTLD_PORT=str(ctld), SLURMD_PORT0=str(slurmd0))
+    try:
+        p = subprocess.run(["bash", up], env=cluster, capture_output=True, text=True,
+                           timeout=1200)  # the first run installs slurm-wlm and munge
+        if p.returncode != 0:
+            logs = ""
+            for name in sorted(os.listdir(os.path.join(base, "log"))) \
+                    if os.path.isdir(os.path.join(base, "log")) else []:
+                with open(os.path.join(base, "log", name), errors="replace") as f:
+                    logs += f"--- {name}\n{f.read()[-2000:]}\n"
+            pytest.fail(f"up.sh exited {p.returncode}\n{p.stdout}\n{p.stderr}\n{logs}")
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("SLURM") and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+        env.update(SLURM_CONF=os.path.join(base, "etc", "slurm.conf"),
+                   PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
+                   PYTHON=sys.executable, NPROC_PER_NODE="2", TIKTOKEN_CACHE_DIR=tiktoken_cache,
+                   OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="offline",
+                   PYTHONPATH=ROOT)
+        yield env
+    finally:
+        subprocess.run(["bash", os.path.join(SLURM_SCRIPTS, "down.sh")], env=cluster,
+                       capture_output=True, text=True, timeout=300)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, tiktoken_cache):
+    """A few standard-library modules as text files, prepared with the byte tokenizer."""
+    root = tmp_path_factory.mktemp("corpus")
+    docs = root / "docs"
+    docs.mkdir()
+    stdlib = sysconfig.get_paths()["stdlib"]
+    for name in ("os", "argparse", "json/decoder", "shutil", "textwrap"):
+        with open(os.path.join(stdlib, f"{name}.py"), encoding="utf-8") as f:
+            (docs / f"{name.replace('/', '_')}.txt").write_text(f.read())
+    env = dict(os.environ, TIKTOKEN_CACHE_DIR=tiktoken_cache)
+    python("prepare.py", f"--dataset={docs}", "--tokenizer=byte", "--val_docs=1",
+           f"--out_dir={root / 'data'}", "--num_proc=1", env=env)
+    return str(root / "data")
+
+
+# ---- helpers ----
+
+def sbatch(env, log, *train_args, nodes=2, **extra_env):
+    """Submit launch/slurm.sbatch from the repository root, as a user does; the job id."""
+    p = run(["sbatch", "--parsable", f"--nodes={nodes}", f"--output={log}",
+             "launch/slurm.sbatch", *map(str, train_args)], dict(env, **extra_env))
+    return p.stdout.strip().split(";")[0]
+
+
+def job(env, job_id):
+    """JobState, Restarts and ExitCode of a job, from scontrol."""
+    out = run(["scontrol", "show", "job", "-o", job_id], env).stdout
+    return {k: re.search(rf"\b{k}=(\S+)", out).group(1)
+            for k in ("JobState", "Restarts", "ExitCode")}
+
+
+def read(path):
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def wait_for(env, job_id, log, until, timeout=240, what="the job"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = job(env, job_id)
+        if until(info):
+            return info
+        time.sleep(0.3)
+    run(["scancel", job_id], env, check=False)
+    raise AssertionError(f"{what} did not happen in {timeout} s: {job(env, job_id)}\n"
+                         f"--- {log}\n{read(log) if os.path.exists(log) else ''}")
+
+
+def wait_done(env, job_id, log, timeout=240):
+    return wait_for(env, job_id, log, lambda i: i["JobState"] in FINAL_STATES, timeout,
+                    "the end of the job")
+
+
+def steps(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return {r["iter"]: r for r in rows if "loss" in r}, [r for r in rows if "val_loss" in r]
+
+
+def checkpoints(out_dir):
+    return sorted(f for f in os.listdir(out_dir) if f.startswith("ckpt_"))
+
+
+def start_requeued_now(env, job_id, log):
+    """SLURM holds a requeued job for about two minutes (BeginTime). Once both nodes are idle
+    and the old job's credential is at least a second old, start it at once."""
+    wait_for(env, job_id, log, lambda i: i["JobState"] == "PENDING" and i["Restarts"] == "1",
+             what="the requeue")
+    deadline = time.monotonic() + 60
+    while set(run(["sinfo", "-h", "-N", "-o", "%T"], env).stdout.split()) != {"idle"}:
+        assert time.monotonic() < deadline, run(["sinfo", "-N"], env).stdout
+        time.sleep(0.3)
+    time.sleep(2)
+    run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env)
+
+
+# ---- the tests ----
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm, corpus, tmp_path_factory):
+    """One job of 2 nodes x 2 ranks from start to max_iters: (job id, log, out_dir)."""
+    d = tmp_path_factory.mktemp("uninterrupted")
+    log, out = str(d / "job.log"), str(d / "out")
+    job_id = sbatch(slurm, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
+                    f"--max_iters={MAX_ITERS}", f"--eval_interval={MAX_ITERS}",
+                    "--log_interval=100")
+    info = wait_done(slurm, job_id, log)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, read(log))
+    return job_id, log, out
+
+
+def test_two_nodes_of_two_ranks_train_to_the_end(uninterrupted):
+    job_id, log, out = uninterrupted
+    text = read(log)
+    assert "world size 4," in text, text
+    assert "2 node(s) x 2 rank(s), torchrun" in text
+    # the rendezvous port: from the job id, below the ephemeral ports
+    port = int(re.search(r"rendezvous n1:(\d+)", text).group(1))
+    assert port == 20000 + int(job_id) % 9000 and port < 32768
+    assert "resuming" not in text and "init_from = 'auto'" in text
+    assert text.count("saved ") == 1 and f"ckpt_{MAX_ITERS:07d}.pt" in text
+    assert checkpoints(out) == [f"ckpt_{MAX_ITERS:07d}.pt"]
+    rows, evals = steps(out)
+    assert sorted(rows) == list(range(MAX_ITERS))
+    assert [e["iter"] for e in evals] == [0, MAX_ITERS]
+    assert "slurm.sbatch: done, exit code 0" in text
+
+
+def test_usr1_saves_requeues_and_resumes_on_the_same_batches(slurm, corpus, uninterrupted,
+                                                             tmp_path):
+    log, out = str(tmp_path / "job.log"), str(tmp_path / "out")
+    job_id = sbatch(slurm, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
+                    f"--max_iters={MAX_ITERS}", f"--eval_interval={MAX_ITERS}",
+                    "--log_interval=100")
+    metrics = os.path.join(out, "metrics.jsonl")
+    deadline = time.monotonic() + 120
+    while not (os.path.exists(metrics) and len(steps(out)[0]) >= 3):
+        assert time.monotonic() < deadline and job(slurm, job_id)["JobState"] in (
+            "PENDING", "CONFIGURING", "RUNNING"), read(log) if os.path.exists(log) else ""
+        time.sleep(0.1)
+    # what SLURM does at --signal=B:USR1@<seconds> before the time limit
+    run(["scancel", "--signal=USR1", "--batch", job_id], slurm)
+    start_requeued_now(slurm, job_id, log)
+    info = wait_done(slurm, job_id, log)
+    text = read(log)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, text)
+
+    stopped = int(re.search(r"stopping at iter (\d+): signal received", text).group(1))
+    assert 3 <= stopped < MAX_ITERS, text
+    first, second = text.split("requeueing job")
+    assert f"saved {out}/ckpt_{stopped:07d}.pt" in first
+    assert "restart 1," in second and "(restart 1)" in second  # SLURM_RESTART_COUNT
+    assert f"resuming from {out}/ckpt_{stopped:07d}.pt (iter {stopped})" in second
+    assert checkpoints(out) == [f"ckpt_{stopped:07d}.pt", f"ckpt_{MAX_ITERS:07d}.pt"]
+
+    # the same global batches, iteration by iteration, as the uninterrupted job
+    rows, evals = steps(out)
+    whole, whole_evals = steps(uninterrupted[2])
+    assert sorted(rows) == sorted(whole) == list(range(MAX_ITERS))
+    assert [rows[i]["batch_fp"] for i in range(MAX_ITERS)] == \
+        [whole[i]["batch_fp"] for i in range(MAX_ITERS)]
+    # and the same training, up to the last bits: with 4 ranks, gloo may add up the gradients
+    # in another order after a resume (DDP's gradient buckets start anew), so the losses agree
+    # to float32 rounding, not to the bit (a 2-rank resume, test_train.py, is bit-exact)
+    for i in range(MAX_ITERS):
+        assert rows[i]["loss"] == pytest.approx(whole[i]["loss"], rel=1e-4), i
+    assert evals[-1]["iter"] == whole_evals[-1]["iter"] == MAX_ITERS
+    assert evals[-1]["val_loss"] == pytest.approx(whole_evals[-1]["val_loss"], rel=1e-4)
+
+
+def test_sigterm_saves_at_one_step_and_a_cancelled_job_stays_cancelled(slurm, corpus,
+                                                                      tmp_path):
+    log, out = str(tmp_path / "job.log"), str(tmp_path / "out")
+    job_id = sbatch(slurm, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
+                    f"--max_iters={MAX_ITERS}", f"--eval_interval={MAX_ITERS}")
+    metrics = os.path.join(out, "metrics.jsonl")
+    deadline = time.monotonic() + 120
+    while not (os.path.exists(metrics) and len(steps(out)[0]) >= 3):
+        assert time.monotonic() < deadline, read(log) if os.path.exists(log) else ""
+        time.sleep(0.1)
+    run(["scancel", job_id], slurm)  # SIGTERM to every process, SIGKILL after KillWait (5 s)
+    info = wait_done(slurm, job_id, log)
+    time.sleep(1)
+    text = read(log)
+    assert info["JobState"] == "CANCELLED" and job(slurm, job_id)["Restarts"] == "0", text
+    stopped = int(re.search(r"stopping at iter (\d+): signal received", text).group(1))
+    assert f"saved {out}/ckpt_{stopped:07d}.pt" in text, text
+    assert checkpoints(out) == [f"ckpt_{stopped:07d}.pt"]
+    assert sorted(steps(out)[0]) == list(range(stopped))
+    assert "requeueing" not in text
+
+
+def test_a_failing_rank_ends_the_job_at_once_with_its_error(slurm, corpus, tmp_path):
+    log, out = str(tmp_path / "job.log"), str(tmp_path / "out")
+    t0 = time.monotonic()
+    # rank 3 (on the second node) fails reading its 5th batch; the collective timeout stays
+    # at 600 s, which the job must not wait for
+    job_id = sbatch(slurm, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
+                    f"--max_iters={MAX_ITERS}", f"--eval_interval={MAX_ITERS}",
+                    "--dist_timeout_s=600",
+                    TRAIN_SCRIPT=os.path.join(ROOT, "tests", "launch_failing_rank.py"),
+                    FAIL_RANK="3", FAIL_AFTER="5")
+    info = wait_done(slurm, job_id, log, timeout=180)
+    elapsed = time.monotonic() - t0
+    text = read(log)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", (info, text)
+    assert elapsed < 120, (elapsed, text)
+    assert "OSError: injected read error on rank 3" in text
+    assert re.search(r"srun: error: n\d: task \d: Exited with exit code 1", text), text
+    assert "requeueing" not in text and not checkpoints(out)
+
+
+def test_one_srun_task_per_rank(slurm, corpus, tmp_path):
+    """LAUNCHER=srun: no torchrun; train.py takes its rank from SLURM_PROCID."""
+    log, out = str(tmp_path / "job.log"), str(tmp_path / "out")
+    job_id = sbatch(slurm, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
+                    "--max_iters=10", "--eval_interval=10", LAUNCHER="srun")
+    info = wait_done(slurm, job_id, log)
+    text = read(log)
+    assert info["JobState"] == "COMPLETED", (info, text)
+    assert "2 node(s) x 2 rank(s), srun" in text and "world size 4," in text
+    assert checkpoints(out) == ["ckpt_0000010.pt"]
+    assert sorted(steps(out)[0]) == list(range(10))
+
+
+def test_srun_sh_outside_an_allocation(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    p = run(["bash", os.path.join(ROOT, "launch", "srun.sh"), "config/owt.py"], env,
+            check=False)
+    assert p.returncode == 2 and "not inside a SLURM allocation" in p.stderr

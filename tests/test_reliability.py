@@ -1,0 +1,224 @@
+"""Faults survived and nothing lost: a killed rank, another world size on resume, killed or
+corrupt checkpoint writes, a full disk, a failing rank, NaN losses."""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+import checkpoint
+import data
+from conftest import ROOT, python, run, torchrun
+from test_train import TINY, corpus, metrics, steps  # noqa: F401  (corpus is a fixture)
+
+
+def compare(env, a, b, *flags):
+    return python("compare_runs.py", a, b, *flags, env=env, check=False)
+
+
+def train_args(corpus, out, *extra):
+    return [f"--data_dir={corpus}", f"--out_dir={out}", *TINY, *extra]
+
+
+def sha(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def wait_for_step(out_dir, step, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, "the run ended before the step it was to be killed at"
+        if os.path.exists(os.path.join(out_dir, "metrics.jsonl")) and any(
+                r.get("iter", -1) >= step for r in metrics(out_dir)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} never came")
+
+
+def test_a_killed_rank_restarts_and_continues_as_if_nothing_happened(env, corpus, tmp_path):
+    args = ["--gradient_accumulation_steps=2", "--max_iters=300", "--eval_interval=50",
+            "--log_interval=100", "--init_from=auto"]
+    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
+    torchrun(2, "train.py", *train_args(corpus, whole, *args), env=env)
+    with open(tmp_path / "log", "w+") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+             "--max-restarts=1", os.path.join(ROOT, "train.py"),
+             *train_args(corpus, killed, *args)],
+            cwd=ROOT, env=dict(env, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), stdout=log,
+            stderr=subprocess.STDOUT)
+        wait_for_step(killed, 120, proc)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "train.py" in " ".join(p.cmdline())]
+        assert len(workers) == 2
+        workers[1].kill()
+        proc.wait(timeout=300)
+        log.seek(0)
+        out = log.read()
+    assert proc.returncode == 0, out
+    assert "resuming from" in out
+    redone = [r["iter"] for r in metrics(killed) if "batch_fp" in r]
+    assert len(redone) > 300, "the restart must have redone the steps after the checkpoint"
+    same = compare(env, whole, killed, "--losses")
+    assert same.returncode == 0 and "over 300 steps" in same.stdout, same.stdout
+
+
+@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
+def test_resume_on_another_world_size_reads_the_same_batches(env, corpus, tmp_path, first, then):
+    args = ["--gradient_accumulation_steps=2", "--eval_interval=4"]
+    whole, resized = str(tmp_path / "whole"), str(tmp_path / "resized")
+    torchrun(2, "train.py", *train_args(corpus, whole, *args, "--max_iters=8"), env=env)
+    torchrun(first, "train.py", *train_args(corpus, resized, *args, "--max_iters=4"), env=env)
+    torchrun(then, "train.py", *train_args(corpus, resized, *args, "--max_iters=8",
+                                           "--init_from=resume"), env=env)
+    same = compare(env, whole, resized)
+    assert same.returncode == 0 and "over 8 steps" in same.stdout, same.stdout
+    a, b = steps(whole), steps(resized)
+    for i in range(8):  # other reduction orders: equal, up to float rounding
+        assert a[i]["loss"] == pytest.approx(b[i]["loss"], rel=1e-4)
+
+
+def test_compare_runs_names_the_first_step_that_differs(env, corpus, tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    python("train.py", *train_args(corpus, a, "--max_iters=4", "--eval_interval=4"), env=env)
+    python("train.py", *train_args(corpus, b, "--max_iters=2", "--eval_interval=2"), env=env)
+    python("train.py", *train_args(corpus, b, "--max_iters=4", "--eval_interval=4",
+                                   "--init_from=resume", "--seed=5"), env=env)
+    diff = compare(env, a, b)
+    assert diff.returncode == 1 and "first difference at iter 2: batch_fp" in diff.stdout
+
+
+def save_big_checkpoint(out_dir, iter_num):
+    """What a checkpoint write looks like to the file system, large enough to be killed in."""
+    checkpoint.save(out_dir, {"model": {"w": torch.ones(300 * 2**20 // 4)}, "model_args": {},
+                              "iter_num": iter_num}, keep=3)
+
+
+def test_a_writer_killed_mid_checkpoint_leaves_the_previous_one_loadable(tmp_path):
+    out = str(tmp_path)
+    save_big_checkpoint(out, 1)
+    before = sha(checkpoint.path_for(out, 1))
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + '/tests');"
+        "from test_reliability import save_big_checkpoint; save_big_checkpoint(sys.argv[2], 2)"),
+        ROOT, out])
+    tmp = checkpoint.path_for(out, 2) + ".tmp"
+    while not (os.path.exists(tmp) and os.path.getsize(tmp) > 2**20):
+        assert writer.poll() is None, "the writer finished before it could be killed"
+        time.sleep(0.01)
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    assert not os.path.exists(checkpoint.path_for(out, 2))
+    state, path = checkpoint.load_latest(out, log=lambda *a: None)
+    assert path == checkpoint.path_for(out, 1) and sha(path) == before
+    save_big_checkpoint(out, 3)  # the next save clears what the killed writer left
+    assert sorted(os.listdir(out)) == ["ckpt_0000001.pt", "ckpt_0000003.pt"]
+
+
+def test_a_truncated_newest_checkpoint_is_reported_and_the_previous_one_used(
+        env, corpus, tmp_path):
+    out = str(tmp_path / "out")
+    python("train.py", *train_args(corpus, out, "--max_iters=4", "--eval_interval=2"), env=env)
+    newest = checkpoint.path_for(out, 4)
+    os.truncate(newest, os.path.getsize(newest) // 2)
+    p = python("train.py", *train_args(corpus, out, "--max_iters=6", "--eval_interval=2",
+                                       "--init_from=resume"), env=env)
+    assert f"{newest} cannot be loaded" in p.stdout
+    assert f"resuming from {checkpoint.path_for(out, 2)} (iter 2)" in p.stdout
+
+
+class RunsCode:
+    """Unpickling this would run a command: a checkpoint must never be loaded that way."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
+    out, marker = str(tmp_path / "out"), tmp_path / "code_ran"
+    os.makedirs(out)
+    checkpoint.save(out, {"model": {}, "model_args": {}, "iter_num": 1}, keep=3)
+    torch.save({"model": {}, "model_args": {}, "iter_num": 2, "x": RunsCode(marker)},
+               checkpoint.path_for(out, 2))
+    messages = []
+    state, path = checkpoint.load_latest(out, log=messages.append)
+    assert path == checkpoint.path_for(out, 1) and state["iter_num"] == 1
+    assert "ckpt_0000002.pt cannot be loaded" in messages[0]
+    assert not marker.exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB file system: room for two checkpoints of the TINY model, not for three."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    yield str(mount)
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_during_a_save_is_a_clear_error_and_keeps_the_previous_checkpoint(
+        env, corpus, small_disk):
+    out = os.path.join(small_disk, "out")
+    os.makedirs(out)
+    p = python("train.py", *train_args(corpus, out, "--max_iters=9", "--eval_interval=3"),
+               env=env, check=False)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "the disk is full" in p.stderr and "Traceback" not in p.stderr
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+    saved = checkpoint.list_checkpoints(out)
+    assert saved, "the first checkpoints fit and must still be there"
+    state, path = checkpoint.load_latest(out, log=print)
+    assert path == saved[0]
+
+
+def test_a_failing_rank_ends_the_whole_run_within_seconds(env, corpus, tmp_path):
+    """Rank 1 meets a corrupt token at step 5, rank 0 does not: both must end promptly."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for split in data.SPLITS:
+        tokens = np.fromfile(os.path.join(corpus, f"{split}.bin"), dtype=np.uint16)
+        if split == "train":
+            g = data.rank_sample_indices(5, 0, 1, 2, 4, 1)
+            offsets = data.sample_offsets(g, len(tokens), 32, 1337, "epoch")
+            tokens[offsets[0] + 3] = 60000
+        tokens.tofile(bad / f"{split}.bin")  # no meta.json: a raw file, read as uint16
+    start = time.time()
+    p = torchrun(2, "train.py", *train_args(corpus, tmp_path / "out"), f"--data_dir={bad}",
+                 "--gradient_accumulation_steps=2", "--max_iters=50", "--eval_interval=50",
+                 "--dist_timeout_s=300", env=env, check=False)
+    elapsed = time.time() - start
+    assert p.returncode != 0
+    assert "train.py: error (rank 1):" in p.stderr and "token id 60000" in p.stderr
+    assert elapsed < 60, f"the run took {elapsed:.0f}s to end: it waited for a timeout"
+
+
+def test_a_nan_loss_stops_without_touching_the_last_good_checkpoint(env, corpus, tmp_path):
+    out = str(tmp_path / "out")
+    python("train.py", *train_args(corpus, out, "--max_iters=3", "--eval_interval=3"), env=env)
+    good = sha(checkpoint.path_for(out, 3))
+    explode = ["--learning_rate=1e9", "--grad_clip=0", "--decay_lr=False", "--max_iters=9",
+               "--eval_interval=3", "--init_from=resume"]
+    p = python("train.py", *train_args(corpus, out, *explode), env=env, check=False)
+    assert p.returncode == 1
+    assert "non-finite loss" in p.stderr and "batch_fp" in p.stderr and "learning_rate" in p.stderr
+    assert checkpoint.list_checkpoints(out) == [checkpoint.path_for(out, 3)]
+    assert sha(checkpoint.path_for(out, 3)) == good
+    p = python("train.py", *train_args(corpus, out, *explode, "--nan_policy=skip"), env=env)
+    assert "step skipped (nan_policy='skip')" in p.stdout
+    assert sha(checkpoint.path_for(out, 3)) == good
+    saved = checkpoint.list_checkpoints(out)
+    for path in saved:
+        state = torch.load(path, weights_only=True)
+        assert all(torch.isfinite(v).all() for v in state["model"].values()), path
