@@ -1,0 +1,20 @@
+"""The README's quick start, as a newcomer runs it, shortened to a few steps."""
+import os
+
+from conftest import python, torchrun
+
+
+def test_quick_start_prepares_trains_and_samples(env, tmp_path):
+    data_dir, out_dir = tmp_path / "data" / "pystdlib", tmp_path / "out-quickstart"
+    python("prepare.py", "--dataset=pystdlib", "--tokenizer=byte", "--val_fraction=0.02",
+           f"--out_dir={data_dir}", env=env)
+    p = torchrun(2, "train.py", "config/quickstart.py", f"--data_dir={data_dir}",
+                 f"--out_dir={out_dir}", "--max_iters=20", "--eval_interval=20",
+                 "--eval_iters=2", "--log_interval=10", env=env)
+    assert "world size 2" in p.stdout and "iter 20: train loss" in p.stdout
+    assert os.path.exists(out_dir / "ckpt_0000020.pt")
+    p = python("sample.py", f"--out_dir={out_dir}", "--start=def ", "--num_samples=2",
+               "--max_new_tokens=50", env=env)
+    samples = p.stdout.split("---------------\n")
+    assert len(samples) == 3 and samples[-1] == ""
+    assert all(s.startswith("def ") and len(s) > 40 for s in samples[:2])
