@@ -16,6 +16,7 @@ import configurator
 import data
 from model import GPT, GPTConfig
 from tokenizer import TokenizerError, get_tokenizer
+from train import pick_device, pick_dtype
 
 
 @dataclass
@@ -28,7 +29,7 @@ class SampleConfig:
     top_k: int = 200  # sample among the k likeliest tokens only; 0 keeps them all
     seed: int = 1337
     device: str = "auto"  # 'auto': cuda when it is there, else cpu
-    dtype: str = "auto"  # 'auto': bfloat16 on CUDA that has it, else float32
+    dtype: str = "auto"  # as in train.py
     compile: bool = False
 
 
@@ -85,9 +86,8 @@ def main(argv):
         raise SampleError(f"the prompt {cfg.start!r} is empty, but the model needs at least one "
                           f"token to continue: give --start some text (the default is a newline).")
 
-    device = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-    bf16 = device.startswith("cuda") and torch.cuda.is_bf16_supported()
-    dtype = cfg.dtype if cfg.dtype != "auto" else "bfloat16" if bf16 else "float32"
+    device = pick_device(cfg, local_rank=0)
+    dtype = pick_dtype(cfg, torch.device(device).type)
     model = GPT(GPTConfig(**state["model_args"]))
     model.load_state_dict(checkpoint.model_state(state))
     model.eval().to(device)
