@@ -19,7 +19,8 @@ Why the reading side looks the way it does: which window a sample reads is a pur
 depends on the data, so start-up time and memory do not grow with the file; the ranks' batches
 are disjoint slices of one global batch; the global batches are the same for any world size and
 gradient-accumulation split; and resuming needs one integer, the number of samples consumed.
-The memmap is opened lazily in the process that reads it and never pickled.
+A memmap is opened for each batch, in the process that reads it: none is ever pickled into a
+worker, and the pages it read do not pile up in the resident memory of a long run.
 """
 import hashlib
 import json
@@ -104,22 +105,18 @@ def read_meta(data_dir):
 
 
 class TokenFile:
-    """One split's token file. Pickles as its path and shape (a few hundred bytes), never as
-    data: the memmap is opened on first use in each process, and again after a fork."""
+    """One split's token file: its path, dtype and length. It holds no open file, so it pickles
+    in a few hundred bytes and works in any process, forked or spawned."""
 
     def __init__(self, path, dtype, n_tokens, max_token_id=None):
         self.path, self.dtype, self.n_tokens = path, np.dtype(dtype), n_tokens
         self.max_token_id = max_token_id  # from meta.json; None when unknown
-        self._mm, self._pid = None, None
-
-    def __getstate__(self):
-        return {**self.__dict__, "_mm": None, "_pid": None}
 
     def tokens(self):
-        if self._mm is None or self._pid != os.getpid():
-            self._mm = np.memmap(self.path, dtype=self.dtype, mode="r")
-            self._pid = os.getpid()
-        return self._mm
+        """A fresh read-only memmap, as nanoGPT opens one per batch: mapping costs no more
+        for 16 GiB than for 16 MiB, and pages read through a long-lived map would pile up in
+        the process's resident memory."""
+        return np.memmap(self.path, dtype=self.dtype, mode="r")
 
 
 def open_split(data_dir, split, block_size, vocab_size=None, log=print):
@@ -185,23 +182,28 @@ def _key(*parts):
     return h
 
 
-def _feistel(x, half_bits, round_keys):
-    mask = (1 << half_bits) - 1
-    left, right = x >> half_bits, x & mask
-    for k in round_keys:
-        left, right = right, left ^ (_mix(right ^ k) & mask)
-    return (left << half_bits) | right
+def _feistel(x, high_bits, low_bits, round_keys):
+    """A bijection of [0, 2**(high_bits + low_bits)): each round XORs one half with a keyed hash
+    of the other, which can be undone, so any split of the bits works."""
+    high, low = x >> low_bits, x & ((1 << low_bits) - 1)
+    for r, k in enumerate(round_keys):
+        if r % 2:
+            low ^= _mix(high ^ k) & ((1 << low_bits) - 1)
+        else:
+            high ^= _mix(low ^ k) & ((1 << high_bits) - 1)
+    return (high << low_bits) | low
 
 
 def permute(i, n, key):
-    """A keyed bijection of [0, n): a Feistel network on the smallest even-bit power of two
-    >= n, cycle-walked back into range. Nothing of size n is ever built."""
-    half_bits = max(1, (max(n - 1, 1).bit_length() + 1) // 2)
+    """A keyed bijection of [0, n): a Feistel network on the smallest power of two >= n,
+    cycle-walked back into range (fewer than 2 rounds on average). Nothing of size n is built."""
+    bits = max(2, (n - 1).bit_length())
+    low_bits = bits // 2
     round_keys = [_key(key, r) for r in range(6)]
-    out = _feistel(np.asarray(i, dtype=np.uint64), half_bits, round_keys)
+    out = _feistel(np.asarray(i, dtype=np.uint64), bits - low_bits, low_bits, round_keys)
     outside = out >= n
     while outside.any():
-        out[outside] = _feistel(out[outside], half_bits, round_keys)
+        out[outside] = _feistel(out[outside], bits - low_bits, low_bits, round_keys)
         outside = out >= n
     return out
 
