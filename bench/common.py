@@ -1,0 +1,151 @@
+"""What the parts of the benchmark share: a description of the machine, running a command as a
+user would while watching its memory and time, and a few statistics."""
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import psutil
+import torch
+
+from bench import report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB, GiB = 2**20, 2**30
+EXCEPTION = re.compile(r"^(?:\[rank\d+\]: )?([\w.]*(?:Error|Exception): .*)")
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine():
+    """Everything a reader needs to judge a number: hardware, versions."""
+    return {"cpu": cpu_model(), "cores": os.cpu_count(),
+            "ram_gib": round(psutil.virtual_memory().total / GiB, 1),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "os": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "numpy": np.__version__}
+
+
+def load_1m():
+    """The 1-minute load average: on a shared machine it says how much to trust a timing."""
+    return round(os.getloadavg()[0], 2)
+
+
+def child_env(**extra):
+    """The user's environment with this checkout importable (for `python -m bench.x`), and
+    no torchrun variables inherited from a caller that would make a child think it is a rank."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    env.update(PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def torchrun(nproc):
+    """The start of a torchrun command line, as the tests and users run it."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}"]
+
+
+@dataclass
+class Finished:
+    returncode: int  # -9 when it was killed for passing a cap
+    output: str  # stdout and stderr together
+    wall_s: float
+    peak_rss: int  # the most that the process and all its children held at once (sum of RSS)
+    peak_private: int  # the same for their private (anonymous) memory: RSS less file pages
+    exceeded: str  # which cap it passed, e.g. "memory cap 6.0 GiB after 12.1 s"; "" if none
+
+
+def tree(proc):
+    try:
+        return [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return [proc]
+
+
+def tree_memory(proc):
+    """(RSS, private memory) summed over a process and its children. Private is RSS less the
+    pages mapped from files (statm's "shared"): the memory the processes hold themselves, which
+    is what can run a machine out of memory; file pages are page cache the kernel can drop."""
+    rss = private = 0
+    for p in tree(proc):
+        try:
+            m = p.memory_info()
+        except psutil.Error:  # exited between listing and reading
+            continue
+        rss, private = rss + m.rss, private + m.rss - m.shared
+    return rss, private
+
+
+def kill_tree(proc):
+    """Kill a process and all its children, each by its pid: torchrun starts every rank in a
+    session of its own, so killing the launcher's process group would leave the ranks."""
+    for p in tree(proc):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def run_watched(args, env, time_cap_s, mem_cap=None, poll_s=0.05):
+    """Run a command, sampling the memory of it and its children every poll_s seconds. Past
+    mem_cap bytes of private memory, or time_cap_s seconds, it is killed, so that a loader
+    whose memory grows with the data shows that growth without taking the machine down."""
+    with tempfile.TemporaryFile("w+") as out:  # a file, not a pipe: a full pipe would block it
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                text=True)
+        watched = psutil.Process(proc.pid)
+        peak_rss = peak_private = 0
+        exceeded = ""
+        while proc.poll() is None:
+            (rss, private), elapsed = tree_memory(watched), time.perf_counter() - t0
+            peak_rss, peak_private = max(peak_rss, rss), max(peak_private, private)
+            if mem_cap and private > mem_cap:
+                exceeded = f"memory cap {report.size(mem_cap)} after {elapsed:.1f} s"
+            elif elapsed > time_cap_s:
+                exceeded = f"time cap {time_cap_s:.0f} s"
+            if exceeded:
+                kill_tree(watched)
+                break
+            time.sleep(poll_s)
+        proc.wait()
+        wall = time.perf_counter() - t0
+        out.seek(0)
+        return Finished(proc.returncode, out.read(), wall, peak_rss, peak_private, exceeded)
+
+
+def check(finished, what):
+    """A run that must succeed: on failure, stop the benchmark with what the command printed."""
+    if finished.exceeded or finished.returncode != 0:
+        raise RuntimeError(f"{what} failed ({finished.exceeded or f'exit {finished.returncode}'})"
+                           f"; its output ended with:\n{finished.output[-3000:]}")
+    return finished
+
+
+def error_line(output):
+    """The exception a failed command raised, e.g. a rank's RuntimeError rather than the
+    ChildFailedError that torchrun raises after it; else its last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    raised = [m.group(1) for m in map(EXCEPTION.match, lines)
+              if m and not m.group(1).startswith(("ChildFailedError", "torch.distributed"))]
+    return (raised[0] if raised else lines[-1] if lines else "no output")[:200]
+
+
+def percentile(values, q):
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))

@@ -1,0 +1,111 @@
+"""One rank of the data-path benchmark; bench/datapath.py launches it under torchrun:
+
+  torchrun --standalone --nproc_per_node=N -m bench.datapath_rank LOADER DATA_DIR OUT BATCHES
+
+Measures the time from this process's start to its first batch of 12 x 1024 tokens and its
+memory then, reads BATCHES batches in all, timing each, measures its memory again and writes
+OUT.rank<r>.json. LOADER is what reads the batches: 'ddpgpt' is data.rank_batches, as train.py
+uses it; 'nanogpt' and 'seed' are references written for this comparison (see below).
+"""
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import psutil
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+import data
+
+BATCH, BLOCK, VOCAB, SEED = 12, 1024, 50304, 1337
+
+
+def ddpgpt(data_dir, rank, world):
+    tokens = data.open_split(data_dir, "train", BLOCK, VOCAB, log=lambda *a: None)
+    return data.rank_batches(tokens, block_size=BLOCK, batch_size=BATCH, micro_steps=1,
+                             rank=rank, world_size=world, seed=SEED, mode="epoch", start_step=0,
+                             device="cpu", vocab_size=VOCAB)
+
+
+def nanogpt(data_dir, rank, world):
+    """Reference (a), nanoGPT's way: every batch maps the file afresh (nanoGPT does this so
+    that the pages it touched are released) and draws its offsets with torch.randint."""
+    path = os.path.join(data_dir, "train.bin")
+    while True:
+        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        starts = torch.randint(len(tokens) - BLOCK, (BATCH,)).tolist()
+        x = torch.stack([torch.from_numpy(tokens[s:s + BLOCK].astype(np.int64)) for s in starts])
+        y = torch.stack([torch.from_numpy(tokens[s + 1:s + 1 + BLOCK].astype(np.int64))
+                         for s in starts])
+        yield x, y
+
+
+class EveryOffset(torch.utils.data.Dataset):
+    """Reference (b), the seed's dataset: sample i is the window that starts at token i, so
+    there are about as many samples as tokens."""
+
+    def __init__(self, path):
+        self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
+
+    def __len__(self):
+        return len(self.tokens) - BLOCK
+
+    def __getitem__(self, i):
+        window = torch.from_numpy(self.tokens[i:i + BLOCK + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+
+def seed(data_dir, rank, world):
+    """Reference (b) behind a DistributedSampler, whose shuffle builds a permutation of every
+    sample index, as a Python list, in every rank, before the first batch."""
+    dataset = EveryOffset(os.path.join(data_dir, "train.bin"))
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
+    return iter(DataLoader(dataset, batch_size=BATCH, sampler=sampler))
+
+
+LOADERS = {"ddpgpt": ddpgpt, "nanogpt": nanogpt, "seed": seed}
+
+
+def memory():
+    """RSS and its parts, from /proc/self/status. Anonymous memory is this process's own;
+    file pages are the page cache of the mapped token file and libraries, which the kernel
+    shares between ranks and can drop."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                fields[key] = int(value.split()[0]) * 1024
+    return {"rss": fields["VmRSS"], "private": fields["RssAnon"], "file": fields["RssFile"]}
+
+
+def main(loader, data_dir, out, n_batches):
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")  # as train.py does, before it opens the data
+    t_setup = time.perf_counter()
+    batches = LOADERS[loader](data_dir, rank, world)
+    x, _ = next(batches)
+    t_first = time.time()
+    setup_s = time.perf_counter() - t_setup
+    at_first = memory()
+    assert x.shape == (BATCH, BLOCK), x.shape
+    latencies = []
+    for _ in range(n_batches - 1):
+        t = time.perf_counter()
+        next(batches)
+        latencies.append(time.perf_counter() - t)
+    result = {"rank": rank, "startup_s": t_first - psutil.Process().create_time(),
+              "setup_s": setup_s, "first": at_first, "after": memory(),
+              "batches": n_batches, "batches_per_s": len(latencies) / sum(latencies),
+              "latency_ms": [t * 1000 for t in latencies]}
+    with open(f"{out}.rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
