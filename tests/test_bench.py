@@ -36,8 +36,9 @@ def test_data_path(env, tmp_path):
                          for loader in ("ddpgpt", "nanogpt", "seed")}
     for (size, ranks, loader), r in rows.items():
         if loader == "seed" and size == max(s["sizes"]):
-            # a sample index per token, permuted in every rank: past its cap at 64 MiB
-            assert r["status"].startswith("exceeded the memory cap"), r
+            # a sample index per token, permuted in every rank: past a cap at 64 MiB (memory,
+            # or time on a loaded machine, whichever it reaches first)
+            assert r["status"].startswith(("exceeded the memory cap", "exceeded the time cap")), r
             continue
         assert r["status"] == "ok", r
         assert r["startup_s"] > r["setup_s"] > 0
