@@ -3,6 +3,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
@@ -49,3 +50,19 @@ def torchrun(nproc, script, *args, env, **kw):
     return run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={nproc}", os.path.join(ROOT, script), *map(str, args)],
                env, **kw)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory, tiktoken_cache):
+    """A few standard-library modules as text files, prepared with the byte tokenizer."""
+    root = tmp_path_factory.mktemp("corpus")
+    docs = root / "docs"
+    docs.mkdir()
+    stdlib = sysconfig.get_paths()["stdlib"]
+    for name in ("os", "argparse", "json/decoder", "shutil", "textwrap"):
+        with open(os.path.join(stdlib, f"{name}.py"), encoding="utf-8") as f:
+            (docs / f"{name.replace('/', '_')}.txt").write_text(f.read())
+    env = dict(os.environ, TIKTOKEN_CACHE_DIR=tiktoken_cache)
+    python("prepare.py", f"--dataset={docs}", "--tokenizer=byte", "--val_docs=1",
+           f"--out_dir={root / 'data'}", "--num_proc=1", env=env)
+    return str(root / "data")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import data
-from conftest import ROOT, python, torchrun
+from conftest import python, torchrun
 
 
 def write_split(folder, split, tokens, dtype, vocab_size, meta=True):

@@ -1,7 +1,6 @@
 """Faults survived and nothing lost: a killed rank, another world size on resume, killed or
 corrupt checkpoint writes, a full disk, a failing rank, NaN losses."""
 import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -15,8 +14,8 @@ import torch
 
 import checkpoint
 import data
-from conftest import ROOT, python, run, torchrun
-from test_train import TINY, corpus, metrics, steps  # noqa: F401  (corpus is a fixture)
+from conftest import ROOT, python, torchrun
+from test_train import TINY, metrics, steps
 
 
 def compare(env, a, b, *flags):

@@ -2,7 +2,6 @@
 configuration errors."""
 import json
 import os
-import sysconfig
 
 import pytest
 
@@ -11,22 +10,6 @@ from conftest import ROOT, python, torchrun
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--eval_iters=4", "--device=cpu", "--learning_rate=3e-3", "--warmup_iters=2",
         "--lr_decay_iters=40", "--min_lr=3e-4"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory, tiktoken_cache):
-    """A few standard-library modules as text files, prepared with the byte tokenizer."""
-    root = tmp_path_factory.mktemp("corpus")
-    docs = root / "docs"
-    docs.mkdir()
-    stdlib = sysconfig.get_paths()["stdlib"]
-    for name in ("os", "argparse", "json/decoder", "shutil", "textwrap"):
-        with open(os.path.join(stdlib, f"{name}.py"), encoding="utf-8") as f:
-            (docs / f"{name.replace('/', '_')}.txt").write_text(f.read())
-    env = dict(os.environ, TIKTOKEN_CACHE_DIR=tiktoken_cache)
-    python("prepare.py", f"--dataset={docs}", "--tokenizer=byte", "--val_docs=1",
-           f"--out_dir={root / 'data'}", "--num_proc=1", env=env)
-    return str(root / "data")
 
 
 def metrics(out_dir):
