@@ -19,9 +19,13 @@ Why the reading side looks the way it does: which window a sample reads is a pur
 depends on the data, so start-up time and memory do not grow with the file; the ranks' batches
 are disjoint slices of one global batch; the global batches are the same for any world size and
 gradient-accumulation split; and resuming needs one integer, the number of samples consumed.
-A memmap is opened for each batch, in the process that reads it: none is ever pickled into a
-worker, and the pages it read do not pile up in the resident memory of a long run.
+The file is opened for each batch, in the process that reads it, and each window is read with
+one os.pread: no open file or memmap is ever pickled into a worker, the pages read never pile up
+in the resident memory of a long run, and a random window costs one small read. (A memmap would
+fault in the disk's whole read-ahead around each window, often 8 MiB for a 2 KiB window: 15 GiB
+read for 1,000 cold batches of a 16 GiB file, against a few MiB; see docs/benchmarks.md.)
 """
+import functools
 import hashlib
 import json
 import os
@@ -112,11 +116,24 @@ class TokenFile:
         self.path, self.dtype, self.n_tokens = path, np.dtype(dtype), n_tokens
         self.max_token_id = max_token_id  # from meta.json; None when unknown
 
-    def tokens(self):
-        """A fresh read-only memmap, as nanoGPT opens one per batch: mapping costs no more
-        for 16 GiB than for 16 MiB, and pages read through a long-lived map would pile up in
-        the process's resident memory."""
-        return np.memmap(self.path, dtype=self.dtype, mode="r")
+    def windows(self, offsets, length):
+        """The tokens [o, o + length) for each offset o, as a (len(offsets), length) array."""
+        n_bytes = length * self.dtype.itemsize
+        fix = f"Restore it, or run `{PREPARE_HINT.format(os.path.dirname(self.path))}` and resume."
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                raw = b"".join([os.pread(fd, n_bytes, o * self.dtype.itemsize)
+                                for o in offsets.tolist()])
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise DataError(f"{self.path} could not be read during the run ({e.strerror}). "
+                            f"{fix}") from None
+        if len(raw) != n_bytes * len(offsets):
+            raise DataError(f"{self.path} is shorter than the {self.n_tokens} tokens it held at "
+                            f"start-up: it was truncated or replaced during the run. {fix}")
+        return np.frombuffer(raw, dtype=self.dtype).reshape(len(offsets), length)
 
 
 def open_split(data_dir, split, block_size, vocab_size=None, log=print):
@@ -164,34 +181,41 @@ def open_split(data_dir, split, block_size, vocab_size=None, log=print):
 # ---- sampling: pure functions of (seed, global sample index), vectorised, O(1) memory ----
 
 _MASK64 = 0xFFFFFFFFFFFFFFFF
+# numpy scalars, not python ints: numpy converts a python operand on every operation, which
+# doubles the cost of a hash on the dozen indices of a micro-batch
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S1, _S2, _S3 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
 def _mix(z):
-    """splitmix64's finaliser: a well-mixed 64-bit hash of a python int or of each element of
-    a uint64 array (arrays wrap on overflow, ints are masked)."""
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK64
-    return z ^ (z >> 31)
+    """splitmix64's finaliser: a well-mixed 64-bit hash of each element of a uint64 array
+    (multiplication wraps, as it should)."""
+    z = (z ^ (z >> _S1)) * _M1
+    z = (z ^ (z >> _S2)) * _M2
+    return z ^ (z >> _S3)
 
 
+@functools.lru_cache(maxsize=1024)
 def _key(*parts):
     """A 64-bit key (a python int) from a few integers."""
-    h = 0
+    h = np.zeros(1, dtype=np.uint64)
     for p in parts:
-        h = _mix(h ^ _mix(int(p) & _MASK64))
-    return h
+        h = _mix(h ^ _mix(np.array([int(p) & _MASK64], dtype=np.uint64)))
+    return int(h[0])
 
 
 def _feistel(x, high_bits, low_bits, round_keys):
     """A bijection of [0, 2**(high_bits + low_bits)): each round XORs one half with a keyed hash
     of the other, which can be undone, so any split of the bits works."""
-    high, low = x >> low_bits, x & ((1 << low_bits) - 1)
+    shift = np.uint64(low_bits)
+    high_mask, low_mask = np.uint64((1 << high_bits) - 1), np.uint64((1 << low_bits) - 1)
+    high, low = x >> shift, x & low_mask
     for r, k in enumerate(round_keys):
         if r % 2:
-            low ^= _mix(high ^ k) & ((1 << low_bits) - 1)
+            low ^= _mix(high ^ k) & low_mask
         else:
-            high ^= _mix(low ^ k) & ((1 << high_bits) - 1)
-    return (high << low_bits) | low
+            high ^= _mix(low ^ k) & high_mask
+    return (high << shift) | low
 
 
 def permute(i, n, key):
@@ -199,7 +223,7 @@ def permute(i, n, key):
     cycle-walked back into range (fewer than 2 rounds on average). Nothing of size n is built."""
     bits = max(2, (n - 1).bit_length())
     low_bits = bits // 2
-    round_keys = [_key(key, r) for r in range(6)]
+    round_keys = [np.uint64(_key(key, r)) for r in range(6)]
     out = _feistel(np.asarray(i, dtype=np.uint64), bits - low_bits, low_bits, round_keys)
     outside = out >= n
     while outside.any():
@@ -265,8 +289,7 @@ def read_windows(tokens, offsets, block_size, vocab_size=None):
     """(x, y) int64 tensors of shape (len(offsets), block_size); y is x shifted by one.
     With vocab_size, ids the model cannot embed are a DataError here rather than a CUDA
     device-side assert later."""
-    mm = tokens.tokens()
-    buf = np.stack([mm[o:o + block_size + 1] for o in offsets]).astype(np.int64)
+    buf = tokens.windows(np.asarray(offsets, dtype=np.int64), block_size + 1).astype(np.int64)
     if vocab_size is not None and buf.max() >= vocab_size:
         row = int(np.argmax(buf.max(axis=1) >= vocab_size))
         raise DataError(
@@ -281,7 +304,8 @@ def read_windows(tokens, offsets, block_size, vocab_size=None):
 def rank_batches(tokens, *, block_size, batch_size, micro_steps, rank, world_size, seed, mode,
                  start_step, device, vocab_size, prefetch=2):
     """This rank's micro-batches, step after step from start_step: yields (x, y) on device.
-    The next `prefetch` batches are read in a background thread while the current step runs."""
+    The next `prefetch` batches are read in a background thread while the current step runs;
+    prefetch=0 reads each batch when it is asked for."""
     pin = torch.device(device).type == "cuda"
 
     def load(step, micro):
@@ -290,13 +314,21 @@ def rank_batches(tokens, *, block_size, batch_size, micro_steps, rank, world_siz
         x, y = read_windows(tokens, offsets, block_size, vocab_size)
         return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
 
+    def on_device(batch):
+        x, y = batch
+        return x.to(device, non_blocking=pin), y.to(device, non_blocking=pin)
+
     order = ((s, m) for s in count(start_step) for m in range(micro_steps))
+    if not prefetch:
+        for s, m in order:
+            yield on_device(load(s, m))
+        return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="batches") as pool:
         pending = deque(pool.submit(load, *next(order)) for _ in range(prefetch))
         while True:
-            x, y = pending.popleft().result()
+            batch = pending.popleft().result()
             pending.append(pool.submit(load, *next(order)))
-            yield x.to(device, non_blocking=pin), y.to(device, non_blocking=pin)
+            yield on_device(batch)
 
 
 # ---- the same sampling for people with their own loop (or Lightning) ----

@@ -95,11 +95,24 @@ def tree_memory(proc):
 def kill_tree(proc):
     """Kill a process and all its children, each by its pid: torchrun starts every rank in a
     session of its own, so killing the launcher's process group would leave the ranks."""
-    for p in tree(proc):
+    killed = tree(proc)
+    for p in killed:
         try:
             p.kill()
         except psutil.Error:
             pass
+    # a kill is delivered asynchronously: wait until each is dead, so the next measurement does
+    # not share the machine with it
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(map(alive, killed)):
+        time.sleep(0.02)
+
+
+def alive(p):
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def run_watched(args, env, time_cap_s, mem_cap=None, poll_s=0.05):

@@ -12,7 +12,7 @@ from bench import common, report
 from bench.common import GiB, MiB
 
 TITLE = "Data path"
-LOADERS = {"ddpgpt": "ddpgpt (data.rank_batches)",
+LOADERS = {"ddpgpt": "ddpgpt (data.rank_batches, prefetch=0)",
            "nanogpt": "(a) nanoGPT: fresh memmap + torch.randint per batch",
            "seed": "(b) seed: a sample per token offset + DistributedSampler"}
 FULL = {"sizes": [16 * MiB, GiB, 16 * GiB], "ranks": [1, 2, 8], "batches": 1000,
@@ -236,15 +236,16 @@ def markdown(result):
         "by that column plus the noise of the machine's load on the imports.",
         "- RSS counts the file pages a process has mapped: a loader that kept one memmap open "
         "for the whole run would hold there the pages of every window it has read (and those "
-        "the kernel maps around each fault) until the kernel reclaims them; one that maps the "
-        "file afresh for each batch lets go of them. The page cache holds them either way.",
-        "- Latency at the largest file: nearly every window is a page-cache miss, and for "
-        "each miss the kernel reads the disk's read-ahead around it (zeros here, the file being "
-        "sparse); that, not the loader's code, sets the latency of ddpgpt and (a) alike.",
-        "- Latency on cached data: ddpgpt's default `sampling='epoch'` maps sample indices to "
-        "windows through a keyed permutation (`data.permute`) in numpy, which costs more per "
-        "batch than `torch.randint`. train.py reads the next batches in a background thread "
-        "while a step runs, so what a step pays for data is the training part's data wait.",
+        "the kernel maps around each fault) until the kernel reclaims them. (a) maps the file "
+        "afresh for each batch, and ddpgpt maps nothing: it reads each window with `os.pread`. "
+        "The page cache holds the pages either way.",
+        "- Latency at the largest file: nearly every window is a page-cache miss. For a miss "
+        "in a memmap, as in (a), the kernel reads the disk's read-ahead around the page (zeros "
+        "here, the file being sparse); a `pread` of one window reads little more than the "
+        "window.",
+        "- Latency is the time to make one batch: ddpgpt runs here without the background "
+        "thread that train.py reads the next batches in while a step runs (see the training "
+        "part's data wait for what a step pays).",
         "- (b) builds a permutation of every token offset in every rank before its first "
         "batch: its start-up and private memory grow with the file until it passes its cap "
         "(or cannot allocate the permutation at all).",

@@ -24,10 +24,14 @@ BATCH, BLOCK, VOCAB, SEED = 12, 1024, 50304, 1337
 
 
 def ddpgpt(data_dir, rank, world):
+    """train.py's loader without its background thread (prefetch=0), so that a next() times
+    making one batch, as it does for (a). With the thread, as in training, a loop that does
+    nothing between batches would time two threads passing the interpreter lock back and
+    forth; the training part measures what the thread is for, a step's wait for data."""
     tokens = data.open_split(data_dir, "train", BLOCK, VOCAB, log=lambda *a: None)
     return data.rank_batches(tokens, block_size=BLOCK, batch_size=BATCH, micro_steps=1,
                              rank=rank, world_size=world, seed=SEED, mode="epoch", start_step=0,
-                             device="cpu", vocab_size=VOCAB)
+                             device="cpu", vocab_size=VOCAB, prefetch=0)
 
 
 def nanogpt(data_dir, rank, world):
