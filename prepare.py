@@ -214,6 +214,11 @@ def validation_size(args, n_docs, source):
     if n_docs == 0:
         raise PrepareError(f"the corpus ({source}) holds no non-empty documents: check "
                            f"--dataset and --text_column.")
+    if n_docs == 1:
+        raise PrepareError(f"the corpus ({source}) is a single document (a .txt file is one "
+                           f"document), which cannot be split into training and validation "
+                           f"data: pass several files (a folder or a glob), or a .jsonl file "
+                           f"with one document per line.")
     if not 0 <= args.val_fraction < 1:
         raise PrepareError(f"--val_fraction={args.val_fraction} is not in [0, 1).")
     n_val = args.val_docs if args.val_docs is not None else \

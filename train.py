@@ -241,7 +241,18 @@ def evaluate(model, splits, cfg, rank, world_size, autocast, device, vocab_size)
     return out
 
 
+def catch_stop_signals():
+    """Record SIGUSR1 (SLURM's warning before a time limit) and SIGTERM (scancel, preemption)
+    instead of dying: the ranks then agree on a step to stop at, and rank 0 saves. Caught from
+    the start, so that a signal that comes while the model is built is not lost."""
+    received = []
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: received.append(signum))
+    return received
+
+
 def main(argv):
+    stop_signal = catch_stop_signals()
     cfg = configurator.parse(TrainConfig, argv)
     check_config(cfg)
     rank, local_rank, world_size = distributed_env()
@@ -256,13 +267,13 @@ def main(argv):
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout_s),
                                 device_id=torch.device(device) if backend == "nccl" else None)
     try:
-        return train(cfg, rank, world_size, master, log, device, device_type)
+        return train(cfg, rank, world_size, master, log, device, device_type, stop_signal)
     finally:
         if world_size > 1:
             dist.destroy_process_group()
 
 
-def train(cfg, rank, world_size, master, log, device, device_type):
+def train(cfg, rank, world_size, master, log, device, device_type, stop_signal):
     micro_steps = cfg.gradient_accumulation_steps // world_size
     global_batch = cfg.batch_size * cfg.gradient_accumulation_steps
     error, state, splits = None, None, {}
@@ -334,9 +345,6 @@ def train(cfg, rank, world_size, master, log, device, device_type):
         f"parameters, global batch {global_batch} x {cfg.block_size} tokens "
         f"({micro_steps} micro-steps of {cfg.batch_size} per rank)")
 
-    stop_signal = []
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
     metrics = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") if master else None
     wandb = None
     if cfg.wandb_log and master:

@@ -17,7 +17,7 @@
 #   PYTHON          the interpreter that has torch (default python3 from PATH)
 #   TRAIN_SCRIPT    the script to run (default train.py beside this folder)
 #
-# The ranks run with SIGUSR1 and SIGTERM ignored until train.py installs its handlers, and
+# The ranks run with SIGUSR1 and SIGTERM ignored until train.py catches them, and
 # torchrun itself ignores both: a signal for the step (srun forwards USR1; slurm sends TERM
 # on scancel, time limit or preemption) reaches every rank, the ranks agree on the step to
 # stop at, rank 0 saves, and all exit 0 - torchrun does not kill them half-way through.

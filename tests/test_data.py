@@ -243,13 +243,3 @@ def test_raw_nanogpt_files_are_read_as_uint16_with_a_notice(env, tmp_path):
                "--vocab_size=512", env=env)
     assert "no meta.json" in p.stdout and "raw uint16" in p.stdout
 
-
-def test_token_file_truncated_during_the_run_is_a_clear_error(counting_data):
-    folder, n = counting_data
-    tokens = data.open_split(folder, "train", 64)
-    os.truncate(tokens.path, 1000 * tokens.dtype.itemsize)
-    with pytest.raises(data.DataError, match="truncated or replaced during the run"):
-        data.read_windows(tokens, [n - 65], 64)
-    os.remove(tokens.path)
-    with pytest.raises(data.DataError, match=r"could not be read during the run \(No such file"):
-        data.read_windows(tokens, [0], 64)

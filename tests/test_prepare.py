@@ -193,6 +193,7 @@ def bad_input(tmp_path, env):
     (tmp_path / "latin1.txt").write_bytes("café crème".encode("latin-1"))
     (tmp_path / "latin1.jsonl").write_bytes('{"text": "café"}\n'.encode("latin-1"))
     (tmp_path / "a_file").write_text("x")
+    (tmp_path / "book.txt").write_text("The whole of one book.\n\nIts second paragraph.\n")
     empty_cache = tmp_path / "empty_cache"
     empty_cache.mkdir()
     env["TIKTOKEN_CACHE_DIR"] = str(empty_cache)  # nothing cached, and no network
@@ -205,6 +206,7 @@ def bad_input(tmp_path, env):
         "no text column": (["--dataset", tmp_path / "body.parquet"], "body (string), id (int64)"),
         "empty corpus": (["--dataset", tmp_path / "blank.jsonl"], "no non-empty documents"),
         "val takes all": (["--dataset", jsonl_, "--val_docs=3"], "no training"),
+        "one document": (["--dataset", tmp_path / "book.txt"], "single document"),
         "unwritable out_dir": (["--dataset", jsonl_, "--out_dir", tmp_path / "a_file" / "out"],
                                "a_file"),
         "not utf-8 txt": (["--dataset", tmp_path / "latin1.txt"], "latin1.txt"),
@@ -216,7 +218,7 @@ def bad_input(tmp_path, env):
 
 @pytest.mark.parametrize("case", ["no such file", "no glob match", "not on the hub",
                                   "no text field", "no text column", "empty corpus",
-                                  "val takes all", "unwritable out_dir", "not utf-8 txt",
+                                  "val takes all", "one document", "unwritable out_dir", "not utf-8 txt",
                                   "not utf-8 jsonl", "unknown tokenizer", "vocab offline"])
 def test_bad_input(case, env, tmp_path):
     args, named = bad_input(tmp_path, env)[case]

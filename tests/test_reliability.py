@@ -2,6 +2,7 @@
 corrupt checkpoint writes, a full disk, a failing rank, NaN losses."""
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -201,6 +202,24 @@ def test_a_failing_rank_ends_the_whole_run_within_seconds(env, corpus, tmp_path)
     assert p.returncode != 0
     assert "train.py: error (rank 1):" in p.stderr and "token id 60000" in p.stderr
     assert elapsed < 60, f"the run took {elapsed:.0f}s to end: it waited for a timeout"
+
+
+def test_a_token_file_truncated_during_the_run_is_a_clear_error(env, corpus, tmp_path):
+    copy = tmp_path / "data"
+    shutil.copytree(corpus, copy)
+    out = str(tmp_path / "out")
+    with open(tmp_path / "log", "w+") as log:
+        proc = subprocess.Popen([sys.executable, "train.py", *train_args(copy, out),
+                                 "--max_iters=100000", "--eval_interval=100000"],
+                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        wait_for_step(out, 5, proc)
+        os.truncate(copy / "train.bin", 200)
+        proc.wait(timeout=120)
+        log.seek(0)
+        text = log.read()
+    assert proc.returncode == 1 and "Traceback" not in text, text
+    assert "train.py: error: " in text and "train.bin is shorter than the" in text
+    assert "truncated or replaced during the run" in text
 
 
 def test_a_nan_loss_stops_without_touching_the_last_good_checkpoint(env, corpus, tmp_path):
