@@ -260,6 +260,10 @@ def markdown(result):
         "in a memmap, as in (a), the kernel reads the disk's read-ahead around the page (zeros "
         "here, the file being sparse); a `pread` of one window reads little more than the "
         "window.",
+        "- p99 latency with more ranks than cores (8 ranks on a 2-core machine): the slowest "
+        "1% of batches are those during which the kernel switched the rank out for another, so "
+        "p99 is the scheduler's time slice, about the same for every loader, not the loader's "
+        "cost.",
         "- Latency is the time to make one batch: ddpgpt runs here without the background "
         "thread that train.py reads the next batches in while a step runs (see the training "
         "part's data wait for what a step pays).",
