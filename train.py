@@ -241,6 +241,19 @@ def evaluate(model, splits, cfg, rank, world_size, autocast, device, vocab_size)
     return out
 
 
+def settle_gradient_buckets(model, cfg, device, autocast):
+    """One backward whose gradients are thrown away. DDP's first backward all-reduces every
+    gradient as one bucket, and later ones in buckets rebuilt in the order the gradients came;
+    with more than two ranks a sum's rounding depends on that layout. So every counted step,
+    in a fresh run or after a resume, uses the rebuilt buckets, and a resumed run repeats the
+    uninterrupted one bit for bit."""
+    x = torch.zeros((cfg.batch_size, cfg.block_size), dtype=torch.long, device=device)
+    model.require_backward_grad_sync = True
+    with autocast:
+        _, loss = model(x, x)
+    loss.backward()
+
+
 def catch_stop_signals():
     """Record SIGUSR1 (SLURM's warning before a time limit) and SIGTERM (scancel, preemption)
     instead of dying: the ranks then agree on a step to stop at, and rank 0 saves. Caught from
@@ -340,6 +353,8 @@ def train(cfg, rank, world_size, master, log, device, device_type, stop_signal):
     if world_size > 1:
         model = DDP(model, device_ids=[torch.device(device).index] if device_type == "cuda"
                     else None)
+        settle_gradient_buckets(model, cfg, device, autocast)
+        optimizer.zero_grad(set_to_none=True)
     n_params = raw_model.get_num_params()
     log(f"world size {world_size}, device {device}, dtype {dtype}, {n_params / 1e6:.2f}M "
         f"parameters, global batch {global_batch} x {cfg.block_size} tokens "
