@@ -13,13 +13,11 @@ import shutil
 
 import torch
 
-from data import publish
+from errors import UserError
+from fileio import publish
 
 _NAME = re.compile(r"ckpt_(\d+)\.pt$")
-
-
-class CheckpointError(Exception):
-    pass
+REQUIRED_KEYS = ("model", "model_args", "iter_num")
 
 
 def path_for(out_dir, iter_num):
@@ -49,7 +47,7 @@ def save(out_dir, state, keep):
             os.remove(tmp)
         full = getattr(e, "errno", None) == errno.ENOSPC or free < 64 * 2**20
         why = f"the disk is full ({free / 2**20:.1f} MiB free)" if full else str(e).strip()
-        raise CheckpointError(
+        raise UserError(
             f"could not write checkpoint {path}: {why}. The previous checkpoints in "
             f"{out_dir} are intact; free space or set out_dir elsewhere, then resume with "
             f"--init_from=resume.") from e
@@ -72,9 +70,13 @@ def load_latest(out_dir, log=print):
     for path in list_checkpoints(out_dir):
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-            state["model"], state["model_args"], state["iter_num"]
-            return state, path
-        except Exception as e:  # a truncated zip, a pickle with code in it, missing keys...
+        except Exception as e:  # a truncated zip, a pickle with code in it...
             log(f"checkpoint: {path} cannot be loaded ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:200] if str(e) else ''}); trying an older one")
+            continue
+        missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
+        if not missing:
+            return state, path
+        log(f"checkpoint: {path} is not a checkpoint (it has no {', '.join(missing)}); "
+            f"trying an older one")
     return None, None

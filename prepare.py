@@ -1,6 +1,6 @@
 """
 Turn a text corpus into token files for training: <out_dir>/train.bin, val.bin and meta.json,
-in the format data.py describes.
+in the format tokenfile.py describes.
 
     python prepare.py                                       # OpenWebText, from the HF hub
     python prepare.py --dataset=pystdlib --tokenizer=byte   # needs no network
@@ -30,14 +30,13 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 import data
-from tokenizer import TokenizerError, get_tokenizer
+import fileio
+import tokenfile
+from errors import UserError
+from tokenizer import get_tokenizer
 
 EXTENSIONS = (".txt", ".jsonl", ".json", ".parquet")
 CHUNK_CHARS = 1 << 20  # text sent to a worker at a time: big enough to amortise the pickling
-
-
-class PrepareError(Exception):
-    """Bad input; the message says what is wrong and how to fix it."""
 
 
 # ---- reading: each source is a function that yields one string per document ----
@@ -48,7 +47,7 @@ def utf8_lines(path):
         with open(path, encoding="utf-8-sig", newline="") as f:
             yield from f
     except UnicodeDecodeError as e:
-        raise PrepareError(f"{path} is not UTF-8 text ({e}): convert it to UTF-8 (e.g. with "
+        raise UserError(f"{path} is not UTF-8 text ({e}): convert it to UTF-8 (e.g. with "
                            f"iconv) or move it out of the corpus.") from e
 
 
@@ -56,16 +55,16 @@ def parse_json(text, where):
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise PrepareError(f"{where} is not valid JSON ({e}).") from e
+        raise UserError(f"{where} is not valid JSON ({e}).") from e
 
 
 def text_field(record, column, where):
     if not isinstance(record, dict) or column not in record:
         has = sorted(record) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
-        raise PrepareError(f"{where} has no {column!r} field (it has: {has}): pass "
+        raise UserError(f"{where} has no {column!r} field (it has: {has}): pass "
                            f"--text_column=<the field that holds the text>.")
     if not isinstance(record[column], (str, type(None))):
-        raise PrepareError(f"{where}: {column!r} holds a {type(record[column]).__name__}, not "
+        raise UserError(f"{where}: {column!r} holds a {type(record[column]).__name__}, not "
                            f"text: pass --text_column=<the field that holds the text>.")
     return record[column] or ""
 
@@ -87,7 +86,7 @@ def check_arrow_column(schema, column, where):
     kind = schema.field(column).type if column in schema.names else None
     if kind is None or not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         has = ", ".join(f"{f.name} ({f.type})" for f in schema)
-        raise PrepareError(f"{where} has no text column {column!r} (it has: {has}): pass "
+        raise UserError(f"{where} has no text column {column!r} (it has: {has}): pass "
                            f"--text_column=<the column that holds the text>.")
 
 
@@ -102,7 +101,7 @@ def parquet_documents(path, column):
         check_arrow_column(f.schema_arrow, column, path)
         yield from arrow_documents(f.iter_batches(batch_size=1024, columns=[column]), column)
     except (OSError, pa.ArrowException) as e:
-        raise PrepareError(f"{path} could not be read as parquet ({e}).") from e
+        raise UserError(f"{path} could not be read as parquet ({e}).") from e
 
 
 def file_documents(path, column):
@@ -132,13 +131,13 @@ def stdlib_files(root):
 
 def local_files(dataset):
     if not (os.path.exists(dataset) or glob.has_magic(dataset)):
-        raise PrepareError(f"--dataset={dataset!r} does not exist: check the path (relative "
+        raise UserError(f"--dataset={dataset!r} does not exist: check the path (relative "
                            f"paths start at {os.getcwd()}).")
     pattern = os.path.join(dataset, "**", "*") if os.path.isdir(dataset) else dataset
     files = [p for p in sorted(glob.glob(pattern, recursive=True))
              if os.path.isfile(p) and p.endswith(EXTENSIONS)]
     if not files:
-        raise PrepareError(f"--dataset={dataset!r} matches no {', '.join(EXTENSIONS)} files: "
+        raise UserError(f"--dataset={dataset!r} matches no {', '.join(EXTENSIONS)} files: "
                            f"check the path (relative paths start at {os.getcwd()}).")
     return files
 
@@ -166,7 +165,7 @@ def hub_dataset(name, column):
         except Exception as e:
             errors.append(f"{revision or 'default branch'}: {type(e).__name__}: {e}")
     else:
-        raise PrepareError(
+        raise UserError(
             f"--dataset={name!r} is not a file, folder or glob match here, and the datasets "
             f"library could not load it from the Hugging Face hub ({'; '.join(errors)}). Hub "
             f"datasets need network access the first time (then they are cached): check the "
@@ -206,25 +205,30 @@ def count_documents(documents):
     """Non-empty documents, empty ones, and files that could not be decoded (None)."""
     n = {"documents": 0, "empty": 0, "undecodable": 0}
     for text in tqdm(documents(), desc="counting documents", unit=" docs"):
-        n["undecodable" if text is None else "documents" if is_document(text) else "empty"] += 1
+        if text is None:
+            n["undecodable"] += 1
+        elif is_document(text):
+            n["documents"] += 1
+        else:
+            n["empty"] += 1
     return n
 
 
 def validation_size(args, n_docs, source):
     if n_docs == 0:
-        raise PrepareError(f"the corpus ({source}) holds no non-empty documents: check "
+        raise UserError(f"the corpus ({source}) holds no non-empty documents: check "
                            f"--dataset and --text_column.")
     if n_docs == 1:
-        raise PrepareError(f"the corpus ({source}) is a single document (a .txt file is one "
+        raise UserError(f"the corpus ({source}) is a single document (a .txt file is one "
                            f"document), which cannot be split into training and validation "
                            f"data: pass several files (a folder or a glob), or a .jsonl file "
                            f"with one document per line.")
     if not 0 <= args.val_fraction < 1:
-        raise PrepareError(f"--val_fraction={args.val_fraction} is not in [0, 1).")
+        raise UserError(f"--val_fraction={args.val_fraction} is not in [0, 1).")
     n_val = args.val_docs if args.val_docs is not None else \
         max(1, round(n_docs * args.val_fraction))
     if not 1 <= n_val < n_docs:
-        raise PrepareError(f"{n_val} validation documents out of the corpus's {n_docs} non-empty "
+        raise UserError(f"{n_val} validation documents out of the corpus's {n_docs} non-empty "
                            f"ones ({source}) leave no training or no validation data: pass a "
                            f"--val_docs or --val_fraction that keeps 1 to {n_docs - 1} documents "
                            f"for validation.")
@@ -261,14 +265,16 @@ def init_worker(tokenizer_name):
 
 
 def encode_chunk(task):
-    """[(tokens, documents) of the train documents, the same of the val documents]."""
-    texts, val = task
-    ids = ([], [])
-    for text, v in zip(texts, val):
-        ids[v].extend(_tokenizer.encode(text))
-        ids[v].append(_tokenizer.eot)
-    dtype = data.token_dtype(_tokenizer.vocab_size)
-    return [(np.array(ids[v], dtype=dtype), val.count(v)) for v in (False, True)]
+    """{split: (its tokens, its number of documents)} for one chunk."""
+    texts, in_val = task
+    ids = {split: [] for split in tokenfile.SPLITS}
+    for text, is_val in zip(texts, in_val):
+        split = "val" if is_val else "train"
+        ids[split].extend(_tokenizer.encode(text))
+        ids[split].append(_tokenizer.eot)
+    dtype = tokenfile.token_dtype(_tokenizer.vocab_size)
+    return {split: (np.array(ids[split], dtype=dtype), in_val.count(split == "val"))
+            for split in tokenfile.SPLITS}
 
 
 def ordered_map(pool, fn, items, ahead):
@@ -284,19 +290,17 @@ def ordered_map(pool, fn, items, ahead):
 
 
 def write_tokens(files, texts, n_docs, n_val, args):
-    stats = {s: {"tokens": 0, "documents": 0, "max_token_id": 0} for s in data.SPLITS}
-    work = chunks(texts, n_docs, n_val, data._key(args.seed))
+    """Append each chunk's tokens to the split's file; the documents of each split."""
+    documents = dict.fromkeys(tokenfile.SPLITS, 0)
+    work = chunks(texts, n_docs, n_val, data.hash_key(args.seed))
     with Pool(args.num_proc, init_worker, (args.tokenizer,)) as pool, \
             tqdm(total=n_docs, desc="tokenizing", unit=" docs") as bar:
         for result in ordered_map(pool, encode_chunk, work, ahead=2 * args.num_proc):
-            for split, (ids, n) in zip(data.SPLITS, result):
+            for split, (ids, n) in result.items():
                 ids.tofile(files[split])
-                s = stats[split]
-                s["tokens"] += len(ids)
-                s["documents"] += n
-                s["max_token_id"] = max(s["max_token_id"], int(ids.max(initial=0)))
+                documents[split] += n
                 bar.update(n)
-    return stats
+    return documents
 
 
 # ---- output: .tmp files, renamed to their final names when complete, meta.json last ----
@@ -304,24 +308,31 @@ def write_tokens(files, texts, n_docs, n_val, args):
 def open_outputs(out_dir):
     try:
         os.makedirs(out_dir, exist_ok=True)
-        return {s: open(os.path.join(out_dir, f"{s}.bin.tmp"), "wb") for s in data.SPLITS}
+        return {s: open(os.path.join(out_dir, f"{s}.bin.tmp"), "wb") for s in tokenfile.SPLITS}
     except OSError as e:
-        raise PrepareError(f"cannot write to --out_dir={out_dir} ({e}): pass an --out_dir "
+        raise UserError(f"cannot write to --out_dir={out_dir} ({e}): pass an --out_dir "
                            f"that you can create and write files in.") from e
 
 
-def publish_outputs(out_dir, files, meta):
-    # meta.json vouches for the .bin files, so the old one goes before they change
-    if os.path.exists(os.path.join(out_dir, data.META_NAME)):
-        os.remove(os.path.join(out_dir, data.META_NAME))
+def publish_outputs(out_dir, files, documents, tokenizer, provenance):
+    """Rename the complete .tmp files and write meta.json, which vouches for them, last."""
+    old_meta = os.path.join(out_dir, tokenfile.META_NAME)
+    if os.path.exists(old_meta):  # it vouches for the old files: it goes before they change
+        os.remove(old_meta)
+    splits = {}
     for split, f in files.items():
-        data.publish(f.name, os.path.join(out_dir, f"{split}.bin"))
-    data.write_meta(out_dir, meta)
+        path = os.path.join(out_dir, f"{split}.bin")
+        fileio.publish(f.name, path)
+        splits[split] = tokenfile.describe_split(path, tokenfile.token_dtype(
+            tokenizer.vocab_size), documents[split])
+    tokenfile.write_meta(out_dir, tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size,
+                         eot_token=tokenizer.eot, splits=splits, **provenance)
+    return splits
 
 
 def prepare(args):
     if args.num_proc < 1:
-        raise PrepareError(f"--num_proc={args.num_proc}: use at least 1 process.")
+        raise UserError(f"--num_proc={args.num_proc}: use at least 1 process.")
     tokenizer = get_tokenizer(args.tokenizer)
     name, source, documents = open_source(args.dataset, args.text_column)
     counts = count_documents(documents)
@@ -329,21 +340,15 @@ def prepare(args):
     out_dir = args.out_dir or os.path.join("data", name)
     files = open_outputs(out_dir)
     try:
-        stats = write_tokens(files, filter(is_document, documents()), counts["documents"],
-                             n_val, args)
+        documents_per_split = write_tokens(files, filter(is_document, documents()),
+                                           counts["documents"], n_val, args)
         for f in files.values():
             f.close()
-        for s in data.SPLITS:
-            stats[s]["fingerprint"] = data.sampled_fingerprint(files[s].name)
-        publish_outputs(out_dir, files, {
-            "format_version": data.FORMAT_VERSION,
-            "dtype": data.token_dtype(tokenizer.vocab_size).name,
-            "vocab_size": tokenizer.vocab_size, "tokenizer": args.tokenizer,
-            "eot_token": tokenizer.eot, "splits": stats,
+        stats = publish_outputs(out_dir, files, documents_per_split, tokenizer, {
             "source": args.dataset, "source_detail": source, "text_column": args.text_column,
             "val_selection": f"non-empty document d (from 0, in corpus order) is in val iff "
-                             f"data.permute(d, {counts['documents']}, data._key({args.seed})) "
-                             f"< {n_val}",
+                             f"data.permute(d, {counts['documents']}, data.hash_key({args.seed}))"
+                             f" < {n_val}",
             "seed": args.seed, "skipped_empty_documents": counts["empty"],
             "skipped_undecodable_files": counts["undecodable"]})
     except BaseException:
@@ -357,7 +362,7 @@ def prepare(args):
 
 def parse_args():
     p = argparse.ArgumentParser(
-        description="Tokenize a corpus into train.bin, val.bin and meta.json (format: data.py): "
+        description="Tokenize a corpus into train.bin, val.bin and meta.json (format: tokenfile.py): "
                     "each non-empty document followed by end-of-text; empty ones are skipped.")
     p.add_argument("--dataset", default="openwebtext", help=(
         "a Hugging Face hub dataset (its train split; needs network the first time), or local "
@@ -388,18 +393,18 @@ def main():
     t0 = time.time()
     try:
         out_dir, stats, counts = prepare(args)
-    except (PrepareError, TokenizerError, data.DataError, OSError) as e:
+    except (UserError, OSError) as e:
         sys.exit(f"prepare.py: error: {e}")
     except KeyboardInterrupt:
         sys.exit("prepare.py: interrupted; no new output was published.")
     elapsed = time.time() - t0
-    for s in data.SPLITS:
+    for s in tokenfile.SPLITS:
         path = os.path.join(out_dir, f"{s}.bin")
         print(f"{s:5s}: {stats[s]['tokens']:,} tokens, {stats[s]['documents']:,} documents -> "
               f"{path} ({os.path.getsize(path) / 1e6:.1f} MB)")
-    print(f"meta : {os.path.join(out_dir, data.META_NAME)}")
+    print(f"meta : {os.path.join(out_dir, tokenfile.META_NAME)}")
     print(f"skipped {counts['empty']:,} empty documents, {counts['undecodable']:,} undecodable "
-          f"files; {sum(stats[s]['tokens'] for s in data.SPLITS) / elapsed:,.0f} tokens/s, "
+          f"files; {sum(stats[s]['tokens'] for s in tokenfile.SPLITS) / elapsed:,.0f} tokens/s, "
           f"{elapsed:.1f} s in all")
 
 

@@ -13,10 +13,11 @@ import torch
 
 import checkpoint
 import configurator
-import data
+import tokenfile
+from errors import UserError
 from model import GPT, GPTConfig
-from tokenizer import TokenizerError, get_tokenizer
-from train import pick_device, pick_dtype
+from tokenizer import get_tokenizer
+from train import Dtype, pick_device, pick_dtype
 
 
 @dataclass
@@ -29,12 +30,8 @@ class SampleConfig:
     top_k: int = 200  # sample among the k likeliest tokens only; 0 keeps them all
     seed: int = 1337
     device: str = "auto"  # 'auto': cuda when it is there, else cpu
-    dtype: str = "auto"  # as in train.py
+    dtype: Dtype = "auto"  # as in train.py
     compile: bool = False
-
-
-class SampleError(Exception):
-    """A problem the user can fix; printed as one paragraph, without a traceback."""
 
 
 def tokenizer_name(state):
@@ -43,7 +40,7 @@ def tokenizer_name(state):
     meta, where = state.get("data_meta"), "the checkpoint's data_meta"
     data_dir = (state.get("config") or {}).get("data_dir")
     if meta is None and data_dir:
-        meta, where = data.read_meta(data_dir), os.path.join(data_dir, data.META_NAME)
+        meta, where = tokenfile.read_meta(data_dir), os.path.join(data_dir, tokenfile.META_NAME)
     if meta and meta.get("tokenizer"):
         return meta["tokenizer"], where
     return "gpt2", "nanoGPT's default, as the checkpoint names none"
@@ -53,8 +50,6 @@ def main(argv):
     cfg = configurator.parse(SampleConfig, argv)
     log = functools.partial(print, file=sys.stderr)  # stdout is for the samples alone
     for key, ok, need in (
-            ("dtype", cfg.dtype in ("auto", "float32", "bfloat16", "float16"),
-             "'auto', 'float32', 'bfloat16' or 'float16'"),
             ("temperature", cfg.temperature > 0, "above 0 (--top_k=1 picks the likeliest token)"),
             ("num_samples", cfg.num_samples >= 1, "at least 1"),
             ("max_new_tokens", cfg.max_new_tokens >= 0, "at least 0"),
@@ -62,28 +57,28 @@ def main(argv):
             ("device", not cfg.device.startswith("cuda") or torch.cuda.is_available(),
              "'cpu' or 'auto' here: torch sees no CUDA device")):
         if not ok:
-            raise configurator.ConfigError(f"{key}={getattr(cfg, key)!r} must be {need}")
+            raise UserError(f"{key}={getattr(cfg, key)!r} must be {need}")
     prompt = cfg.start
     if prompt.startswith("FILE:"):  # read before the checkpoint: a typo should not cost a load
         try:
             with open(prompt[5:], encoding="utf-8") as f:
                 prompt = f.read()
         except (OSError, UnicodeDecodeError) as e:
-            raise SampleError(f"cannot read the prompt file {prompt[5:]!r} ({e}): give --start="
+            raise UserError(f"cannot read the prompt file {prompt[5:]!r} ({e}): give --start="
                               f"FILE:<a UTF-8 text file>, or the prompt itself as --start=<text>.")
     state, path = checkpoint.load_latest(cfg.out_dir, log=log)
     if state is None:
-        raise SampleError(f"{cfg.out_dir} holds no loadable checkpoint (ckpt_*.pt or nanoGPT's "
+        raise UserError(f"{cfg.out_dir} holds no loadable checkpoint (ckpt_*.pt or nanoGPT's "
                           f"ckpt.pt): set --out_dir to where train.py saved, or train a model.")
     name, where = tokenizer_name(state)
     log(f"sample.py: {path} (iter {state['iter_num']}), tokenizer {name!r} from {where}")
     tok, vocab_size = get_tokenizer(name), state["model_args"]["vocab_size"]
     if tok.vocab_size > vocab_size:
-        raise SampleError(f"the model has {vocab_size} token ids, fewer than {name!r}'s "
+        raise UserError(f"the model has {vocab_size} token ids, fewer than {name!r}'s "
                           f"{tok.vocab_size}: put its data's meta.json in the data_dir it names.")
     ids = tok.encode(prompt)
     if not ids:
-        raise SampleError(f"the prompt {cfg.start!r} is empty, but the model needs at least one "
+        raise UserError(f"the prompt {cfg.start!r} is empty, but the model needs at least one "
                           f"token to continue: give --start some text (the default is a newline).")
 
     device = pick_device(cfg, local_rank=0)
@@ -113,7 +108,6 @@ def main(argv):
 if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
-    except (configurator.ConfigError, SampleError, TokenizerError, data.DataError,
-            checkpoint.CheckpointError) as e:
+    except UserError as e:
         print(f"sample.py: error: {e}", file=sys.stderr)
         sys.exit(1)

@@ -3,9 +3,14 @@
 'byte' is UTF-8 bytes as ids 0..255 plus an end-of-text id 256: it needs no download,
 so a machine with no network can prepare, train and sample.
 """
+import hashlib
+import os
+import shutil
 from typing import Callable, NamedTuple
 
 import numpy as np
+
+from errors import UserError
 
 
 class Tokenizer(NamedTuple):
@@ -14,10 +19,6 @@ class Tokenizer(NamedTuple):
     eot: int  # the end-of-text id, appended after every document
     encode: Callable[[str], list]  # ordinary text: special-token strings are plain text
     decode: Callable[[list], str]
-
-
-class TokenizerError(Exception):
-    pass
 
 
 def _byte_tokenizer():
@@ -41,18 +42,27 @@ def _tiktoken_tokenizer(name):
     try:
         enc = tiktoken.get_encoding(_SAME_AS.get(name, name))
     except ValueError as e:
-        raise TokenizerError(
+        raise UserError(
             f"unknown tokenizer {name!r}: use 'byte' or a tiktoken encoding "
             f"({', '.join(tiktoken.list_encoding_names())})") from e
     except Exception as e:
-        raise TokenizerError(
+        raise UserError(
             f"tiktoken could not load the {name!r} vocabulary ({type(e).__name__}: {e}). "
-            "tiktoken downloads it once and caches it; with no network, copy the "
-            ".tiktoken file into a folder under the cache name tiktoken expects and set "
-            "TIKTOKEN_CACHE_DIR to that folder, or use --tokenizer=byte, which needs no "
+            "tiktoken downloads it once and caches it; with no network, put a copy of the "
+            ".tiktoken file in a folder with tokenizer.install_tiktoken_file(file, folder) and "
+            "set TIKTOKEN_CACHE_DIR to that folder, or use --tokenizer=byte, which needs no "
             "download.") from e
     return Tokenizer(name, enc.n_vocab, enc.eot_token, enc.encode_ordinary, enc.decode)
 
 
 def get_tokenizer(name):
     return _byte_tokenizer() if name == "byte" else _tiktoken_tokenizer(name)
+
+
+def install_tiktoken_file(vocab_file, cache_dir, encoding="r50k_base"):
+    """Put a copy of an encoding's .tiktoken file where tiktoken looks before it downloads, so
+    that with TIKTOKEN_CACHE_DIR=cache_dir the encoding (and 'gpt2', for r50k_base) loads with
+    no network. tiktoken names a cached file by the sha1 of the address it comes from."""
+    url = f"https://openaipublic.blob.core.windows.net/encodings/{encoding}.tiktoken"
+    os.makedirs(cache_dir, exist_ok=True)
+    shutil.copy(vocab_file, os.path.join(cache_dir, hashlib.sha1(url.encode()).hexdigest()))

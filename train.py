@@ -5,8 +5,12 @@
   srun python train.py config/owt.py                         # one SLURM task per GPU
 
 Every key, its default and its type is in TrainConfig below; config files and --key=value
-arguments override them (configurator.py). Data positions are global sample indices (data.py),
-so a run resumes exactly, also on another world size with the same global batch.
+arguments override them (configurator.py). The data position is a number of global samples
+(data.py), so a run resumes exactly, also on another world size with the same global batch.
+
+The file reads top to bottom: the configuration, the distributed set-up, start-up (everything
+that can fail on bad input, checked on every rank before the first step), evaluation, one
+optimizer step, and main() with the training loop.
 """
 import dataclasses
 import json
@@ -19,6 +23,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -27,7 +32,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 import configurator
 import data
+import tokenfile
+from errors import UserError
 from model import GPT, GPTConfig
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 @dataclass
@@ -39,7 +48,7 @@ class TrainConfig:
     eval_iters: int = 200  # evaluation reads eval_iters * batch_size fixed windows per split
     eval_only: bool = False
     always_save_checkpoint: bool = True  # else only when val loss improves (and at the end)
-    init_from: str = "scratch"  # 'scratch', 'resume' (newest checkpoint in out_dir) or 'auto'
+    init_from: Literal["scratch", "resume", "auto"] = "scratch"  # auto: resume if possible
     keep_checkpoints: int = 3
     # wandb
     wandb_log: bool = False
@@ -47,7 +56,7 @@ class TrainConfig:
     wandb_run_name: str = "gpt2"
     # data
     data_dir: str = "data/openwebtext"
-    sampling: str = "epoch"  # 'epoch': every block once per epoch; 'random': nanoGPT's
+    sampling: Literal["epoch", "random"] = "epoch"  # epoch: every block once; random: nanoGPT's
     gradient_accumulation_steps: int = 5 * 8  # global: divided by the world size
     batch_size: int = 12  # per rank and micro-step
     block_size: int = 1024
@@ -69,40 +78,40 @@ class TrainConfig:
     warmup_iters: int = 2000
     lr_decay_iters: int = 600000
     min_lr: float = 6e-5
-    nan_policy: str = "stop"  # on a non-finite loss or gradient: 'stop', or 'skip' the step
+    nan_policy: Literal["stop", "skip"] = "stop"  # on a non-finite loss or gradient
     # system
-    backend: str = ""  # '' picks nccl on CUDA, gloo on CPU
-    device: str = "auto"  # 'auto': cuda:<local rank> when CUDA is there, else cpu
-    dtype: str = "auto"  # 'auto': bfloat16 on CUDA that has it, float16 on other CUDA, float32 on CPU
+    backend: Literal["", "nccl", "gloo"] = ""  # '' picks nccl on CUDA, gloo on CPU
+    device: str = "auto"  # 'auto' and 'cuda': cuda:<local rank> when CUDA is there, else cpu
+    dtype: Dtype = "auto"  # 'auto': bfloat16 on CUDA that has it, float16 on other CUDA, else float32
     compile: bool = False
     dist_timeout_s: int = 600  # how long a collective may wait before the run fails
     seed: int = 1337
 
 
-CHOICES = {"init_from": ("scratch", "resume", "auto"), "sampling": data.SAMPLING_MODES,
-           "nan_policy": ("stop", "skip"), "backend": ("", "nccl", "gloo"),
-           "dtype": ("auto", "float32", "bfloat16", "float16")}
+AT_LEAST_ONE = ("batch_size", "block_size", "gradient_accumulation_steps", "eval_iters",
+                "eval_interval", "log_interval", "keep_checkpoints", "n_layer", "n_head")
 # dense bf16 peak of one GPU, by a substring of its name, for MFU
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
 
 
-class RunError(Exception):
-    """A problem the user can fix; printed as one paragraph, without a traceback."""
+def peak_flops(device):
+    """The device's dense bf16 peak in FLOP/s, for MFU; None when unknown (or a CPU)."""
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
 
 
 def check_config(cfg):
-    for key, allowed in CHOICES.items():
-        if getattr(cfg, key) not in allowed:
-            raise configurator.ConfigError(
-                f"{key}={getattr(cfg, key)!r} is not one of {', '.join(map(repr, allowed))}")
-    for key in ("batch_size", "block_size", "gradient_accumulation_steps", "eval_iters",
-                "eval_interval", "log_interval", "keep_checkpoints", "n_layer", "n_head"):
+    """The ranges the types cannot say (the choices are checked by the configurator)."""
+    for key in AT_LEAST_ONE:
         if getattr(cfg, key) < 1:
-            raise configurator.ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
+            raise UserError(f"{key}={getattr(cfg, key)} must be at least 1")
     if cfg.n_embd % cfg.n_head:
-        raise configurator.ConfigError(
-            f"n_embd={cfg.n_embd} must be a multiple of n_head={cfg.n_head}")
+        raise UserError(f"n_embd={cfg.n_embd} must be a multiple of n_head={cfg.n_head}")
 
+
+# ---- the distributed set-up ----
 
 def distributed_env():
     """(rank, local_rank, world_size): torchrun's variables, else one srun task per process."""
@@ -112,11 +121,11 @@ def distributed_env():
     if int(env.get("SLURM_NTASKS", 1)) > 1 and "SLURM_PROCID" in env:
         for key in ("MASTER_ADDR", "MASTER_PORT"):
             if key not in env:
-                raise RunError(
+                raise UserError(
                     f"{key} is not set: with one srun task per GPU, train.py needs MASTER_ADDR "
                     f"and MASTER_PORT; launch through launch/srun.sh, which sets them.")
-        rank, local_rank, world_size = (int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]),
-                                        int(env["SLURM_NTASKS"]))
+        rank, local_rank = int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"])
+        world_size = int(env["SLURM_NTASKS"])
         # init_process_group's env:// rendezvous reads RANK and WORLD_SIZE: set them as
         # torchrun would (srun sets only the SLURM_* variables)
         env.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size))
@@ -138,120 +147,13 @@ def pick_dtype(cfg, device_type):
     return "float32"
 
 
-def lr_at(cfg, it):
-    """Linear warm-up, then cosine decay to min_lr at lr_decay_iters, then min_lr."""
-    if not cfg.decay_lr:
-        return cfg.learning_rate
-    if it < cfg.warmup_iters:
-        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
-    if it > cfg.lr_decay_iters:
-        return cfg.min_lr
-    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
-
-
-def model_vocab_size(cfg, meta):
-    if cfg.vocab_size:
-        return cfg.vocab_size
-    if meta is None:
-        return 50304  # GPT-2's 50257 rounded up, as nanoGPT does for raw .bin folders
-    return -(-meta["vocab_size"] // 64) * 64  # a multiple of 64 runs faster on GPUs
-
-
-def preflight(cfg, world_size, resume_state, meta, n_params):
-    """Checks that can fail before the first step; each raises RunError/DataError."""
-    micro = cfg.gradient_accumulation_steps
-    if micro % world_size:
-        raise RunError(
-            f"gradient_accumulation_steps={micro} is the global number of micro-steps and must "
-            f"be a multiple of the world size {world_size}: use {max(1, micro // world_size) * world_size}.")
-    if cfg.eval_only and resume_state is None and cfg.init_from == "resume":
-        raise RunError(f"eval_only with init_from='resume' needs a checkpoint in {cfg.out_dir}")
-    if resume_state is not None:
-        used = (resume_state.get("data_meta") or {}).get("tokenizer")
-        if meta is not None and used is not None and used != meta.get("tokenizer"):
-            raise RunError(
-                f"the checkpoint was trained on {used!r} tokens but {cfg.data_dir} holds "
-                f"{meta.get('tokenizer')!r} tokens: set data_dir to data made with {used!r}.")
-        global_batch = cfg.batch_size * micro
-        if resume_state["samples_consumed"] % global_batch:
-            raise RunError(
-                f"the checkpoint consumed {resume_state['samples_consumed']} samples, not a "
-                f"whole number of global batches of {global_batch} (batch_size x "
-                f"gradient_accumulation_steps): resume with a global batch that divides it.")
-    try:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        probe = os.path.join(cfg.out_dir, f".write_test_{os.getpid()}")
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as e:
-        raise RunError(f"out_dir {cfg.out_dir} cannot be written ({e.strerror or e}): set "
-                       f"--out_dir to a folder you can write to.") from e
-    need = n_params * 4 * 3 * 1.1  # fp32 weights and two AdamW moments
-    free = shutil.disk_usage(cfg.out_dir).free
-    if free < need:
-        raise RunError(f"out_dir {cfg.out_dir} has {free / 2**20:.0f} MiB free, less than one "
-                       f"checkpoint needs (about {need / 2**20:.0f} MiB): free space or move "
-                       f"out_dir.")
-
-
-def agree(errors_here, world_size, rank):
-    """Share each rank's start-up error so that all ranks stop together and rank 0 reports
-    every distinct problem once; no rank is left waiting in a later collective."""
-    errors = [errors_here]
+def init_distributed(cfg, device, world_size):
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(device)
     if world_size > 1:
-        errors = [None] * world_size
-        dist.all_gather_object(errors, errors_here)
-    problems = {}
-    for r, e in enumerate(errors):
-        if e is not None:
-            problems.setdefault(e, []).append(r)
-    if problems and rank == 0:
-        for message, ranks in problems.items():
-            where = f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})" \
-                if world_size > 1 else ""
-            print(f"train.py: error{where}: {message}", file=sys.stderr)
-    return not problems
-
-
-def data_identity(tokens):
-    return tokens.n_tokens, data.sampled_fingerprint(tokens.path)
-
-
-@torch.no_grad()
-def evaluate(model, splits, cfg, rank, world_size, autocast, device, vocab_size):
-    """Mean loss over the fixed evaluation windows of each split, over all ranks."""
-    model.eval()
-    out = {}
-    for name, tokens in splits.items():
-        offsets = data.eval_offsets(tokens.n_tokens, cfg.block_size,
-                                    cfg.eval_iters * cfg.batch_size)[rank::world_size]
-        total = torch.zeros(2, dtype=torch.float64, device=device)
-        for i in range(0, len(offsets), cfg.batch_size):
-            chunk = offsets[i:i + cfg.batch_size]
-            x, y = data.read_windows(tokens, chunk, cfg.block_size, vocab_size)
-            with autocast:
-                _, loss = model(x.to(device), y.to(device))
-            total += torch.stack([loss.double() * len(chunk), torch.tensor(
-                len(chunk), dtype=torch.float64, device=device)])
-        if world_size > 1:
-            dist.all_reduce(total)
-        out[name] = (total[0] / total[1]).item()
-    model.train()
-    return out
-
-
-def settle_gradient_buckets(model, cfg, device, autocast):
-    """One backward whose gradients are thrown away. DDP's first backward all-reduces every
-    gradient as one bucket, and later ones in buckets rebuilt in the order the gradients came;
-    with more than two ranks a sum's rounding depends on that layout. So every counted step,
-    in a fresh run or after a resume, uses the rebuilt buckets, and a resumed run repeats the
-    uninterrupted one bit for bit."""
-    x = torch.zeros((cfg.batch_size, cfg.block_size), dtype=torch.long, device=device)
-    model.require_backward_grad_sync = True
-    with autocast:
-        _, loss = model(x, x)
-    loss.backward()
+        backend = cfg.backend or ("nccl" if torch.device(device).type == "cuda" else "gloo")
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout_s),
+                                device_id=torch.device(device) if backend == "nccl" else None)
 
 
 def catch_stop_signals():
@@ -264,225 +166,433 @@ def catch_stop_signals():
     return received
 
 
+# ---- start-up: everything that can fail on bad input, before any rank takes a step ----
+
+def model_args(cfg, meta):
+    """GPTConfig's arguments for a model trained from scratch on data described by meta."""
+    vocab_size = cfg.vocab_size
+    if not vocab_size:  # a multiple of 64 runs faster on GPUs; 50304 is GPT-2's, as nanoGPT
+        vocab_size = 50304 if meta is None else -(-meta["vocab_size"] // 64) * 64
+    return dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+                block_size=cfg.block_size, bias=cfg.bias, dropout=cfg.dropout,
+                vocab_size=vocab_size)
+
+
+def load_resume_state(cfg, log):
+    """The checkpoint to resume from, or None to start from scratch."""
+    if cfg.init_from == "scratch":
+        return None
+    state, path = checkpoint.load_latest(cfg.out_dir, log=log)
+    if state is None and cfg.init_from == "resume":
+        raise UserError(f"init_from='resume' but {cfg.out_dir} holds no loadable checkpoint "
+                        f"(ckpt_*.pt): train from scratch with --init_from=scratch, or use "
+                        f"--init_from=auto.")
+    if state is not None:
+        log(f"resuming from {path} (iter {state['iter_num']})")
+    return state
+
+
+def samples_consumed(resume, global_batch):
+    """A checkpoint's data position; nanoGPT's checkpoints have none, but took whole steps."""
+    return resume.get("samples_consumed", resume["iter_num"] * global_batch)
+
+
+def check_resume(cfg, resume, meta, world_size):
+    if cfg.gradient_accumulation_steps % world_size:
+        micro = cfg.gradient_accumulation_steps
+        raise UserError(
+            f"gradient_accumulation_steps={micro} is the global number of micro-steps and must "
+            f"be a multiple of the world size {world_size}: use "
+            f"{max(1, micro // world_size) * world_size}.")
+    if resume is None:
+        return
+    used = (resume.get("data_meta") or {}).get("tokenizer")
+    if meta is not None and used is not None and used != meta.get("tokenizer"):
+        raise UserError(
+            f"the checkpoint was trained on {used!r} tokens but {cfg.data_dir} holds "
+            f"{meta.get('tokenizer')!r} tokens: set data_dir to data made with {used!r}.")
+    global_batch = cfg.batch_size * cfg.gradient_accumulation_steps
+    if samples_consumed(resume, global_batch) % global_batch:
+        raise UserError(
+            f"the checkpoint consumed {samples_consumed(resume, global_batch)} samples, not a "
+            f"whole number of global batches of {global_batch} (batch_size x gradient_accumulation_steps): "
+            f"resume with a global batch that divides it.")
+
+
+def check_out_dir(out_dir, n_params):
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f".write_test_{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"out_dir {out_dir} cannot be written ({e.strerror or e}): set "
+                        f"--out_dir to a folder you can write to.") from e
+    need = n_params * 4 * 3 * 1.1  # fp32 weights and two AdamW moments
+    free = shutil.disk_usage(out_dir).free
+    if free < need:
+        raise UserError(f"out_dir {out_dir} has {free / 2**20:.0f} MiB free, less than one "
+                        f"checkpoint needs (about {need / 2**20:.0f} MiB): free space or move "
+                        f"out_dir.")
+
+
+def start_up(cfg, world_size, log):
+    """(checkpoint to resume or None, the data's meta.json, model_args, {split: TokenFile},
+    the model on the CPU). Raises UserError for anything the user must fix."""
+    resume = load_resume_state(cfg, log)
+    meta = tokenfile.read_meta(cfg.data_dir)
+    args = model_args(cfg, meta)
+    if resume is not None:  # the architecture is the checkpoint's, as in nanoGPT
+        args.update({k: v for k, v in resume["model_args"].items() if k != "dropout"})
+        cfg.block_size = args["block_size"]
+    splits = {split: tokenfile.open_split(cfg.data_dir, split, cfg.block_size,
+                                          args["vocab_size"], log=log)
+              for split in tokenfile.SPLITS}
+    check_resume(cfg, resume, meta, world_size)
+    if cfg.eval_only and resume is None and cfg.init_from == "resume":
+        raise UserError(f"eval_only with init_from='resume' needs a checkpoint in {cfg.out_dir}")
+    torch.manual_seed(cfg.seed)
+    model = GPT(GPTConfig(**args))
+    if resume is not None:
+        model.load_state_dict(checkpoint.model_state(resume))
+    check_out_dir(cfg.out_dir, sum(p.numel() for p in model.parameters()))
+    return resume, meta, args, splits, model
+
+
+def restore(cfg, model, resume, device_type, global_batch):
+    """(optimizer, scaler, iter_num, samples, best_val) of a fresh run, or as a checkpoint
+    left them. iter_num counts optimizer steps (the learning rate follows it); samples counts
+    the global samples read (the data position). They part when a run resumes with another
+    global batch, which is why the batch index is always samples // global_batch."""
+    scaler = torch.amp.GradScaler(device_type, enabled=pick_dtype(cfg, device_type) == "float16")
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate,
+                                           (cfg.beta1, cfg.beta2), device_type)
+    if resume is None:
+        return optimizer, scaler, 0, 0, float("inf")
+    optimizer.load_state_dict(resume["optimizer"])
+    if "scaler" in resume:
+        scaler.load_state_dict(resume["scaler"])
+    return (optimizer, scaler, resume["iter_num"], samples_consumed(resume, global_batch),
+            resume.get("best_val_loss", float("inf")))
+
+
+def autocast_for(dtype, device_type):
+    if dtype == "float32":
+        return nullcontext()
+    return torch.autocast(device_type, dtype={"bfloat16": torch.bfloat16,
+                                              "float16": torch.float16}[dtype])
+
+
+def agree(error, rank, world_size):
+    """Share each rank's start-up error so that all ranks stop together and rank 0 reports
+    every distinct problem once; no rank is left waiting in a later collective."""
+    errors = [error]
+    if world_size > 1:
+        errors = [None] * world_size
+        dist.all_gather_object(errors, error)
+    problems = {}
+    for r, e in enumerate(errors):
+        if e is not None:
+            problems.setdefault(e, []).append(r)
+    if problems and rank == 0:
+        for message, ranks in problems.items():
+            where = "" if world_size == 1 else \
+                f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+            print(f"train.py: error{where}: {message}", file=sys.stderr)
+    return not problems
+
+
+def same_data_on_all_ranks(splits, data_dir, rank, world_size):
+    """Every node must read the same token files, or the global batches are not one batch."""
+    if world_size == 1:
+        return True
+    mine = {s: (f.n_tokens, tokenfile.sampled_fingerprint(f.path)) for s, f in splits.items()}
+    identities = [None] * world_size
+    dist.all_gather_object(identities, mine)
+    if all(i == identities[0] for i in identities):
+        return True
+    if rank == 0:
+        detail = "; ".join(f"rank {r}: {i}" for r, i in enumerate(identities))
+        print(f"train.py: error: the ranks do not see the same data in {data_dir} (tokens, "
+              f"fingerprint per split: {detail}): every node must hold the same files.",
+              file=sys.stderr)
+    return False
+
+
+# ---- evaluation and the learning rate ----
+
+def lr_at(cfg, it):
+    """Linear warm-up, then cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    if not cfg.decay_lr:
+        return cfg.learning_rate
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    if it > cfg.lr_decay_iters:
+        return cfg.min_lr
+    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
+
+
+@torch.no_grad()
+def evaluate(model, splits, cfg, rank, world_size, autocast, device, vocab_size):
+    """Mean loss over the fixed evaluation windows of each split, shared out over the ranks.
+    The losses stay on the device until the one transfer per split at the end."""
+    model.eval()
+    out = {}
+    for name, token_file in splits.items():
+        offsets = data.eval_offsets(token_file.n_tokens, cfg.block_size,
+                                    cfg.eval_iters * cfg.batch_size)[rank::world_size]
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for i in range(0, len(offsets), cfg.batch_size):
+            chunk = offsets[i:i + cfg.batch_size]
+            x, y = data.read_xy(token_file, chunk, cfg.block_size, vocab_size)
+            with autocast:
+                _, loss = model(x.to(device), y.to(device))
+            loss_sum += loss.double() * len(chunk)
+        total = torch.stack([loss_sum, torch.full_like(loss_sum, len(offsets))])
+        if world_size > 1:
+            dist.all_reduce(total)
+        loss_sum, n = total.tolist()
+        out[name] = loss_sum / n
+    model.train()
+    return out
+
+
+# ---- one optimizer step ----
+
+def settle_gradient_buckets(model, cfg, device, autocast):
+    """One backward whose gradients are thrown away. DDP's first backward all-reduces every
+    gradient as one bucket, and later ones in buckets rebuilt in the order the gradients came;
+    with more than two ranks a sum's rounding depends on that layout. So every counted step,
+    in a fresh run or after a resume, uses the rebuilt buckets, and a resumed run repeats the
+    uninterrupted one bit for bit. (Two tensors, not x twice: torch.compile would guard on
+    their being one and compile the graph again at the first real step.)"""
+    x = torch.zeros((cfg.batch_size, cfg.block_size), dtype=torch.long, device=device)
+    model.require_backward_grad_sync = True
+    with autocast:
+        _, loss = model(x, torch.zeros_like(x))
+    loss.backward()
+
+
+def forward_backward(model, batches, micro_steps, autocast, scaler, world_size):
+    """This rank's micro-steps of one optimizer step: (the summed loss on the device, seconds
+    spent waiting for data). The gradients accumulate in the parameters."""
+    loss_sum, data_wait = 0.0, 0.0
+    for micro_step in range(micro_steps):
+        if world_size > 1:
+            # DDP all-reduces the gradients in the last micro-step's backward only. nanoGPT's
+            # note holds: model.no_sync() is the official way, but it bloats the code
+            model.require_backward_grad_sync = micro_step == micro_steps - 1
+        t = time.perf_counter()
+        x, y = next(batches)
+        data_wait += time.perf_counter() - t
+        with autocast:
+            _, loss = model(x, y)
+            loss = loss / micro_steps
+        scaler.scale(loss).backward()
+        loss_sum = loss_sum + loss.detach().float()
+    return loss_sum, data_wait
+
+
+def share_step_results(loss_sum, grad_norm, stop_signals, world_size):
+    """(global mean loss, gradient norm, whether any rank was signalled to stop) in one small
+    all-reduce and one transfer to the host: the step's only host-device synchronisation,
+    so the device is never left idle waiting on Python mid-step."""
+    shared = torch.stack([loss_sum, grad_norm.float(),
+                          torch.full_like(loss_sum, float(bool(stop_signals)))])
+    if world_size > 1:
+        dist.all_reduce(shared)  # a sum; the gradient norm is the same on every rank
+    loss, norm, stops = shared.tolist()
+    return loss / world_size, norm / world_size, stops > 0
+
+
+def skip_or_stop(cfg, log, what):
+    """A step that was not applied: stop (the default), or go on with the next one."""
+    if cfg.nan_policy == "stop":
+        raise UserError(f"{what}: training stopped without saving, so the last checkpoint is "
+                        f"still good. Try a lower learning_rate, grad_clip=1.0 or "
+                        f"dtype=bfloat16, and check the data at that batch; nan_policy='skip' "
+                        f"skips such steps.")
+    log(f"warning: {what}: step skipped (nan_policy='skip')")
+
+
+# ---- checkpoints and metrics ----
+
+def save_checkpoint(cfg, model, optimizer, scaler, args, meta, iter_num, samples, best_val):
+    return checkpoint.save(cfg.out_dir, {
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(), "model_args": args, "iter_num": iter_num,
+        "samples_consumed": samples, "best_val_loss": best_val,
+        "config": dataclasses.asdict(cfg), "data_meta": meta}, cfg.keep_checkpoints)
+
+
+def record(metrics, wandb, row):
+    """One row of metrics.jsonl (and of wandb); rank 0 alone has them open."""
+    if metrics is not None:
+        metrics.write(json.dumps(row) + "\n")
+        metrics.flush()
+    if wandb is not None:
+        wandb.log(row, step=row["iter"])
+
+
+def log_step(log, cfg, row, peak):
+    if row["iter"] % cfg.log_interval == 0:
+        mfu = f", mfu {row['mfu'] * 100:.1f}%" if peak else ""
+        log(f"iter {row['iter']}: loss {row['loss']:.4f}, lr {row['lr']:.2e}, "
+            f"{row['ms']:.1f} ms, {row['tok_per_s']:,.0f} tok/s{mfu}, "
+            f"data wait {row['data_wait'] * 100:.1f}%")
+
+
+def open_metrics(cfg, master):
+    """(metrics.jsonl opened for appending, the wandb module once initialised) on rank 0."""
+    if not master:
+        return None, None
+    metrics = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a")
+    if not cfg.wandb_log:
+        return metrics, None
+    import wandb  # slow to import, and only needed here
+    wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name,
+               config=dataclasses.asdict(cfg))
+    return metrics, wandb
+
+
 def main(argv):
-    stop_signal = catch_stop_signals()
+    stop_signals = catch_stop_signals()
     cfg = configurator.parse(TrainConfig, argv)
     check_config(cfg)
     rank, local_rank, world_size = distributed_env()
-    master = rank == 0
-    log = print if master else (lambda *a, **k: None)
+    log = print if rank == 0 else (lambda *a, **k: None)
     device = pick_device(cfg, local_rank)
-    device_type = torch.device(device).type
-    if device_type == "cuda":
-        torch.cuda.set_device(device)
-    if world_size > 1:
-        backend = cfg.backend or ("nccl" if device_type == "cuda" else "gloo")
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout_s),
-                                device_id=torch.device(device) if backend == "nccl" else None)
+    init_distributed(cfg, device, world_size)
     try:
-        return train(cfg, rank, world_size, master, log, device, device_type, stop_signal)
-    finally:
-        if world_size > 1:
-            dist.destroy_process_group()
-
-
-def train(cfg, rank, world_size, master, log, device, device_type, stop_signal):
-    micro_steps = cfg.gradient_accumulation_steps // world_size
-    global_batch = cfg.batch_size * cfg.gradient_accumulation_steps
-    error, state, splits = None, None, {}
-    try:
-        if cfg.init_from in ("resume", "auto"):
-            state, path = checkpoint.load_latest(cfg.out_dir, log=log)
-            if state is None and cfg.init_from == "resume":
-                raise RunError(f"init_from='resume' but {cfg.out_dir} holds no loadable "
-                               f"checkpoint (ckpt_*.pt): train from scratch with "
-                               f"--init_from=scratch, or use --init_from=auto.")
-            if state is not None:
-                log(f"resuming from {path} (iter {state['iter_num']})")
-        meta = data.read_meta(cfg.data_dir)
-        model_args = dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
-                          block_size=cfg.block_size, bias=cfg.bias, dropout=cfg.dropout,
-                          vocab_size=model_vocab_size(cfg, meta))
-        if state is not None:  # the architecture is the checkpoint's, as in nanoGPT
-            model_args.update({k: state["model_args"][k] for k in model_args if k != "dropout"})
-            cfg.block_size = model_args["block_size"]
-        for split in data.SPLITS:
-            splits[split] = data.open_split(cfg.data_dir, split, cfg.block_size,
-                                            model_args["vocab_size"], log=log)
-        torch.manual_seed(cfg.seed)
-        model = GPT(GPTConfig(**model_args))
-        preflight(cfg, world_size, state, meta, sum(p.numel() for p in model.parameters()))
-    except (RunError, data.DataError, configurator.ConfigError, checkpoint.CheckpointError) as e:
+        resume, meta, args, splits, model = start_up(cfg, world_size, log)
+        error = None
+    except UserError as e:
         error = str(e)
-    except Exception as e:  # an unexpected start-up failure must not leave other ranks waiting
-        error = f"{type(e).__name__}: {e}"
-    if not agree(error, world_size, rank):
+    if not agree(error, rank, world_size) or \
+            not same_data_on_all_ranks(splits, cfg.data_dir, rank, world_size):
         return 1
-    if world_size > 1:
-        identities = [None] * world_size
-        dist.all_gather_object(identities, {s: data_identity(t) for s, t in splits.items()})
-        if any(i != identities[0] for i in identities):
-            detail = "; ".join(f"rank {r}: {i}" for r, i in enumerate(identities))
-            agree(f"the ranks do not see the same data in {cfg.data_dir} (tokens, fingerprint "
-                  f"per split: {detail}): every node must hold the same files.", 1, rank)
-            return 1
-
     log(f"configuration:\n{configurator.describe(cfg)}")
-    dtype = pick_dtype(cfg, device_type)
-    autocast = nullcontext() if dtype == "float32" else torch.autocast(
-        device_type, dtype={"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype])
-    if state is not None:
-        model.load_state_dict(checkpoint.model_state(state))
-    model.to(device)
-    scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate,
-                                           (cfg.beta1, cfg.beta2), device_type)
-    iter_num, samples, best_val = 0, 0, float("inf")
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        if "scaler" in state:
-            scaler.load_state_dict(state["scaler"])
-        iter_num, best_val = state["iter_num"], state.get("best_val_loss", float("inf"))
-        samples = state.get("samples_consumed", iter_num * global_batch)
-    start_iter, start_step = iter_num, samples // global_batch
-    state = None  # free the checkpoint's tensors
-    raw_model = model
-    if cfg.compile:
-        model = torch.compile(model)
-    eval_model = model
+    train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, splits, model)
     if world_size > 1:
-        model = DDP(model, device_ids=[torch.device(device).index] if device_type == "cuda"
-                    else None)
-        settle_gradient_buckets(model, cfg, device, autocast)
+        dist.destroy_process_group()
+    return 0
+
+
+def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, splits, model):
+    master, device_type = rank == 0, torch.device(device).type
+    dtype = pick_dtype(cfg, device_type)
+    autocast = autocast_for(dtype, device_type)
+    global_batch = cfg.batch_size * cfg.gradient_accumulation_steps
+    micro_steps = cfg.gradient_accumulation_steps // world_size
+    model.to(device)
+    optimizer, scaler, iter_num, samples, best_val = restore(cfg, model, resume, device_type,
+                                                             global_batch)
+    start_iter, resume = iter_num, None  # free the checkpoint's tensors
+    # One set of weights, three handles: `model` owns them (checkpoints, clipping, the
+    # optimizer); `forward` is what evaluation calls, beneath DDP, which averages gradients
+    # that evaluation does not make, so ranks may run different numbers of evaluation batches;
+    # `trained` is what the steps call, and in DDP it all-reduces the gradients in backward.
+    forward = torch.compile(model) if cfg.compile else model
+    trained = forward
+    if world_size > 1:
+        trained = DDP(forward, device_ids=[torch.device(device).index]
+                      if device_type == "cuda" else None)
+        settle_gradient_buckets(trained, cfg, device, autocast)
         optimizer.zero_grad(set_to_none=True)
-    n_params = raw_model.get_num_params()
-    log(f"world size {world_size}, device {device}, dtype {dtype}, {n_params / 1e6:.2f}M "
-        f"parameters, global batch {global_batch} x {cfg.block_size} tokens "
-        f"({micro_steps} micro-steps of {cfg.batch_size} per rank)")
-
-    metrics = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") if master else None
-    wandb = None
-    if cfg.wandb_log and master:
-        import wandb
-        wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name,
-                   config=dataclasses.asdict(cfg))
-
-    def record(row):
-        if master:
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
-            if wandb is not None:
-                wandb.log(row, step=row["iter"])
-
-    def save():
-        path = checkpoint.save(cfg.out_dir, {
-            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict(), "model_args": model_args, "iter_num": iter_num,
-            "samples_consumed": step * global_batch, "best_val_loss": best_val,
-            "config": dataclasses.asdict(cfg), "data_meta": meta}, cfg.keep_checkpoints)
-        log(f"saved {path}")
-
-    train_tokens = splits["train"]
+    log(f"world size {world_size}, device {device}, dtype {dtype}, "
+        f"{model.get_num_params() / 1e6:.2f}M parameters, global batch {global_batch} x "
+        f"{cfg.block_size} tokens ({micro_steps} micro-steps of {cfg.batch_size} per rank)")
+    metrics, wandb = open_metrics(cfg, master)
+    train_file = splits["train"]
     batches = data.rank_batches(
-        train_tokens, block_size=cfg.block_size, batch_size=cfg.batch_size,
+        train_file, block_size=cfg.block_size, batch_size=cfg.batch_size,
         micro_steps=micro_steps, rank=rank, world_size=world_size, seed=cfg.seed,
-        mode=cfg.sampling, start_step=start_step, device=device,
-        vocab_size=model_args["vocab_size"])
-    peak = next((v for k, v in PEAK_FLOPS.items() if device_type == "cuda"
-                 and k in torch.cuda.get_device_name(device)), None)
-    flops_per_step = raw_model.flops_per_token() * global_batch * cfg.block_size
-    step = start_step
+        mode=cfg.sampling, start_step=samples // global_batch, device=device,
+        vocab_size=args["vocab_size"])
+    peak = peak_flops(device)
+    flops_per_step = model.flops_per_token() * global_batch * cfg.block_size
+
+    # ---------------------------------------------------------------- TRAINING LOOP BEGIN
     t_last = time.perf_counter()
     while True:
+        # evaluate, and save if this is a checkpoint to keep (not the one just resumed from)
         if iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters or cfg.eval_only:
-            losses = evaluate(eval_model, splits, cfg, rank, world_size, autocast, device,
-                              model_args["vocab_size"])
+            losses = evaluate(forward, splits, cfg, rank, world_size, autocast, device,
+                              args["vocab_size"])
             log(f"iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            record({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]})
-            improved = losses["val"] < best_val
-            best_val = min(best_val, losses["val"])
+            record(metrics, wandb, {"iter": iter_num, "train_loss": losses["train"],
+                                    "val_loss": losses["val"]})
+            improved, best_val = losses["val"] < best_val, min(best_val, losses["val"])
             if not all(map(math.isfinite, losses.values())):
                 log(f"warning: non-finite evaluation loss at iter {iter_num}: no checkpoint "
                     f"written, the previous ones are kept")
             elif master and iter_num > start_iter and (
                     improved or cfg.always_save_checkpoint or iter_num >= cfg.max_iters):
-                save()
+                path = save_checkpoint(cfg, model, optimizer, scaler, args, meta, iter_num,
+                                       samples, best_val)
+                log(f"saved {path}")
             t_last = time.perf_counter()
         if cfg.eval_only or iter_num >= cfg.max_iters:
             break
 
+        # one optimizer step over the global batch
         lr = lr_at(cfg, iter_num)
         for group in optimizer.param_groups:
             group["lr"] = lr
         torch.manual_seed(cfg.seed + 7919 * rank + 104729 * iter_num)  # dropout resumes exactly
-        loss_sum = torch.zeros((), device=device)
-        data_wait = 0.0
-        for micro in range(micro_steps):
-            if world_size > 1:  # sync gradients on the last micro-step only
-                model.require_backward_grad_sync = micro == micro_steps - 1
-            t_data = time.perf_counter()
-            x, y = next(batches)
-            data_wait += time.perf_counter() - t_data
-            with autocast:
-                _, loss = model(x, y)
-                loss = loss / micro_steps
-            scaler.scale(loss).backward()
-            loss_sum += loss.detach().float()
+        loss_sum, data_wait = forward_backward(trained, batches, micro_steps, autocast, scaler,
+                                               world_size)
         scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
-                                                   cfg.grad_clip if cfg.grad_clip else math.inf)
-        # one small all-reduce per step: the global mean loss and whether any rank was signalled
-        shared = torch.stack([loss_sum, torch.tensor(float(bool(stop_signal)), device=device)])
-        if world_size > 1:
-            dist.all_reduce(shared)
-        loss_mean, stop_votes = shared[0].item() / world_size, shared[1].item()
-        batch_fp = data.global_batch_fingerprint(step, global_batch, train_tokens.n_tokens,
-                                                 cfg.block_size, cfg.seed, cfg.sampling)
-        finite = math.isfinite(loss_mean) and torch.isfinite(grad_norm).item()
-        if finite or dtype == "float16":  # fp16 overflows are the scaler's to skip
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+        loss, grad_norm, stop = share_step_results(loss_sum, grad_norm, stop_signals, world_size)
+        apply = math.isfinite(loss) and math.isfinite(grad_norm) or scaler.is_enabled()
+        if apply:  # in float16 an overflow is normal, and the scaler's to skip
             scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        if not finite and dtype != "float16":
-            message = (f"non-finite loss {loss_mean} or gradient norm at iter {iter_num} "
-                       f"(batch_fp {batch_fp})")
-            if cfg.nan_policy == "stop":
-                raise RunError(f"{message}: training stopped without saving, so the last "
-                               f"checkpoint is still good. Try a lower learning_rate, "
-                               f"grad_clip=1.0 or dtype=bfloat16, and check the data at that "
-                               f"batch; nan_policy='skip' skips such steps.")
-            log(f"warning: {message}: step skipped (nan_policy='skip')")
+
+        # everything below is diagnostics, done while the device runs the optimizer step
+        batch_fp = data.global_batch_fingerprint(samples // global_batch, global_batch,
+                                                 train_file.n_tokens, cfg.block_size,
+                                                 cfg.seed, cfg.sampling)
+        if not apply:
+            skip_or_stop(cfg, log, f"non-finite loss {loss} or gradient norm at iter "
+                                   f"{iter_num} (batch_fp {batch_fp})")
         t_now = time.perf_counter()
         dt, t_last = t_now - t_last, t_now
-        row = {"iter": iter_num, "loss": loss_mean, "lr": lr, "batch_fp": batch_fp,
+        row = {"iter": iter_num, "loss": loss, "lr": lr, "batch_fp": batch_fp,
                "ms": dt * 1000, "tok_per_s": global_batch * cfg.block_size / dt,
                "data_wait": data_wait / dt}
         if peak:
             row["mfu"] = flops_per_step / dt / (peak * world_size)
-        record(row)
-        if iter_num % cfg.log_interval == 0:
-            mfu = f", mfu {row['mfu'] * 100:.1f}%" if peak else ""
-            log(f"iter {iter_num}: loss {loss_mean:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms, "
-                f"{row['tok_per_s']:,.0f} tok/s{mfu}, data wait {data_wait / dt * 100:.1f}%")
+        record(metrics, wandb, row)
+        log_step(log, cfg, row, peak)
         iter_num += 1
-        step += 1
-        if stop_votes:
+        samples += global_batch
+        if stop:
             log(f"stopping at iter {iter_num}: signal received, saving a checkpoint")
             if master:
-                save()
+                path = save_checkpoint(cfg, model, optimizer, scaler, args, meta, iter_num,
+                                       samples, best_val)
+                log(f"saved {path}")
             break
-    if metrics:
+    # ---------------------------------------------------------------- TRAINING LOOP END
+
+    if metrics is not None:
         metrics.close()
     if wandb is not None:
         wandb.finish()
-    return 0
 
 
 def run_cli(argv):
+    """main(), with a UserError printed as one paragraph and exit status 1. The message is
+    printed before any teardown of the process group: since PyTorch 2.6 destroying it waits
+    for collectives that the other ranks may never join, so this rank exits without it and
+    torchrun (or srun --kill-on-bad-exit) ends the others."""
     try:
         return main(argv)
-    except (configurator.ConfigError, RunError, data.DataError,
-            checkpoint.CheckpointError) as e:
+    except UserError as e:
         where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
         print(f"train.py: error{where}: {e}", file=sys.stderr)
         return 1

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-import data
+import tokenfile
 from bench import common, report
 from bench.common import GiB, MiB
 
@@ -32,11 +32,9 @@ def sparse_token_file(folder, size):
     path = os.path.join(folder, "train.bin")
     with open(path, "wb") as f:
         f.truncate(size)
-    data.write_meta(folder, {
-        "format_version": data.FORMAT_VERSION, "dtype": "uint16", "vocab_size": 50257,
-        "tokenizer": "none (sparse benchmark file)", "eot_token": 50256,
-        "splits": {"train": {"tokens": size // 2, "max_token_id": 0,
-                             "fingerprint": data.sampled_fingerprint(path)}}})
+    tokenfile.write_meta(folder, tokenizer="none (sparse benchmark file)", vocab_size=50257,
+                         eot_token=50256,
+                         splits={"train": tokenfile.describe_split(path, "uint16", 0)})
     return path
 
 

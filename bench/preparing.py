@@ -7,7 +7,7 @@ import shutil
 import sys
 import sysconfig
 
-import data
+import tokenfile
 import prepare
 from bench import common, report
 
@@ -57,7 +57,7 @@ def measure(impl, corpus, out_dir, env):
         [sys.executable, "-m", "bench.prepare_reference", corpus, out_dir, cores]
     finished = common.check(common.run_watched(args, env, TIME_CAP_S), IMPLS[impl])
     if impl == "ddpgpt":
-        tokens, phases = sum(s["tokens"] for s in data.read_meta(out_dir)["splits"].values()), {}
+        tokens, phases = sum(s["tokens"] for s in tokenfile.read_meta(out_dir)["splits"].values()), {}
     else:
         phases = json.loads(finished.output.strip().splitlines()[-1])
         tokens = phases.pop("tokens")

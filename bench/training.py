@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 import configurator
-import data
+import tokenfile
 import train
 from bench import common, report
 from model import GPT, GPTConfig
@@ -46,18 +46,11 @@ def runs(small, device):
 
 def random_tokens(folder, vocab_size, n_train, n_val=20_000):
     """Token files of uniformly random ids: the model's speed does not depend on the text."""
-    os.makedirs(folder, exist_ok=True)
     rng = np.random.default_rng(0)
-    splits = {}
-    for split, n in (("train", n_train), ("val", n_val)):
-        path = os.path.join(folder, f"{split}.bin")
-        ids = rng.integers(0, vocab_size, n, dtype=np.uint16)
-        ids.tofile(path)
-        splits[split] = {"tokens": n, "max_token_id": int(ids.max()),
-                         "fingerprint": data.sampled_fingerprint(path)}
-    data.write_meta(folder, {"format_version": data.FORMAT_VERSION, "dtype": "uint16",
-                             "vocab_size": vocab_size, "tokenizer": "random (benchmark)",
-                             "eot_token": vocab_size - 1, "splits": splits})
+    tokenfile.write_token_files(
+        folder, {"train": rng.integers(0, vocab_size, n_train),
+                 "val": rng.integers(0, vocab_size, n_val)},
+        tokenizer="random (benchmark)", vocab_size=vocab_size, eot_token=vocab_size - 1)
 
 
 def make_data(kind, workdir):
@@ -86,9 +79,7 @@ def flops_per_token(args, data_dir):
     device, so that no weights are allocated."""
     cfg = configurator.parse(train.TrainConfig, args)
     with torch.device("meta"):
-        model = GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
-                              block_size=cfg.block_size, bias=cfg.bias, dropout=cfg.dropout,
-                              vocab_size=train.model_vocab_size(cfg, data.read_meta(data_dir))))
+        model = GPT(GPTConfig(**train.model_args(cfg, tokenfile.read_meta(data_dir))))
     return model.flops_per_token(), model.get_num_params(), cfg
 
 

@@ -11,24 +11,8 @@ import pytest
 import torch
 
 import data
+import tokenfile
 from conftest import python, torchrun
-
-
-def write_split(folder, split, tokens, dtype, vocab_size, meta=True):
-    """Token files in data.py's format (what prepare.py writes), from an array of ids."""
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"{split}.bin")
-    np.asarray(tokens, dtype=dtype).tofile(path)
-    if meta:
-        old = data.read_meta(folder) or {
-            "format_version": data.FORMAT_VERSION, "dtype": np.dtype(dtype).name,
-            "vocab_size": vocab_size, "tokenizer": "test", "eot_token": vocab_size - 1,
-            "splits": {}}
-        old["splits"][split] = {"tokens": len(tokens), "documents": 1,
-                                "max_token_id": int(np.max(tokens)),
-                                "fingerprint": data.sampled_fingerprint(path)}
-        data.write_meta(folder, old)
-    return path
 
 
 @pytest.fixture
@@ -36,8 +20,8 @@ def counting_data(tmp_path):
     """A split whose token at offset i is i, so every window names its own offset."""
     folder = str(tmp_path / "counting")
     n = 50_000
-    write_split(folder, "train", np.arange(n), np.uint32, n + 1)
-    write_split(folder, "val", np.arange(5_000), np.uint32, n + 1)
+    tokenfile.write_token_files(folder, {"train": np.arange(n), "val": np.arange(5_000)},
+                                tokenizer="test", vocab_size=n + 1, eot_token=n)
     return folder, n
 
 
@@ -83,7 +67,7 @@ def test_sampling_needs_no_memory_of_the_dataset_size():
 
 def test_token_file_pickles_without_its_data(counting_data):
     folder, n = counting_data
-    tokens = data.open_split(folder, "train", 64)
+    tokens = tokenfile.open_split(folder, "train", 64)
     blob = pickle.dumps(data.BlockDataset(tokens, 64))
     assert len(blob) < 1000
     x, y = pickle.loads(blob)[5]
@@ -93,7 +77,7 @@ def test_token_file_pickles_without_its_data(counting_data):
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_dataloader_workers_read_the_same_batches_as_the_trainer(counting_data, start_method):
     folder, n = counting_data
-    tokens = data.open_split(folder, "train", 32)
+    tokens = tokenfile.open_split(folder, "train", 32)
     loader = torch.utils.data.DataLoader(
         data.BlockDataset(tokens, 32, seed=7), batch_size=4, num_workers=2,
         multiprocessing_context=start_method,
@@ -157,7 +141,7 @@ def test_sixteen_gib_file_costs_eight_ranks_no_more_memory_than_sixteen_mib(env,
     for name, size in (("small", 16 * 2**20), ("huge", 16 * 2**30)):
         folder = tmp_path / name
         folder.mkdir()
-        for split in data.SPLITS:  # sparse: nothing is written, the files read as zeros
+        for split in tokenfile.SPLITS:  # sparse: nothing is written, the files read as zeros
             subprocess.run(["truncate", "-s", str(size), str(folder / f"{split}.bin")],
                            check=True)
         ranks = read_with_ranks(env, str(folder), str(tmp_path / name), nproc=8,
@@ -181,11 +165,14 @@ def train_error(env, folder, tmp_path, *extra):
     return p.stderr
 
 
-def small_folder(tmp_path, n=1000, dtype=np.uint16, vocab=257, meta=True):
+def small_folder(tmp_path, n=1000, vocab=257, meta=True):
     folder = str(tmp_path / "d")
     rng = np.random.default_rng(0)
-    for split in data.SPLITS:
-        write_split(folder, split, rng.integers(0, vocab - 1, n), dtype, vocab, meta=meta)
+    ids = {split: rng.integers(0, vocab - 1, n) for split in tokenfile.SPLITS}
+    tokenfile.write_token_files(folder, ids, tokenizer="test", vocab_size=vocab,
+                                eot_token=vocab - 1)
+    if not meta:
+        os.remove(os.path.join(folder, tokenfile.META_NAME))
     return folder
 
 
@@ -225,7 +212,7 @@ def test_split_shorter_than_one_block(env, tmp_path):
 
 
 def test_vocabulary_larger_than_the_model(env, tmp_path):
-    folder = small_folder(tmp_path, dtype=np.uint32, vocab=70000)
+    folder = small_folder(tmp_path, vocab=70000)
     err = train_error(env, folder, tmp_path, "--vocab_size=512")
     assert "70000 ids do not fit the model's vocab_size=512" in err
 

@@ -20,13 +20,14 @@ from conftest import ROOT, python
 
 sys.path.insert(0, ROOT)
 import data  # noqa: E402
+import tokenfile  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
 DOCS = ["Hello, world!\n", "ünïcödé — 日本語 🎉\r\nsecond line", "", "   \n\t",
         "a document that says <|endoftext|> in the middle", "x"] + \
        [f"document {i}: " + "lorem ipsum " * i for i in range(20)]
 NON_EMPTY = [d for d in DOCS if d.strip()]
-OUTPUTS = ("train.bin", "val.bin", data.META_NAME)
+OUTPUTS = ("train.bin", "val.bin", tokenfile.META_NAME)
 
 
 def write_jsonl(path, docs, column="text"):
@@ -39,22 +40,21 @@ def write_parquet(path, docs, column="text"):
 
 def decoded(out_dir, tok):
     """{split: [document, ...]} decoded from the token files, checking meta.json on the way."""
-    meta = json.loads((out_dir / data.META_NAME).read_text())
-    assert meta["format_version"] == data.FORMAT_VERSION
-    assert meta["dtype"] == data.token_dtype(tok.vocab_size).name
+    meta = json.loads((out_dir / tokenfile.META_NAME).read_text())
+    assert meta["format_version"] == tokenfile.FORMAT_VERSION
+    assert meta["dtype"] == tokenfile.token_dtype(tok.vocab_size).name
     assert (meta["vocab_size"], meta["eot_token"], meta["tokenizer"]) == \
         (tok.vocab_size, tok.eot, tok.name)
     docs = {}
-    for split in data.SPLITS:
+    for split in tokenfile.SPLITS:
         path = out_dir / f"{split}.bin"
         tokens = np.fromfile(path, dtype=meta["dtype"])
         info = meta["splits"][split]
         assert tokens[-1] == tok.eot  # every document ends with end-of-text
         ends = np.flatnonzero(tokens == tok.eot)
         assert info == {"tokens": len(tokens), "documents": len(ends),
-                        "max_token_id": int(tokens.max()),
-                        "fingerprint": data.sampled_fingerprint(path)}
-        data.open_split(str(out_dir), split, block_size=1)  # what training will check
+                        "fingerprint": tokenfile.sampled_fingerprint(path)}
+        tokenfile.open_split(str(out_dir), split, block_size=1)  # what training will check
         starts = np.concatenate([[0], ends[:-1] + 1])
         docs[split] = [tok.decode(tokens[a:b].tolist()) for a, b in zip(starts, ends)]
     assert not glob.glob(str(out_dir / "*.tmp"))
@@ -73,10 +73,10 @@ def test_round_trip(tokenizer, env, tmp_path, monkeypatch):
     docs = decoded(tmp_path / "out", tok)
     assert Counter(docs["train"] + docs["val"]) == Counter(NON_EMPTY)
     # the documented rule: non-empty document d is in val iff permute(d, n, key(seed)) < n_val
-    in_val = data.permute(np.arange(len(NON_EMPTY)), len(NON_EMPTY), data._key(7)) < 4
+    in_val = data.permute(np.arange(len(NON_EMPTY)), len(NON_EMPTY), data.hash_key(7)) < 4
     assert docs["val"] == [d for d, v in zip(NON_EMPTY, in_val) if v]
     assert docs["train"] == [d for d, v in zip(NON_EMPTY, in_val) if not v]
-    meta = json.loads((tmp_path / "out" / data.META_NAME).read_text())
+    meta = json.loads((tmp_path / "out" / tokenfile.META_NAME).read_text())
     assert meta["skipped_empty_documents"] == 2 and meta["seed"] == 7
 
 
@@ -129,17 +129,17 @@ def test_pystdlib(env, tmp_path):
     python("prepare.py", "--dataset=pystdlib", "--tokenizer=byte", "--val_fraction=0.02",
            "--num_proc=2", env=env, cwd=tmp_path)
     out = tmp_path / "data" / "pystdlib"
-    meta = json.loads((out / data.META_NAME).read_text())
+    meta = json.loads((out / tokenfile.META_NAME).read_text())
     root = sysconfig.get_paths()["stdlib"]
     files = [p for p in glob.glob(f"{root}/**/*.py", recursive=True)
              if not {"site-packages", "dist-packages"} & set(os.path.relpath(p, root).split("/"))]
-    train, val = (meta["splits"][s]["documents"] for s in data.SPLITS)
+    train, val = (meta["splits"][s]["documents"] for s in tokenfile.SPLITS)
     skipped = meta["skipped_empty_documents"] + meta["skipped_undecodable_files"]
     assert train + val + skipped == len(files) and val == round((train + val) * 0.02)
     assert meta["splits"]["train"]["tokens"] > 10_000_000
-    for split in data.SPLITS:
-        data.open_split(str(out), split, block_size=128)  # config/quickstart.py's block_size
-        assert meta["splits"][split]["fingerprint"] == data.sampled_fingerprint(
+    for split in tokenfile.SPLITS:
+        tokenfile.open_split(str(out), split, block_size=128)  # config/quickstart.py's block_size
+        assert meta["splits"][split]["fingerprint"] == tokenfile.sampled_fingerprint(
             out / f"{split}.bin")
     # each validation document is a whole source file, as Python decodes it (coding cookies)
     sources = set()
@@ -163,7 +163,7 @@ def test_same_seed_same_bytes(env, tmp_path):
                "--out_dir", tmp_path / out, "--val_fraction=0.1", "--num_proc=2", env=env)
     for name in OUTPUTS:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
-    meta = json.loads((tmp_path / "one" / data.META_NAME).read_text())
+    meta = json.loads((tmp_path / "one" / tokenfile.META_NAME).read_text())
     assert meta["splits"]["val"]["documents"] == round(len(NON_EMPTY) * 3 * 0.1)
 
 

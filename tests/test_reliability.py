@@ -15,6 +15,7 @@ import torch
 
 import checkpoint
 import data
+import tokenfile
 from conftest import ROOT, python, torchrun
 from test_train import TINY, metrics, steps
 
@@ -187,7 +188,7 @@ def test_a_failing_rank_ends_the_whole_run_within_seconds(env, corpus, tmp_path)
     """Rank 1 meets a corrupt token at step 5, rank 0 does not: both must end promptly."""
     bad = tmp_path / "bad"
     bad.mkdir()
-    for split in data.SPLITS:
+    for split in tokenfile.SPLITS:
         tokens = np.fromfile(os.path.join(corpus, f"{split}.bin"), dtype=np.uint16)
         if split == "train":
             g = data.rank_sample_indices(5, 0, 1, 2, 4, 1)
