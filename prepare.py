@@ -362,8 +362,8 @@ def prepare(args):
 
 def parse_args():
     p = argparse.ArgumentParser(
-        description="Tokenize a corpus into train.bin, val.bin and meta.json (format: tokenfile.py): "
-                    "each non-empty document followed by end-of-text; empty ones are skipped.")
+        description="Tokenize a corpus into train.bin, val.bin and meta.json (format: "
+                    "tokenfile.py): each non-empty document followed by end-of-text; empty ones are skipped.")
     p.add_argument("--dataset", default="openwebtext", help=(
         "a Hugging Face hub dataset (its train split; needs network the first time), or local "
         "files: a .txt file (one document), .jsonl (an object per line), .json (a list of "

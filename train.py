@@ -82,7 +82,7 @@ class TrainConfig:
     # system
     backend: Literal["", "nccl", "gloo"] = ""  # '' picks nccl on CUDA, gloo on CPU
     device: str = "auto"  # 'auto' and 'cuda': cuda:<local rank> when CUDA is there, else cpu
-    dtype: Dtype = "auto"  # 'auto': bfloat16 on CUDA that has it, float16 on other CUDA, else float32
+    dtype: Dtype = "auto"  # 'auto': bfloat16 on CUDA that has it, else float16; float32 on CPU
     compile: bool = False
     dist_timeout_s: int = 600  # how long a collective may wait before the run fails
     seed: int = 1337
@@ -215,8 +215,8 @@ def check_resume(cfg, resume, meta, world_size):
     if samples_consumed(resume, global_batch) % global_batch:
         raise UserError(
             f"the checkpoint consumed {samples_consumed(resume, global_batch)} samples, not a "
-            f"whole number of global batches of {global_batch} (batch_size x gradient_accumulation_steps): "
-            f"resume with a global batch that divides it.")
+            f"whole number of global batches of {global_batch} (batch_size x "
+            f"gradient_accumulation_steps): resume with a global batch that divides it.")
 
 
 def check_out_dir(out_dir, n_params):

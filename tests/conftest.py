@@ -1,16 +1,28 @@
-"""Shared helpers: the tests run the scripts as a user would, in subprocesses."""
+"""What the tests share: they run the scripts as a user would, in subprocesses, on small data.
+
+  env            a user's shell, offline, one thread per process, GPT-2's vocabulary cached
+  python(...)    python <script> <args>; torchrun(n, ...) the same on n ranks (gloo, CPU)
+  fails(...)     a run that must end in one clear error: exit 1 and no traceback of ours
+  corpus         a few standard-library modules, prepared with the byte tokenizer
+  TINY           a model of a few thousand parameters that trains in seconds on a CPU
+  metrics(out)   the rows of out/metrics.jsonl; steps(out) the step rows by iter
+"""
+import json
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.common import ROOT, child_env
+from bench.common import torchrun as torchrun_command
+from tokenizer import install_tiktoken_file
+
 SHARED_VOCAB = os.path.join(ROOT, "..", "shared", "tokenizers", "r50k_base.tiktoken")
-# the cache key tiktoken uses for the r50k_base (= gpt2) vocabulary file
-TIKTOKEN_CACHE_KEY = "0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4"
+TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
+        "--eval_iters=4", "--device=cpu", "--learning_rate=3e-3", "--warmup_iters=2",
+        "--lr_decay_iters=40", "--min_lr=3e-4"]
 
 
 @pytest.fixture(scope="session")
@@ -18,19 +30,22 @@ def tiktoken_cache(tmp_path_factory):
     """A tiktoken cache folder holding the GPT-2 vocabulary, so 'gpt2' loads offline."""
     if not os.path.exists(SHARED_VOCAB):
         pytest.fail(f"{SHARED_VOCAB} is missing: the tests need ../shared beside the checkout")
-    d = tmp_path_factory.mktemp("tiktoken_cache")
-    shutil.copy(SHARED_VOCAB, d / TIKTOKEN_CACHE_KEY)
-    return str(d)
+    cache = str(tmp_path_factory.mktemp("tiktoken_cache"))
+    install_tiktoken_file(SHARED_VOCAB, cache)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def session_env(tiktoken_cache):
+    """The environment a user's shell would have, offline, one thread per process."""
+    return child_env(TIKTOKEN_CACHE_DIR=tiktoken_cache, OMP_NUM_THREADS="1",
+                     HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline")
 
 
 @pytest.fixture
-def env(tiktoken_cache):
-    """The environment a user's shell would have, offline, one thread per process."""
-    e = dict(os.environ, TIKTOKEN_CACHE_DIR=tiktoken_cache, OMP_NUM_THREADS="1",
-             PYTHONUNBUFFERED="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
-             WANDB_MODE="offline", PYTHONPATH=ROOT)  # PYTHONPATH: for helper scripts in tests/
-    e.pop("RANK", None), e.pop("WORLD_SIZE", None), e.pop("LOCAL_RANK", None)
-    return e
+def env(session_env):
+    """session_env, as a copy a test may change."""
+    return dict(session_env)
 
 
 def run(args, env, cwd=ROOT, timeout=600, check=True):
@@ -47,13 +62,37 @@ def python(script, *args, env, **kw):
 
 
 def torchrun(nproc, script, *args, env, **kw):
-    return run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={nproc}", os.path.join(ROOT, script), *map(str, args)],
-               env, **kw)
+    return run([*torchrun_command(nproc), os.path.join(ROOT, script), *map(str, args)], env,
+               **kw)
+
+
+def fails(script, *args, env, nproc=1, **kw):
+    """A run that must fail with one clear error: exit 1, and no traceback from our files
+    (under torchrun, torchrun prints its own summary of the failed ranks)."""
+    p = (torchrun(nproc, script, *args, env=env, check=False, **kw) if nproc > 1
+         else python(script, *args, env=env, check=False, **kw))
+    assert p.returncode != 0 if nproc > 1 else p.returncode == 1, p.stdout + p.stderr
+    ours = f'File "{ROOT}' if nproc > 1 else "Traceback"
+    assert ours not in p.stderr, p.stderr
+    return p
+
+
+def metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def steps(out_dir):
+    """{iter: the row of that training step}; a step logged twice (a restart) counts last."""
+    return {r["iter"]: r for r in metrics(out_dir) if "loss" in r}
+
+
+def evals(out_dir):
+    return [r for r in metrics(out_dir) if "val_loss" in r]
 
 
 @pytest.fixture(scope="session")
-def corpus(tmp_path_factory, tiktoken_cache):
+def corpus(tmp_path_factory, session_env):
     """A few standard-library modules as text files, prepared with the byte tokenizer."""
     root = tmp_path_factory.mktemp("corpus")
     docs = root / "docs"
@@ -62,7 +101,6 @@ def corpus(tmp_path_factory, tiktoken_cache):
     for name in ("os", "argparse", "json/decoder", "shutil", "textwrap"):
         with open(os.path.join(stdlib, f"{name}.py"), encoding="utf-8") as f:
             (docs / f"{name.replace('/', '_')}.txt").write_text(f.read())
-    env = dict(os.environ, TIKTOKEN_CACHE_DIR=tiktoken_cache)
     python("prepare.py", f"--dataset={docs}", "--tokenizer=byte", "--val_docs=1",
-           f"--out_dir={root / 'data'}", "--num_proc=1", env=env)
+           f"--out_dir={root / 'data'}", "--num_proc=1", env=session_env)
     return str(root / "data")

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+import checkpoint
 from model import GPT, GPTConfig
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
@@ -135,9 +136,9 @@ def test_no_bias_drops_bias_keys():
 def test_loads_a_compiled_checkpoint():
     src = tiny(n_layer=1)
     # what torch.compile'd nanoGPT training saves
-    ckpt = {"_orig_mod." + k: v.clone() for k, v in src.state_dict().items()}
+    ckpt = {"model": {"_orig_mod." + k: v.clone() for k, v in src.state_dict().items()}}
     dst = GPT(GPTConfig(**{**TINY, "n_layer": 1}))
-    dst.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt.items()})
+    dst.load_state_dict(checkpoint.model_state(ckpt))
     x, y = batch()
     assert torch.equal(src(x, y)[0], dst(x, y)[0])
     assert dst.lm_head.weight is dst.transformer.wte.weight

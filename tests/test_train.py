@@ -1,24 +1,12 @@
 """train.py under torchrun (gloo, CPU), as a user runs it: training, exact resume,
 configuration errors."""
+import glob
 import json
 import os
 
 import pytest
 
-from conftest import ROOT, python, torchrun
-
-TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
-        "--eval_iters=4", "--device=cpu", "--learning_rate=3e-3", "--warmup_iters=2",
-        "--lr_decay_iters=40", "--min_lr=3e-4"]
-
-
-def metrics(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def steps(out_dir):
-    return {r["iter"]: r for r in metrics(out_dir) if "loss" in r}
+from conftest import TINY, evals, fails, metrics, python, steps, torchrun
 
 
 def test_two_ranks_train_save_and_the_loss_falls(env, corpus, tmp_path):
@@ -31,9 +19,9 @@ def test_two_ranks_train_save_and_the_loss_falls(env, corpus, tmp_path):
     assert sorted(rows) == list(range(40))
     first, last = rows[0]["loss"], sum(rows[i]["loss"] for i in range(35, 40)) / 5
     assert last < first - 1.0, (first, last)
-    evals = [r for r in metrics(out) if "val_loss" in r]
-    assert [r["iter"] for r in evals] == [0, 20, 40]
-    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 1.0
+    rows = evals(out)
+    assert [r["iter"] for r in rows] == [0, 20, 40]
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 1.0
     assert sorted(os.listdir(out)) == ["ckpt_0000020.pt", "ckpt_0000040.pt", "metrics.jsonl"]
     assert p.stdout.count("iter 10: loss") == 1  # printed once, by rank 0
 
@@ -52,42 +40,42 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(ranks, env, corpus,
     assert sorted(a) == sorted(b) == list(range(30))
     for i in range(30):
         assert (a[i]["loss"], a[i]["batch_fp"]) == (b[i]["loss"], b[i]["batch_fp"]), i
-    final = [r for r in metrics(whole) if r.get("iter") == 30 and "val_loss" in r]
-    again = [r for r in metrics(halves) if r.get("iter") == 30 and "val_loss" in r]
-    assert final == again
+    assert evals(whole)[-1] == evals(halves)[-1] and evals(whole)[-1]["iter"] == 30
 
 
 def test_eval_only_reports_the_same_losses_on_any_world_size(env, corpus, tmp_path):
     out = tmp_path / "out"
     torchrun(2, "train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
              "--gradient_accumulation_steps=2", "--max_iters=3", "--eval_interval=3", env=env)
-    at_two = [r for r in metrics(out) if "val_loss" in r][-1]
+    at_two = evals(out)[-1]
     python("train.py", "config/eval_owt.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
            "--eval_iters=4", "--gradient_accumulation_steps=2", env=env)
-    at_one = [r for r in metrics(out) if "val_loss" in r][-1]
+    at_one = evals(out)[-1]
     assert at_one["iter"] == at_two["iter"] == 3
     assert at_one["val_loss"] == pytest.approx(at_two["val_loss"], rel=1e-6)
 
 
-def test_wandb_logs_offline(env, corpus, tmp_path):
+def test_wandb_logs_offline_what_metrics_jsonl_logs(env, corpus, tmp_path):
     out = tmp_path / "out"
     python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
            "--gradient_accumulation_steps=1", "--max_iters=2", "--eval_interval=2",
            "--wandb_log=True", "--wandb_run_name=test", env=dict(env, WANDB_DIR=str(tmp_path)),
            cwd=str(tmp_path))
-    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    with open(run_file, "rb") as f:
+        logged = f.read()  # protobuf records: each key and each value's JSON appear as bytes
+    rows = metrics(out)
+    assert len(rows) == 4  # evaluation at 0, steps 0 and 1, evaluation at 2
+    for row in rows:
+        for key in ("loss", "val_loss", "lr"):
+            if key in row:
+                assert key.encode() in logged and json.dumps(row[key]).encode() in logged, key
 
 
 # ---- what a user sees for a bad configuration ----
 
 def train_error(env, *args, nproc=1):
-    run = torchrun if nproc > 1 else python
-    p = run(*([nproc] if nproc > 1 else []), "train.py", *args, env=env, check=False)
-    assert p.returncode != 0
-    # torchrun prints its own traceback when a rank exits non-zero; ours print none
-    assert ("Traceback" not in p.stderr) if nproc == 1 else (
-        f'File "{ROOT}' not in p.stderr), p.stderr
-    return p.stderr
+    return fails("train.py", *args, env=env, nproc=nproc).stderr
 
 
 @pytest.mark.parametrize("args, message", [
