@@ -78,6 +78,12 @@ def _parse_value(raw, typ):
 
 def parse(config_cls, argv):
     """An instance of config_cls from its defaults, config files and --key=value arguments."""
+    return parse_given(config_cls, argv)[0]
+
+
+def parse_given(config_cls, argv):
+    """(the configuration, the keys that config files and arguments set): a run that takes its
+    architecture from weights must tell a key the user chose from a default."""
     types_ = typing.get_type_hints(config_cls)
     values = {}
     for arg in argv:
@@ -96,7 +102,7 @@ def parse(config_cls, argv):
             for key, value in _read_config_file(arg).items():
                 _check_key(key, types_, f"config file {arg}")
                 values[key] = _coerce(key, value, types_[key], f"config file {arg}")
-    return config_cls(**values)
+    return config_cls(**values), frozenset(values)
 
 
 def describe(cfg):

@@ -88,6 +88,7 @@ class TrainConfig:
     seed: int = 1337
 
 
+ARCHITECTURE = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
 AT_LEAST_ONE = ("batch_size", "block_size", "gradient_accumulation_steps", "eval_iters",
                 "eval_interval", "log_interval", "keep_checkpoints", "n_layer", "n_head")
 # dense bf16 peak of one GPU, by a substring of its name, for MFU
@@ -178,6 +179,23 @@ def model_args(cfg, meta):
                 vocab_size=vocab_size)
 
 
+def take_architecture(cfg, given, args, weights_args, source):
+    """The model arguments of existing weights (all but dropout, which is the run's), as in
+    nanoGPT. An architecture key the user set to another value is an error, not a silent
+    override; the configuration then says what is trained, so its log and checkpoints do not
+    lie."""
+    conflicts = [f"{k}={getattr(cfg, k)!r} ({weights_args[k]!r} there)" for k in ARCHITECTURE
+                 if k in given and k in weights_args and getattr(cfg, k) != weights_args[k]]
+    if conflicts:
+        raise UserError(f"{', '.join(conflicts)}: the architecture comes from {source}. Leave "
+                        f"these keys out (or set them to the values there), or train from "
+                        f"scratch in another out_dir.")
+    args = {**args, **{k: v for k, v in weights_args.items() if k != "dropout"}}
+    for key in ARCHITECTURE:
+        setattr(cfg, key, args[key])
+    return args
+
+
 def load_resume_state(cfg, log):
     """The checkpoint to resume from, or None to start from scratch."""
     if cfg.init_from == "scratch":
@@ -236,15 +254,15 @@ def check_out_dir(out_dir, n_params):
                         f"out_dir.")
 
 
-def start_up(cfg, world_size, log):
+def start_up(cfg, given, world_size, log):
     """(checkpoint to resume or None, the data's meta.json, model_args, {split: TokenFile},
     the model on the CPU). Raises UserError for anything the user must fix."""
     resume = load_resume_state(cfg, log)
     meta = tokenfile.read_meta(cfg.data_dir)
     args = model_args(cfg, meta)
-    if resume is not None:  # the architecture is the checkpoint's, as in nanoGPT
-        args.update({k: v for k, v in resume["model_args"].items() if k != "dropout"})
-        cfg.block_size = args["block_size"]
+    if resume is not None:
+        args = take_architecture(cfg, given, args, resume["model_args"],
+                                 f"the checkpoint in {cfg.out_dir}")
     splits = {split: tokenfile.open_split(cfg.data_dir, split, cfg.block_size,
                                           args["vocab_size"], log=log)
               for split in tokenfile.SPLITS}
@@ -458,14 +476,14 @@ def open_metrics(cfg, master):
 
 def main(argv):
     stop_signals = catch_stop_signals()
-    cfg = configurator.parse(TrainConfig, argv)
+    cfg, given = configurator.parse_given(TrainConfig, argv)
     check_config(cfg)
     rank, local_rank, world_size = distributed_env()
     log = print if rank == 0 else (lambda *a, **k: None)
     device = pick_device(cfg, local_rank)
     init_distributed(cfg, device, world_size)
     try:
-        resume, meta, args, splits, model = start_up(cfg, world_size, log)
+        resume, meta, args, splits, model = start_up(cfg, given, world_size, log)
         error = None
     except UserError as e:
         error = str(e)

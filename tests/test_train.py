@@ -118,3 +118,15 @@ def test_errors_on_two_ranks_are_reported_once(env, corpus, tmp_path):
                       "--gradient_accumulation_steps=3", nproc=2)
     assert err.count("must be a multiple of the world size 2: use 2") == 1
     assert "(ranks 0, 1)" in err
+
+
+def test_resume_with_another_architecture_is_an_error(env, corpus, tmp_path):
+    out = tmp_path / "out"
+    args = [f"--data_dir={corpus}", f"--out_dir={out}", *TINY, "--gradient_accumulation_steps=1"]
+    python("train.py", *args, "--max_iters=2", "--eval_interval=2", env=env)
+    err = train_error(env, *args, "--n_layer=3", "--init_from=resume", "--max_iters=4")
+    assert "n_layer=3 (2 there): the architecture comes from the checkpoint in" in err
+    # the same keys at the checkpoint's values are fine, and the log says what is trained
+    p = python("train.py", *args, "--n_layer=2", "--init_from=resume", "--max_iters=4",
+               "--eval_interval=2", env=env)
+    assert "  n_layer = 2\n" in p.stdout and "resuming from" in p.stdout
