@@ -1,17 +1,6 @@
 """Benchmarks behind the project's claims. Each part writes <out_dir>/<part>.json (its numbers,
-the command, the machine) and <out_dir>/<part>.png, then docs/benchmarks.md is regenerated
-from every part's JSON.
-
-  python bench.py                  # every part, full size, into docs/ (15 min on 2 loaded cores)
-  python bench.py data             # one part: data, training or prepare
-  python bench.py --small          # tiny sizes, under a minute: what the tests run
-  python bench.py training --device=cuda   # adds GPT-2 124M in bf16 with torch.compile
-  python bench.py --report_only    # rewrite docs/benchmarks.md from docs/bench/*.json
-
-The prepare part needs the GPT-2 vocabulary: tiktoken downloads it once, or reads it from
-TIKTOKEN_CACHE_DIR; without either, the bench uses ../shared/tokenizers/r50k_base.tiktoken
-when it is there. What each part measures: bench/__init__.py and docs/benchmarks.md.
-"""
+the command, the machine) and <out_dir>/<part>.png, then docs/benchmarks.md is regenerated from
+every part's JSON. How to run it: docs/benchmarks.md; what each part measures: bench/."""
 import argparse
 import datetime
 import json
@@ -46,7 +35,7 @@ def parse_args(argv):
     unknown = [part for part in args.parts if part not in PARTS]
     if unknown:
         p.error(f"unknown part(s) {', '.join(unknown)}: choose from {', '.join(PARTS)}")
-    args.parts = args.parts or list(PARTS)
+    args.parts = [] if args.report_only else args.parts or list(PARTS)
     args.out_dir = os.path.abspath(args.out_dir or (
         os.path.join(common.ROOT, "out-bench-small") if args.small else DOCS_DATA))
     default_report = DOCS_REPORT if args.out_dir == DOCS_DATA else \
@@ -57,10 +46,9 @@ def parse_args(argv):
 
 def run_part(name, args, command):
     """Run one part and write its JSON and plot."""
-    module = PARTS[name]
     started, t0, load_start = datetime.datetime.now().astimezone(), time.time(), common.load_1m()
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as workdir:
-        numbers = module.run(args.small, args.device, workdir)
+        numbers = PARTS[name].run(args.small, args.device, workdir)
     result = {"part": name, "command": command, "small": args.small,
               "started": started.isoformat(timespec="seconds"),
               "elapsed_s": round(time.time() - t0, 1), "load_1m_start": load_start,
@@ -68,21 +56,21 @@ def run_part(name, args, command):
     with open(os.path.join(args.out_dir, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")
-    module.plot(result, os.path.join(args.out_dir, f"{name}.png"))
+    PARTS[name].plot(result).savefig(os.path.join(args.out_dir, f"{name}.png"), dpi=100)
 
 
 def write_report(out_dir, report_path):
     """The markdown page, from the JSON of every part that has been run into out_dir."""
-    sections = []
+    here = os.path.dirname(report_path)
+    parts = []
     for name, module in PARTS.items():
         path = os.path.join(out_dir, f"{name}.json")
         if os.path.exists(path):
             with open(path) as f:
-                result = json.load(f)
-            sections.append((module.TITLE, result, module.markdown(result),
-                             os.path.join(out_dir, f"{name}.png")))
+                png = os.path.relpath(os.path.join(out_dir, f"{name}.png"), here)
+                parts.append((name, module.TITLE, module.TABLES, json.load(f), png))
     with open(report_path, "w") as f:
-        f.write(report.document(sections, out_dir, os.path.dirname(report_path)))
+        f.write(report.document(parts, os.path.relpath(out_dir, here)))
 
 
 def main(argv):
@@ -90,7 +78,7 @@ def main(argv):
     os.makedirs(args.out_dir, exist_ok=True)
     os.makedirs(os.path.dirname(args.report), exist_ok=True)
     command = shlex.join(["python", "bench.py", *argv])
-    for name in [] if args.report_only else args.parts:
+    for name in args.parts:
         print(f"bench: {name}", file=sys.stderr)
         run_part(name, args, command)
         write_report(args.out_dir, args.report)  # after each part: a later failure keeps it

@@ -1,5 +1,5 @@
-"""What the parts of the benchmark share: a description of the machine, running a command as a
-user would while watching its memory and time, and a few statistics."""
+"""What the parts of the benchmark share: a description of the machine, and running a command
+as a user would while watching its memory and time."""
 import os
 import platform
 import re
@@ -23,12 +23,10 @@ EXCEPTION = re.compile(r"^(?:\[rank\d+\]: )?([\w.]*(?:Error|Exception): .*)")
 def cpu_model():
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
 
 
 def machine():
@@ -138,9 +136,9 @@ def run_watched(args, env, time_cap_s, mem_cap=None, poll_s=0.05):
                 break
             time.sleep(poll_s)
         proc.wait()
-        wall = time.perf_counter() - t0
         out.seek(0)
-        return Finished(proc.returncode, out.read(), wall, peak_rss, peak_private, exceeded)
+        return Finished(proc.returncode, out.read(), time.perf_counter() - t0, peak_rss,
+                        peak_private, exceeded)
 
 
 def check(finished, what):
@@ -158,7 +156,3 @@ def error_line(output):
     raised = [m.group(1) for m in map(EXCEPTION.match, lines)
               if m and not m.group(1).startswith(("ChildFailedError", "torch.distributed"))]
     return (raised[0] if raised else lines[-1] if lines else "no output")[:200]
-
-
-def percentile(values, q):
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q))

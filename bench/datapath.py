@@ -10,11 +10,10 @@ import numpy as np
 import tokenfile
 from bench import common, report
 from bench.common import GiB, MiB
+from bench.datapath_rank import BATCH, BLOCK
 
 TITLE = "Data path"
-LOADERS = {"ddpgpt": "ddpgpt (data.rank_batches, prefetch=0)",
-           "nanogpt": "(a) nanoGPT: fresh memmap + torch.randint per batch",
-           "seed": "(b) seed: a sample per token offset + DistributedSampler"}
+LOADERS = ("ddpgpt", "nanogpt", "seed")  # as named in datapath_rank.py and text/data.md
 # launches: how many times ddpgpt and (a) run each case (the median is kept); the seed's
 # loader, slow and capped, runs once
 FULL = {"sizes": [16 * MiB, GiB, 16 * GiB], "ranks": [1, 2, 8], "batches": 1000,
@@ -23,6 +22,14 @@ FULL = {"sizes": [16 * MiB, GiB, 16 * GiB], "ranks": [1, 2, 8], "batches": 1000,
 SMALL = {"sizes": [MiB, 64 * MiB], "ranks": [2], "batches": 20,
          "launches": 1, "seed_mem_cap": 2 * GiB, "seed_time_cap_s": 30}
 SAFETY_TIME_CAP_S = 600  # the other loaders are not capped; this only stops a hung launch
+TABLES = {"table": [
+    ("ranks", "{ranks}"), ("train.bin", "{size:size}"), ("loader", "{loader}"),
+    ("start-up s", "{startup_s:.2f}"), ("data setup s", "{setup_s:.3f}"),
+    ("RSS first", "{rss_first:size}"), ("private first", "{private_first:size}"),
+    ("RSS after {batches:,}", "{rss_after:size}"),
+    ("private after {batches:,}", "{private_after:size}"),
+    ("batches/s per rank", "{batches_per_s:,.0f}"), ("p50 ms", "{p50_ms:.2f}"),
+    ("p99 ms", "{p99_ms:.2f}"), ("load", "{load_1m}")]}
 
 
 def sparse_token_file(folder, size):
@@ -41,11 +48,8 @@ def sparse_token_file(folder, size):
 def evict(path):
     """Drop the file's pages from the page cache, so that every launch starts cold and no
     loader reads what the one before it brought in."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    with open(path, "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def read_ahead_kb(path):
@@ -62,14 +66,14 @@ def read_ahead_kb(path):
     return None  # not on a block device (tmpfs, overlay)
 
 
-def launch(loader, folder, ranks, settings, out):
-    """One torchrun job of `ranks` ranks reading with `loader`: its per-rank numbers, or why
-    it did not finish."""
+def launch(loader, path, ranks, settings, out):
+    """One torchrun job of `ranks` ranks reading with `loader`, the file evicted first: its
+    per-rank numbers, or why it did not finish."""
+    evict(path)
     is_seed = loader == "seed"
     finished = common.run_watched(
-        [*common.torchrun(ranks), "-m", "bench.datapath_rank", loader, folder, out,
-         str(settings["batches"])],
-        common.child_env(OMP_NUM_THREADS="1"),
+        [*common.torchrun(ranks), "-m", "bench.datapath_rank", loader, os.path.dirname(path),
+         out, str(settings["batches"])], common.child_env(OMP_NUM_THREADS="1"),
         settings["seed_time_cap_s"] if is_seed else SAFETY_TIME_CAP_S,
         settings["seed_mem_cap"] if is_seed else None)
     row = {"loader": loader, "ranks": ranks, "load_1m": common.load_1m(),
@@ -85,6 +89,18 @@ def launch(loader, folder, ranks, settings, out):
     return {**row, "status": "ok", **summarize(per_rank)}
 
 
+def summarize(per_rank):
+    """The slowest rank's start-up, the largest rank's memory, latency over all ranks."""
+    latencies = np.concatenate([r["latency_ms"] for r in per_rank])
+    worst = {key: max(r[key] for r in per_rank) for key in ("startup_s", "setup_s")}
+    for when in ("first", "after"):
+        for kind in ("rss", "private", "file"):
+            worst[f"{kind}_{when}"] = max(r[when][kind] for r in per_rank)
+    return {**worst, "batches_per_s": float(np.mean([r["batches_per_s"] for r in per_rank])),
+            "p50_ms": float(np.percentile(latencies, 50)),
+            "p99_ms": float(np.percentile(latencies, 99))}
+
+
 def median_launch(launches):
     """One row for the launches of one case: each number is the median over them, since the
     machine's other work makes any single start-up time noisy; a launch that failed is the row."""
@@ -94,18 +110,6 @@ def median_launch(launches):
     return {**{k: float(np.median([r[k] for r in launches]))
                if isinstance(v, (int, float)) and k != "ranks" else v
                for k, v in launches[0].items()}, "launches": len(launches)}
-
-
-def summarize(per_rank):
-    """The slowest rank's start-up, the largest rank's memory, latency over all ranks."""
-    latencies = np.concatenate([r["latency_ms"] for r in per_rank])
-    worst = {key: max(r[key] for r in per_rank) for key in ("startup_s", "setup_s")}
-    for when in ("first", "after"):
-        for kind in ("rss", "private", "file"):
-            worst[f"{kind}_{when}"] = max(r[when][kind] for r in per_rank)
-    return {**worst, "batches_per_s": float(np.mean([r["batches_per_s"] for r in per_rank])),
-            "p50_ms": common.percentile(latencies, 50),
-            "p99_ms": common.percentile(latencies, 99)}
 
 
 def run(small, device, workdir):
@@ -118,188 +122,74 @@ def run(small, device, workdir):
     for ranks in settings["ranks"]:
         for size, path in files.items():
             for loader in LOADERS:
-                launches = []
-                for _ in range(1 if loader == "seed" else settings["launches"]):
-                    evict(path)
-                    print(f"bench data: {report.size(size)}, {ranks} rank(s), {loader}",
-                          file=sys.stderr)
-                    out = os.path.join(workdir, f"{loader}-{size}-{ranks}")
-                    launches.append(launch(loader, os.path.dirname(path), ranks, settings, out))
+                print(f"bench data: {report.size(size)}, {ranks} rank(s), {loader}",
+                      file=sys.stderr)
+                out = os.path.join(workdir, f"{loader}-{size}-{ranks}")
+                launches = [launch(loader, path, ranks, settings, out)
+                            for _ in range(1 if loader == "seed" else settings["launches"])]
                 rows.append({"size": size, **median_launch(launches)})
     ahead = read_ahead_kb(files[settings["sizes"][0]])
     for path in files.values():
         os.remove(path)  # also drops the page cache it filled
-    return {"settings": {**settings, "batch": [12, 1024], "read_ahead_kb": ahead,
-                         "files": "sparse (read as zeros), evicted from the page cache "
-                                  "before every launch"},
+    return {"settings": {**settings, "batch": [BATCH, BLOCK], "read_ahead_kb": ahead},
             "results": rows, "targets": targets(rows, settings)}
 
 
-# ---- targets ----
-
 def find(rows, **where):
-    for r in rows:
-        if all(r[k] == v for k, v in where.items()) and r["status"] == "ok":
-            return r
-    return None
+    return next((r for r in rows if r["status"] == "ok"
+                 and all(r[k] == v for k, v in where.items())), None)
 
 
-def growth_target(rows, settings, key, what, fmt, detail=None):
-    """ddpgpt's `key` at the largest file within 10% of the smallest, for every rank count;
-    detail(small row, large row) adds to what is shown for each."""
+def growth_target(rows, settings, key, what):
+    """ddpgpt's `key` at the largest file within 10% of the smallest, at every rank count."""
     small, large = settings["sizes"][0], settings["sizes"][-1]
     parts, met = [], True
     for ranks in settings["ranks"]:
-        a = find(rows, loader="ddpgpt", size=small, ranks=ranks)
-        b = find(rows, loader="ddpgpt", size=large, ranks=ranks)
-        if a is None or b is None:
-            parts.append(f"{ranks} rank(s): not measured")
-            met = False
-            continue
-        change = b[key] / a[key] - 1
-        met = met and change <= 0.10
-        more = f"; {detail(a, b)}" if detail else ""
-        parts.append(f"{ranks} rank(s): {fmt(b[key])} vs {fmt(a[key])} ({change:+.0%}{more})")
+        a, b = (find(rows, loader="ddpgpt", size=size, ranks=ranks) for size in (small, large))
+        met = met and a is not None and b is not None and b[key] / a[key] - 1 <= 0.10
+        parts.append(f"{ranks} rank(s): " + (compare(key, a, b) if a and b else "not measured"))
     return {"target": f"{what} at {report.size(large)} within 10% of {report.size(small)} "
                       f"(ddpgpt)", "measured": "; ".join(parts), "met": met}
 
 
+def compare(key, a, b):
+    """ddpgpt's `key` at the largest file (b) against the smallest (a)."""
+    change = f"{b[key] / a[key] - 1:+.0%}"
+    if key == "startup_s":  # and its part that touches the file
+        return (f"{b[key]:.2f} s vs {a[key]:.2f} s ({change}; data setup {b['setup_s']:.3f} s "
+                f"vs {a['setup_s']:.3f} s)")
+    return f"{b[key] / MiB:,.0f} MiB vs {a[key] / MiB:,.0f} MiB ({change})"
+
+
 def latency_target(rows, key):
     """ddpgpt's latency no worse than reference (a)'s, at every size and rank count."""
-    worst, met = None, True
-    for r in rows:
-        if r["loader"] != "ddpgpt":
-            continue
-        ref = find(rows, loader="nanogpt", size=r["size"], ranks=r["ranks"])
-        if r["status"] != "ok" or ref is None:
-            met = False
-            continue
-        ratio = r[key] / ref[key]
-        met = met and ratio <= 1
-        if worst is None or ratio > worst[0]:
-            worst = (ratio, r, ref)
+    pairs = [(r, find(rows, loader="nanogpt", size=r["size"], ranks=r["ranks"]))
+             for r in rows if r["loader"] == "ddpgpt"]
+    ratios = [(r[key] / ref[key], r, ref) for r, ref in pairs if r["status"] == "ok" and ref]
     measured = "not measured"
-    if worst is not None:
-        ratio, r, ref = worst
+    if ratios:
+        ratio, r, ref = max(ratios, key=lambda m: m[0])
         measured = (f"worst at {report.size(r['size'])}, {r['ranks']} rank(s): {r[key]:.2f} ms "
                     f"vs {ref[key]:.2f} ms ({ratio:.2f}x)")
     return {"target": f"batch latency {key[:3]} no worse than (a) nanoGPT's, at every size and "
-                      f"rank count", "measured": measured, "met": met}
-
-
-def mib(n_bytes):
-    return f"{n_bytes / MiB:,.0f} MiB"
+                      f"rank count", "measured": measured,
+            "met": len(ratios) == len(pairs) and all(m[0] <= 1 for m in ratios)}
 
 
 def targets(rows, settings):
-    return [
-        growth_target(rows, settings, "startup_s", "start-up (process start to first batch, "
-                      "slowest rank)", lambda s: f"{s:.2f} s", detail=lambda a, b:
-                      f"data setup {b['setup_s']:.3f} s vs {a['setup_s']:.3f} s"),
-        growth_target(rows, settings, "rss_first", "RSS at the first batch", mib),
-        growth_target(rows, settings, "private_first", "private memory at the first batch", mib),
-        growth_target(rows, settings, "rss_after", f"RSS after {settings['batches']:,} batches",
-                      mib),
-        growth_target(rows, settings, "private_after",
-                      f"private memory after {settings['batches']:,} batches", mib),
-        latency_target(rows, "p50_ms"),
-        latency_target(rows, "p99_ms"),
-    ]
+    after = f"after {settings['batches']:,} batches"
+    growth = [("startup_s", "start-up (process start to first batch, slowest rank)"),
+              ("rss_first", "RSS at the first batch"),
+              ("private_first", "private memory at the first batch"),
+              ("rss_after", f"RSS {after}"), ("private_after", f"private memory {after}")]
+    return [*(growth_target(rows, settings, key, what) for key, what in growth),
+            latency_target(rows, "p50_ms"), latency_target(rows, "p99_ms")]
 
 
-# ---- report ----
-
-def markdown(result):
-    s = result["settings"]
-    head = ["ranks", "train.bin", "loader", "start-up s", "data setup s", "RSS first",
-            "private first", f"RSS after {s['batches']:,}", f"private after {s['batches']:,}",
-            "batches/s per rank", "p50 ms", "p99 ms", "load"]
-    body = []
-    for r in result["results"]:
-        cells = [r["ranks"], report.size(r["size"]), r["loader"]]
-        if r["status"] == "ok":
-            cells += [f"{r['startup_s']:.2f}", f"{r['setup_s']:.3f}",
-                      *(report.size(r[k]) for k in ("rss_first", "private_first", "rss_after",
-                                                    "private_after")),
-                      f"{r['batches_per_s']:,.0f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}"]
-        else:
-            cells += [r["status"]] + [""] * 8
-        body.append(cells + [r["load_1m"]])
-    legend = "; ".join(f"`{k}`: {v}" for k, v in LOADERS.items())
-    return [
-        f"Batches of {s['batch'][0]} x {s['batch'][1]} tokens; {s['batches']:,} batches per "
-        f"rank; token files {s['files']} (the disk's read-ahead: {s['read_ahead_kb']} KiB). "
-        f"Loaders: {legend}. The seed's loader runs under a cap of "
-        f"{s['seed_mem_cap'] / GiB:.0f} GiB of private memory (all ranks together) and "
-        f"{s['seed_time_cap_s']} s.",
-        "",
-        f"Each row of ddpgpt and (a) is the median of {s['launches']} launch(es), each with "
-        f"the file evicted first. "
-        "Start-up is from the rank's process start (`psutil` create time) to its first batch, "
-        "slowest rank; data setup is the part of it from opening the data to the first batch. "
-        "Memory is the largest rank's: RSS, and its private (anonymous) part; the rest of RSS "
-        "is the page cache of the mapped file, which the kernel shares and can drop. Latency "
-        "is one `next()` over batches 2 to the last, all ranks pooled. Load: the machine's "
-        "1-minute load average after the launch.",
-        "",
-        *report.table(head, body),
-        "",
-        "How to read it:",
-        "",
-        "- Start-up is Python's imports and the ranks' rendezvous, then the data setup "
-        "column. Only the data setup touches the file, so between two sizes start-up differs "
-        "by that column plus the noise of the machine's load on the imports.",
-        "- RSS counts the file pages a process has mapped: a loader that kept one memmap open "
-        "for the whole run would hold there the pages of every window it has read (and those "
-        "the kernel maps around each fault) until the kernel reclaims them. (a) maps the file "
-        "afresh for each batch, and ddpgpt maps nothing: it reads each window with `os.pread`. "
-        "The page cache holds the pages either way.",
-        "- Latency at the largest file: nearly every window is a page-cache miss. For a miss "
-        "in a memmap, as in (a), the kernel reads the disk's read-ahead around the page (zeros "
-        "here, the file being sparse); a `pread` of one window reads little more than the "
-        "window.",
-        "- p99 latency with more ranks than cores (8 ranks on a 2-core machine): the slowest "
-        "1% of batches are those during which the kernel switched the rank out for another, so "
-        "p99 is the scheduler's time slice, about the same for every loader, not the loader's "
-        "cost.",
-        "- Latency is the time to make one batch: ddpgpt runs here without the background "
-        "thread that train.py reads the next batches in while a step runs (see the training "
-        "part's data wait for what a step pays).",
-        "- (b) builds a permutation of every token offset in every rank before its first "
-        "batch: its start-up and private memory grow with the file until it passes its cap "
-        "(or cannot allocate the permutation at all).",
-    ]
-
-
-def plot(result, path):
-    import matplotlib.pyplot as plt
-
-    panels = [("startup_s", "start-up, s (slowest rank)", 1, "linear"),
-              ("private_after", "private memory after the last batch, MiB", MiB, "linear"),
-              ("rss_after", "RSS after the last batch, MiB", MiB, "linear"),
-              ("p50_ms", "p50 batch latency, ms", 1, "log")]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8))
-    styles = {"ddpgpt": "C0", "nanogpt": "C1", "seed": "C3"}
-    markers = {1: "o", 2: "s", 8: "^"}
-    for ax, (key, label, unit, yscale) in zip(axes.flat, panels):
-        for loader, color in styles.items():
-            for ranks in result["settings"]["ranks"]:
-                pts = [(r["size"] / MiB, r[key] / unit) for r in result["results"]
-                       if r["loader"] == loader and r["ranks"] == ranks and r["status"] == "ok"]
-                if pts:
-                    ax.plot(*zip(*pts), color=color, marker=markers.get(ranks, "x"),
-                            label=f"{loader}, {ranks} rank(s)")
-        ax.set_xscale("log")
-        ax.set_yscale(yscale)
-        if yscale == "linear":
-            ax.set_ylim(bottom=0)
-        ax.set_xlabel("train.bin, MiB")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center right", fontsize=8,
-               title="seed: no point where it\npassed its cap or failed", title_fontsize=8)
-    fig.suptitle("Data path against the size of train.bin")
-    fig.tight_layout(rect=(0, 0, 0.83, 1))
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def plot(result):
+    return report.line_plot(
+        result, "Data path against the size of train.bin", ("size", "train.bin, MiB", MiB, "log"),
+        [("startup_s", "start-up, s (slowest rank)", 1, "linear"),
+         ("private_after", "private memory after the last batch, MiB", MiB, "linear"),
+         ("rss_after", "RSS after the last batch, MiB", MiB, "linear"),
+         ("p50_ms", "p50 batch latency, ms", 1, "log")], series=("loader", "ranks"))

@@ -75,16 +75,11 @@ LOADERS = {"ddpgpt": ddpgpt, "nanogpt": nanogpt, "seed": seed}
 
 
 def memory():
-    """RSS and its parts, from /proc/self/status. Anonymous memory is this process's own;
-    file pages are the page cache of the mapped token file and libraries, which the kernel
-    shares between ranks and can drop."""
-    fields = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile"):
-                fields[key] = int(value.split()[0]) * 1024
-    return {"rss": fields["VmRSS"], "private": fields["RssAnon"], "file": fields["RssFile"]}
+    """RSS and its parts, as bench/common.py's tree_memory counts them: private (anonymous)
+    memory is this process's own; file pages are the page cache of the mapped token file and
+    libraries, which the kernel shares between ranks and can drop."""
+    m = psutil.Process().memory_info()
+    return {"rss": m.rss, "private": m.rss - m.shared, "file": m.shared}
 
 
 def main(loader, data_dir, out, n_batches):

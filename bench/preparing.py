@@ -5,19 +5,27 @@ import json
 import os
 import shutil
 import sys
-import sysconfig
 
-import tokenfile
 import prepare
+import tokenfile
+import tokenizer
 from bench import common, report
+from bench.common import MiB
 
 TITLE = "Prepare"
 FULL = {"copies": [1, 3], "documents": None}
 SMALL = {"copies": [1, 2], "documents": 100}  # the first 100 documents of the stdlib
 SHARED_VOCAB = os.path.join(common.ROOT, "..", "shared", "tokenizers", "r50k_base.tiktoken")
-TIKTOKEN_CACHE_KEY = "0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4"  # tiktoken's name for it
 TIME_CAP_S = 1800  # only stops a hung run
-IMPLS = {"ddpgpt": "prepare.py", "reference": "datasets.map, a document per call"}
+IMPLS = ("ddpgpt", "reference")  # as text/prepare.md names them
+TABLES = {"table": [
+    ("corpus", "pystdlib x{copies}"), ("documents", "{documents:,}"),
+    ("size", "{corpus_bytes:size}"), ("pipeline", "{impl}"), ("tokens", "{tokens:,}"),
+    ("wall s", "{wall_s:.1f}"), ("tokens/s", "{tok_per_s:,.0f}"),
+    ("peak RSS", "{peak_rss:size}"), ("peak private", "{peak_private:size}"),
+    ("reference's phases (load / tokenize / write s)",
+     "{phases[load_s]:.1f} / {phases[tokenize_s]:.1f} / {phases[write_s]:.1f}"),
+    ("load", "{load_1m}")]}
 
 
 def tiktoken_env(workdir):
@@ -26,27 +34,22 @@ def tiktoken_env(workdir):
         return {}, f"TIKTOKEN_CACHE_DIR={os.environ['TIKTOKEN_CACHE_DIR']} (from the caller)"
     if not os.path.exists(SHARED_VOCAB):
         return {}, "tiktoken's own cache or download"
-    cache = os.path.join(workdir, "tiktoken")
-    os.makedirs(cache, exist_ok=True)
-    shutil.copy(SHARED_VOCAB, os.path.join(cache, TIKTOKEN_CACHE_KEY))
-    return {"TIKTOKEN_CACHE_DIR": cache}, ("TIKTOKEN_CACHE_DIR set to a folder holding "
-                                           "../shared/tokenizers/r50k_base.tiktoken")
+    tokenizer.install_tiktoken_file(SHARED_VOCAB, os.path.join(workdir, "tiktoken"))
+    return {"TIKTOKEN_CACHE_DIR": os.path.join(workdir, "tiktoken")}, \
+        "TIKTOKEN_CACHE_DIR set to a folder holding ../shared/tokenizers/r50k_base.tiktoken"
 
 
 def stdlib_documents(limit):
     """The built-in corpus, as prepare.py --dataset=pystdlib reads it."""
-    root = sysconfig.get_paths()["stdlib"]
-    texts = (prepare.python_source(path) for path in prepare.stdlib_files(root))
-    documents = [t for t in texts if t is not None and prepare.is_document(t)]
-    return documents[:limit] if limit else documents
+    texts = prepare.open_source("pystdlib", None)[2]()
+    return [t for t in texts if t is not None and prepare.is_document(t)][:limit]
 
 
 def write_corpus(path, documents, copies):
     """The documents `copies` times over, one JSON object per line: a file both sides read."""
     with open(path, "w", encoding="utf-8") as f:
         for _ in range(copies):
-            for text in documents:
-                f.write(json.dumps({"text": text}) + "\n")
+            f.writelines(json.dumps({"text": text}) + "\n" for text in documents)
     return os.path.getsize(path)
 
 
@@ -55,9 +58,11 @@ def measure(impl, corpus, out_dir, env):
     args = [sys.executable, "prepare.py", f"--dataset={corpus}", f"--out_dir={out_dir}",
             "--tokenizer=gpt2", f"--num_proc={cores}"] if impl == "ddpgpt" else \
         [sys.executable, "-m", "bench.prepare_reference", corpus, out_dir, cores]
-    finished = common.check(common.run_watched(args, env, TIME_CAP_S), IMPLS[impl])
+    finished = common.check(common.run_watched(args, env, TIME_CAP_S),
+                            f"the {impl} pipeline")
     if impl == "ddpgpt":
-        tokens, phases = sum(s["tokens"] for s in tokenfile.read_meta(out_dir)["splits"].values()), {}
+        phases = {}
+        tokens = sum(s["tokens"] for s in tokenfile.read_meta(out_dir)["splits"].values())
     else:
         phases = json.loads(finished.output.strip().splitlines()[-1])
         tokens = phases.pop("tokens")
@@ -72,8 +77,7 @@ def run(small, device, workdir):
     extra, vocab_note = tiktoken_env(workdir)
     env = common.child_env(HF_DATASETS_CACHE=os.path.join(workdir, "hf"),
                            HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", **extra)
-    documents = stdlib_documents(settings["documents"])
-    rows = []
+    documents, rows = stdlib_documents(settings["documents"]), []
     for copies in settings["copies"]:
         corpus = os.path.join(workdir, f"pystdlib-x{copies}.jsonl")
         corpus_bytes = write_corpus(corpus, documents, copies)
@@ -81,8 +85,7 @@ def run(small, device, workdir):
             print(f"bench prepare: pystdlib x{copies}, {impl}", file=sys.stderr)
             out_dir = os.path.join(workdir, f"{impl}-x{copies}")
             rows.append({"copies": copies, "documents": len(documents) * copies,
-                         "corpus_bytes": corpus_bytes,
-                         **measure(impl, corpus, out_dir, env)})
+                         "corpus_bytes": corpus_bytes, **measure(impl, corpus, out_dir, env)})
             shutil.rmtree(out_dir)
         os.remove(corpus)
     return {"settings": {**settings, "processes": os.cpu_count(), "tokenizer": "gpt2",
@@ -101,48 +104,11 @@ def target(rows):
             "measured": "; ".join(parts), "met": met}
 
 
-def markdown(result):
-    s = result["settings"]
-    head = ["corpus", "documents", "size", "pipeline", "tokens", "wall s", "tokens/s",
-            "peak RSS", "peak private", "reference's phases (load / tokenize / write s)", "load"]
-    body = [[f"pystdlib x{r['copies']}", f"{r['documents']:,}", report.size(r["corpus_bytes"]),
-             IMPLS[r["impl"]], f"{r['tokens']:,}", f"{r['wall_s']:.1f}",
-             f"{r['tok_per_s']:,.0f}", report.size(r["peak_rss"]),
-             report.size(r["peak_private"]),
-             " / ".join(f"{r['phases'][k]:.1f}" for k in ("load_s", "tokenize_s", "write_s"))
-             if r["phases"] else "", r["load_1m"]] for r in result["results"]]
-    return [f"The corpus is the Python standard library's source (what `prepare.py "
-            f"--dataset=pystdlib` reads), one document per file, written as JSON lines and "
-            f"repeated for the larger sizes, so that both pipelines read the same file. Both use "
-            f"the {s['tokenizer']} tokenizer on {s['processes']} processes (the vocabulary: "
-            f"{s['vocabulary']}). Wall time is from the command's start to its exit; memory is "
-            f"sampled every 50 ms and summed over the process and its workers (pages shared "
-            f"after a fork count once per process). The reference writes its Arrow cache in a "
-            f"fresh folder, so nothing is cached between runs.", "",
-            *report.table(head, body)]
-
-
-def plot(result, path):
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for impl, color in (("ddpgpt", "C0"), ("reference", "C1")):
-        rows = [r for r in result["results"] if r["impl"] == impl]
-        mb = [r["corpus_bytes"] / 1e6 for r in rows]
-        left.plot(mb, [r["tok_per_s"] / 1e6 for r in rows], "o-", color=color,
-                  label=IMPLS[impl])
-        right.plot(mb, [r["peak_rss"] / 2**20 for r in rows], "o-", color=color,
-                   label=f"{IMPLS[impl]}, RSS")
-        right.plot(mb, [r["peak_private"] / 2**20 for r in rows], "o--", color=color,
-                   label=f"{IMPLS[impl]}, private")
-    left.set_ylabel("million tokens/s")
-    right.set_ylabel("peak memory, MiB (all processes)")
-    for ax in (left, right):
-        ax.set_xlabel("corpus, MB of JSON lines")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"Prepare, GPT-2 tokenizer, {result['settings']['processes']} processes")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def plot(result):
+    return report.line_plot(
+        result, f"Prepare, GPT-2 tokenizer, {result['settings']['processes']} processes",
+        ("corpus_bytes", "corpus, MB of JSON lines", 1e6, "linear"),
+        [("tok_per_s", "million tokens/s", 1e6, "linear"),
+         ("peak_rss", "peak RSS, MiB (all processes)", MiB, "linear"),
+         ("peak_private", "peak private memory, MiB (all processes)", MiB, "linear")],
+        series=("impl",))
