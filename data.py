@@ -5,8 +5,10 @@
   2. Rank r's micro-step m reads B = batch_size of them, starting at
      ((step * M + m) * W + r) * B, with W ranks of M micro-steps each (M * W fixed).
   3. Sample i reads the window that starts at token offset sample_offsets(i): a pure function
-     of (seed, i). 'epoch' mode reads every block of the split once per epoch, in an order
-     and at a phase drawn from (seed, epoch); 'random' draws offsets uniformly, as nanoGPT.
+     of (seed, i) and the split's file sizes. 'epoch' mode reads every block of the split once
+     per epoch, in an order and at a phase drawn from (seed, epoch); 'random' draws windows
+     uniformly, as nanoGPT. A split of many shards is one token space (tokenfile.py), and no
+     window crosses from one shard into the next.
   4. The window at offset o gives x = tokens[o : o + T] and y = tokens[o + 1 : o + T + 1].
 
 So no rank builds anything whose size depends on the data (start-up and memory do not grow
@@ -91,67 +93,89 @@ def permute(i, n, key):
 
 
 def blocks_per_epoch(n_tokens, block_size):
-    """Non-overlapping blocks read in one epoch. One block is left as slack where the split is
-    long enough, so that each epoch can shift block boundaries by any phase in [0, block_size)."""
-    whole = (n_tokens - 1) // block_size
-    return whole - 1 if whole >= 2 else whole
+    """Non-overlapping blocks read in one epoch of a file of n_tokens (an int or an array of
+    them). One block is left as slack where the file is long enough, so that each epoch can
+    shift block boundaries by any phase in [0, block_size)."""
+    whole = np.maximum((np.asarray(n_tokens) - 1) // block_size, 0)
+    return np.where(whole >= 2, whole - 1, whole)
 
 
-def sample_offsets(sample_indices, n_tokens, block_size, seed, mode):
-    """The start offset of the window each global sample index reads (contract, point 3)."""
+def locate(i, counts):
+    """(file, index within that file) of item i of a sequence that is `counts[k]` items of each
+    file k in turn: a binary search in the cumulative counts, nothing per item."""
+    ends = np.cumsum(counts)
+    k = np.searchsorted(ends, i, side="right")
+    return k, i - (ends[k] - counts[k])
+
+
+def sample_offsets(sample_indices, starts, block_size, seed, mode):
+    """The start offset of the window each global sample index reads (contract, point 3).
+    starts: where each file of the split begins in its token space, and its end (TokenSplit)."""
     indices = np.asarray(sample_indices, dtype=np.int64)
-    if mode == "random":
-        return (mix(indices.astype(np.uint64) ^ hash_key(seed, 1)) % (n_tokens - block_size)
-                ).astype(np.int64)
+    starts = np.asarray(starts, dtype=np.int64)
+    sizes = np.diff(starts)
+    if mode == "random":  # any window inside a file, each as likely
+        windows = np.maximum(sizes - block_size, 0)
+        k, local = locate(mix(indices.astype(np.uint64) ^ hash_key(seed, 1))
+                          % np.uint64(windows.sum()), windows)
+        return starts[k] + local.astype(np.int64)
     if mode != "epoch":
         raise ValueError(f"sampling mode {mode!r} is not one of {SAMPLING_MODES}")
-    n_blocks = blocks_per_epoch(n_tokens, block_size)
-    max_phase = min(n_tokens - 1 - n_blocks * block_size, block_size - 1)
+    blocks = blocks_per_epoch(sizes, block_size)
+    n_blocks = int(blocks.sum())
+    slack = np.clip(sizes - 1 - blocks * block_size, 0, block_size - 1)  # 0 for a file too short
+    max_phase = slack.astype(np.uint64)
     out = np.empty(indices.shape, dtype=np.int64)
     epochs = indices // n_blocks
     for epoch in np.unique(epochs):
         here = epochs == epoch
-        block = permute(indices[here] % n_blocks, n_blocks, hash_key(seed, 2, epoch))
-        phase = hash_key(seed, 3, epoch) % (max_phase + 1)
-        out[here] = phase + block.astype(np.int64) * block_size
+        k, block = locate(permute(indices[here] % n_blocks, n_blocks, hash_key(seed, 2, epoch)),
+                          blocks)
+        phase = np.uint64(hash_key(seed, 3, epoch)) % (max_phase[k] + np.uint64(1))
+        out[here] = starts[k] + phase.astype(np.int64) + block.astype(np.int64) * block_size
     return out
 
 
-def global_batch_fingerprint(step, global_batch, n_tokens, block_size, seed, mode):
+def global_batch_fingerprint(step, global_batch, starts, block_size, seed, mode):
     """A short hash of which windows global batch `step` reads, independent of how it is split
     across ranks and micro-steps: two runs that read the same data print the same value."""
     indices = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.int64)
-    offsets = np.sort(sample_offsets(indices, n_tokens, block_size, seed, mode))
+    offsets = np.sort(sample_offsets(indices, starts, block_size, seed, mode))
     return hashlib.blake2b(offsets.tobytes(), digest_size=8).hexdigest()
 
 
-def eval_offsets(n_tokens, block_size, n_windows):
+def eval_offsets(starts, block_size, n_windows):
     """A fixed set of windows spread evenly over a split, the same for every run and world
     size, so that evaluation losses are comparable."""
-    last = n_tokens - block_size - 1
-    return np.linspace(0, last, num=n_windows).round().astype(np.int64)
+    starts = np.asarray(starts, dtype=np.int64)
+    windows = np.maximum(np.diff(starts) - block_size, 0)
+    spread = np.linspace(0, windows.sum() - 1, num=n_windows).round().astype(np.int64)
+    k, local = locate(spread, windows)
+    return starts[k] + local
 
 
 # ---- 4: windows -> (x, y) ----
 
-def read_xy(token_file, offsets, block_size, vocab_size=None):
+def read_xy(token_split, offsets, block_size, vocab_size=None):
     """(x, y) int64 tensors of shape (len(offsets), block_size); y is x shifted by one.
     With vocab_size, ids the model cannot embed are a UserError here rather than a CUDA
     device-side assert later."""
     offsets = np.asarray(offsets, dtype=np.int64)
-    windows = tokenfile.read(token_file, offsets, block_size + 1).astype(np.int64)
+    windows = tokenfile.read(token_split, offsets, block_size + 1).astype(np.int64)
     if vocab_size is not None and windows.max() >= vocab_size:
         row = int(np.argmax(windows.max(axis=1) >= vocab_size))
+        k = int(np.searchsorted(token_split.starts, offsets[row], side="right")) - 1
         raise UserError(
-            f"{token_file.path} holds token id {int(windows[row].max())} in the window at token "
-            f"offset {int(offsets[row])}, but the model's vocab_size is {vocab_size}: the file "
-            f"was made with another tokenizer, or it is corrupt. Prepare the data with the "
-            f"model's tokenizer, or set vocab_size above the largest id.")
+            f"{token_split.paths[k]} holds token id {int(windows[row].max())} in the window at "
+            f"token offset {int(offsets[row] - token_split.starts[k])}, but the model's "
+            f"vocab_size is {vocab_size}: the file was made with another tokenizer, or it is "
+            f"corrupt. Prepare the data with the model's tokenizer, or set vocab_size above "
+            f"the largest id.")
     t = torch.from_numpy(windows)
     return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
-def rank_batches(token_file, *, block_size, batch_size, micro_steps, rank, world_size, seed,
+def rank_batches(token_split, *, block_size, batch_size, micro_steps, rank, world_size, seed,
                  mode, start_step, device, vocab_size, prefetch=2):
     """This rank's micro-batches, step after step from start_step: yields (x, y) on device.
     The next `prefetch` batches are read in a background thread while the current step runs;
@@ -161,8 +185,8 @@ def rank_batches(token_file, *, block_size, batch_size, micro_steps, rank, world
     def load(step, micro_step):
         indices = rank_sample_indices(step, micro_step, rank, world_size, batch_size,
                                       micro_steps)
-        offsets = sample_offsets(indices, token_file.n_tokens, block_size, seed, mode)
-        x, y = read_xy(token_file, offsets, block_size, vocab_size)
+        offsets = sample_offsets(indices, token_split.starts, block_size, seed, mode)
+        x, y = read_xy(token_split, offsets, block_size, vocab_size)
         return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
 
     def on_device(batch):
@@ -188,17 +212,17 @@ class BlockDataset(torch.utils.data.Dataset):
     """Map-style dataset over global sample indices: item i is the window sample_offsets()
     assigns to i. Its length is one epoch of blocks, but any index >= 0 is valid."""
 
-    def __init__(self, token_file, block_size, seed=0, mode="epoch"):
-        self.token_file, self.block_size, self.seed, self.mode = \
-            token_file, block_size, seed, mode
+    def __init__(self, token_split, block_size, seed=0, mode="epoch"):
+        self.token_split, self.block_size, self.seed, self.mode = \
+            token_split, block_size, seed, mode
 
     def __len__(self):
-        return blocks_per_epoch(self.token_file.n_tokens, self.block_size)
+        return int(blocks_per_epoch(np.diff(self.token_split.starts), self.block_size).sum())
 
     def __getitem__(self, i):
-        offsets = sample_offsets([i], self.token_file.n_tokens, self.block_size, self.seed,
+        offsets = sample_offsets([i], self.token_split.starts, self.block_size, self.seed,
                                  self.mode)
-        x, y = read_xy(self.token_file, offsets, self.block_size)
+        x, y = read_xy(self.token_split, offsets, self.block_size)
         return x[0], y[0]
 
 

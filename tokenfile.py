@@ -1,5 +1,5 @@
-"""Token files on disk: the format (described here only), writing meta.json, and checking and
-reading a split.
+"""Token files on disk: the formats (described here only), writing meta.json, and checking and
+reading a split. A split is one file or a set of shards, read as one token space.
 
   <data_dir>/train.bin, <data_dir>/val.bin
       Raw little-endian token ids, no header: uint16 when the vocabulary fits in 65,536 ids,
@@ -10,16 +10,27 @@ reading a split.
        "eot_token": 50256,
        "splits": {"train": {"tokens": N, "documents": D, "fingerprint": "..."}, "val": {...}},
        ... and how the files were made (prepare.py adds its source and settings)}
-      "fingerprint" is sampled_fingerprint() of the file: its size and 64 evenly spaced 4 KiB
-      chunks, so checking it costs the same for 16 MiB as for 16 GiB.
+      "fingerprint" is sampled_fingerprint() of the split: its files' sizes and 64 evenly
+      spaced 4 KiB chunks of its tokens, so checking it costs the same for 16 MiB as for 16 GiB,
+      and for one file as for 10,000 shards.
+  <data_dir>/train_000000.bin, train_000001.bin, ..., val_000000.bin, ... (prepare.py
+      --shard_tokens): shards in the same raw format; meta.json then lists them per split,
+      "shards": [{"file": "train_000000.bin", "tokens": n, "fingerprint": "..."}, ...], in the
+      order they are read. With "format": "llmc" each shard has llm.c's header (below).
+  <data_dir>/*_train_*.bin, *_val_*.bin, no meta.json: llm.c / modded-nanogpt shards (e.g.
+      fineweb_val_000000.bin, fineweb_train_000001.bin), read as they are, in name order:
+      a header of 256 little-endian int32 (magic 20240520, version 1, the token count, zeros),
+      then the tokens as uint16 GPT-2 ids.
   A folder with .bin files and no meta.json is read as nanoGPT's raw uint16.
 
-A TokenFile holds a path, a dtype and a length, never an open file: it pickles in a few hundred
-bytes and works in any process, forked or spawned. Each read opens the file and reads each
-window with one os.pread, so no page read stays in the resident memory of a long run, and a
-random window costs one small read (a memmap faults in the disk's read-ahead around each
-window; docs/benchmarks.md measures both).
+A TokenSplit holds paths, a dtype and where each file starts in the split's token space, never
+an open file: it pickles small and works in any process, forked or spawned. Each read opens the
+files it needs and reads each window with one os.pread, so no page read stays in the resident
+memory of a long run, and a random window costs one small read (a memmap faults in the disk's
+read-ahead around each window; docs/benchmarks.md measures both). A window never crosses from
+one file into the next: data.py draws it inside one.
 """
+import glob
 import hashlib
 import json
 import os
@@ -35,25 +46,42 @@ META_NAME = "meta.json"
 SPLITS = ("train", "val")
 FINGERPRINT_CHUNKS, FINGERPRINT_CHUNK_BYTES = 64, 4096
 PREPARE_HINT = "python prepare.py --out_dir={}"
+LLMC_MAGIC, LLMC_VERSION, LLMC_HEADER_BYTES = 20240520, 1, 256 * 4
+# what llm.c's GPT-2 shards are, since they come without a meta.json
+LLMC_META = {"format_version": FORMAT_VERSION, "format": "llmc", "dtype": "uint16",
+             "vocab_size": 50257, "tokenizer": "gpt2", "eot_token": 50256, "splits": {},
+             "source": "llm.c shards (magic 20240520, version 1)"}
 
 
-class TokenFile(NamedTuple):
-    path: str
+class TokenSplit(NamedTuple):
+    """One split's files, read as one token space: file k holds tokens [starts[k], starts[k+1])
+    of it, after a header of header_bytes."""
+    paths: tuple
     dtype: np.dtype
-    n_tokens: int
+    header_bytes: int
+    starts: np.ndarray
+
+    @property
+    def n_tokens(self):
+        return int(self.starts[-1])
 
 
 def token_dtype(vocab_size):
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def sampled_fingerprint(path):
-    size = os.path.getsize(path)
-    h = hashlib.blake2b(str(size).encode(), digest_size=16)
-    chunk = min(FINGERPRINT_CHUNK_BYTES, size)
-    with open(path, "rb") as f:
-        for i in range(FINGERPRINT_CHUNKS):
-            f.seek((size - chunk) * i // (FINGERPRINT_CHUNKS - 1))
+def sampled_fingerprint(paths, header_bytes=0):
+    """A hash of the files' sizes and of 64 evenly spaced 4 KiB chunks of their data bytes,
+    taken as one run of bytes (a chunk that meets the end of a file stops there)."""
+    sizes = [os.path.getsize(p) - header_bytes for p in paths]
+    starts = np.cumsum([0, *sizes])
+    h = hashlib.blake2b(",".join(map(str, sizes)).encode(), digest_size=16)
+    chunk = min(FINGERPRINT_CHUNK_BYTES, int(starts[-1]))
+    for i in range(FINGERPRINT_CHUNKS):
+        at = (int(starts[-1]) - chunk) * i // (FINGERPRINT_CHUNKS - 1)
+        k = min(int(np.searchsorted(starts, at, side="right")) - 1, len(paths) - 1)
+        with open(paths[k], "rb") as f:
+            f.seek(header_bytes + at - int(starts[k]))
             h.update(f.read(chunk))
     return h.hexdigest()
 
@@ -63,7 +91,7 @@ def sampled_fingerprint(path):
 def describe_split(path, dtype, documents):
     """meta.json's entry for a complete token file."""
     return {"tokens": os.path.getsize(path) // np.dtype(dtype).itemsize, "documents": documents,
-            "fingerprint": sampled_fingerprint(path)}
+            "fingerprint": sampled_fingerprint([path])}
 
 
 def write_meta(data_dir, *, tokenizer, vocab_size, eot_token, splits, **provenance):
@@ -90,11 +118,18 @@ def write_token_files(data_dir, ids_by_split, *, tokenizer, vocab_size, eot_toke
 
 # ---- reading ----
 
+def llmc_shards(data_dir, split):
+    return sorted(glob.glob(os.path.join(glob.escape(data_dir), f"*_{split}_*.bin")))
+
+
 def read_meta(data_dir):
-    """meta.json as a dict, or None for a nanoGPT-style folder that has none."""
+    """meta.json as a dict; for llm.c shards without one, what their format implies; None for
+    a nanoGPT-style folder of raw .bin files."""
     path = os.path.join(data_dir, META_NAME)
     if not os.path.exists(path):
-        return None
+        has_llmc = not os.path.exists(os.path.join(data_dir, "train.bin")) and \
+            any(llmc_shards(data_dir, split) for split in SPLITS)
+        return dict(LLMC_META) if has_llmc else None
     hint = PREPARE_HINT.format(data_dir)
     try:
         with open(path) as f:
@@ -116,62 +151,135 @@ def read_meta(data_dir):
     return meta
 
 
-def open_split(data_dir, split, block_size, vocab_size=None, log=print):
-    """Check one split on disk against meta.json and return its TokenFile."""
-    meta = read_meta(data_dir)
-    path = os.path.join(data_dir, f"{split}.bin")
-    hint = PREPARE_HINT.format(data_dir)
-    if not os.path.isfile(path):
-        raise UserError(f"{path} does not exist: make the token files with `{hint}` "
-                        f"or set data_dir to a folder that holds train.bin and val.bin.")
-    if meta is None:
-        log(f"data: {data_dir} has no {META_NAME}; reading {split}.bin as raw uint16 tokens "
-            "(nanoGPT's format)")
-        dtype, info = np.dtype(np.uint16), {}
-    else:
-        dtype, info = np.dtype(meta["dtype"]), meta["splits"].get(split, {})
-    size = os.path.getsize(path)
-    if size % dtype.itemsize:
+def split_files(data_dir, split, meta):
+    """(paths, header bytes, the token count meta.json gives each file or None) of a split:
+    the shards meta.json lists, else <split>.bin, else llm.c's *_<split>_*.bin."""
+    info = (meta or {}).get("splits", {}).get(split, {})
+    header = LLMC_HEADER_BYTES if (meta or {}).get("format") == "llmc" else 0
+    if "shards" in info:
+        return ([os.path.join(data_dir, s["file"]) for s in info["shards"]], header,
+                [s["tokens"] for s in info["shards"]])
+    single = os.path.join(data_dir, f"{split}.bin")
+    if os.path.isfile(single) or meta is None or meta.get("format") != "llmc":
+        if not os.path.isfile(single):
+            raise UserError(
+                f"{single} does not exist (nor does {data_dir} hold {split} shards): make the "
+                f"token files with `{PREPARE_HINT.format(data_dir)}` or set data_dir to a folder "
+                f"that holds train.bin and val.bin, or llm.c shards *_train_*.bin and *_val_*.bin.")
+        return [single], 0, [info["tokens"]] if "tokens" in info else None
+    shards = llmc_shards(data_dir, split)
+    if not shards:
         raise UserError(
-            f"{path} is {size} bytes, which is not a whole number of {dtype.name} tokens "
+            f"{data_dir} holds llm.c shards but none of the {split} split (*_{split}_*.bin): "
+            f"llm.c's data scripts write the validation split as the first shard, e.g. "
+            f"fineweb_val_000000.bin; copy it there, or make the data with `"
+            f"{PREPARE_HINT.format(data_dir)} --format=llmc`.")
+    return shards, LLMC_HEADER_BYTES, None
+
+
+def check_llmc_header(path, n_tokens):
+    """llm.c's header must say what the file is: the magic, the version, the token count."""
+    with open(path, "rb") as f:
+        header = np.frombuffer(f.read(LLMC_HEADER_BYTES), dtype="<i4")
+    if len(header) < 3 or header[0] != LLMC_MAGIC or header[1] != LLMC_VERSION:
+        found = f"magic {header[0]}, version {header[1]}" if len(header) >= 3 else \
+            "a file shorter than the header"
+        raise UserError(
+            f"{path} is not an llm.c GPT-2 token shard: its header has {found}, not magic "
+            f"{LLMC_MAGIC}, version {LLMC_VERSION} (uint16 GPT-2 tokens; other llm.c formats, "
+            f"such as llama-3's uint32 shards, are not read). Remove it from the folder, or "
+            f"make the shards again.")
+    if header[2] != n_tokens:
+        raise UserError(
+            f"{path}: its header says {header[2]} tokens but the file holds {n_tokens} after the "
+            f"{LLMC_HEADER_BYTES}-byte header: the shard is truncated or was not written "
+            f"completely. Download or make it again.")
+
+
+def file_tokens(path, dtype, header_bytes, listed, hint):
+    """The number of tokens in one file, checked against its size, header and meta.json."""
+    size = os.path.getsize(path) - header_bytes
+    if size < 0 or size % dtype.itemsize:
+        raise UserError(
+            f"{path} is {size + header_bytes} bytes, which is not "
+            f"{'a header and ' if header_bytes else ''}a whole number of {dtype.name} tokens "
             f"({dtype.itemsize} bytes each): the file is truncated or is not a token file. "
             f"Run `{hint}` again.")
     n_tokens = size // dtype.itemsize
-    if "tokens" in info and info["tokens"] != n_tokens:
+    if listed is not None and listed != n_tokens:
         raise UserError(
-            f"{path} holds {n_tokens} tokens but {META_NAME} says {info['tokens']}: the file "
-            f"was truncated, extended or replaced after prepare.py wrote it. Run `{hint}` again.")
-    if "fingerprint" in info and info["fingerprint"] != sampled_fingerprint(path):
+            f"{path} holds {n_tokens} tokens but {META_NAME} says {listed}: the file was "
+            f"truncated, extended or replaced after prepare.py wrote it. Run `{hint}` again.")
+    if header_bytes:
+        check_llmc_header(path, n_tokens)
+    return n_tokens
+
+
+def open_split(data_dir, split, block_size, vocab_size=None, log=print):
+    """Check one split on disk (against meta.json where there is one) and return its
+    TokenSplit. The checks cost the same for any file size: sizes, headers, and a fingerprint
+    of 64 chunks."""
+    meta = read_meta(data_dir)
+    hint = PREPARE_HINT.format(data_dir)
+    paths, header, listed = split_files(data_dir, split, meta)
+    if meta is None:
+        log(f"data: {data_dir} has no {META_NAME}; reading {split}.bin as raw uint16 tokens "
+            "(nanoGPT's format)")
+    dtype = np.dtype(meta["dtype"] if meta else np.uint16)
+    counts = [file_tokens(p, dtype, header, None if listed is None else listed[k], hint)
+              for k, p in enumerate(paths)]
+    token_split = TokenSplit(tuple(paths), dtype, header, np.cumsum([0, *counts]))
+    what = paths[0] if len(paths) == 1 else f"the {len(paths)} {split} shards in {data_dir}"
+    expected = (meta or {}).get("splits", {}).get(split, {}).get("fingerprint")
+    if expected is not None and expected != sampled_fingerprint(paths, header):
         raise UserError(
-            f"{path} does not match the fingerprint in {META_NAME}: its content changed after "
-            f"prepare.py wrote it (a different file of the same size?). Run `{hint}` again.")
-    if n_tokens < block_size + 1:
+            f"{what} {'does' if len(paths) == 1 else 'do'} not match the fingerprint in "
+            f"{META_NAME}: the content changed after prepare.py wrote it (a different file of "
+            f"the same size?). Run `{hint}` again.")
+    longest = max(counts)
+    if longest < block_size + 1:
+        holds = f"{longest} tokens" if len(paths) == 1 else f"at most {longest} tokens a shard"
         raise UserError(
-            f"{path} holds {n_tokens} tokens, fewer than one block of block_size={block_size} "
-            f"plus the shifted target: set block_size to at most {max(n_tokens - 1, 0)} or "
-            f"prepare more data for the {split} split.")
+            f"{what} holds {holds}, fewer than one block of block_size={block_size} plus the "
+            f"shifted target: set block_size to at most {max(longest - 1, 0)} or prepare more "
+            f"data for the {split} split.")
     if vocab_size is not None and meta is not None and meta["vocab_size"] > vocab_size:
         raise UserError(
             f"{data_dir} was tokenized with {meta.get('tokenizer')!r}, whose {meta['vocab_size']} "
             f"ids do not fit the model's vocab_size={vocab_size}: use a model with vocab_size "
             f">= {meta['vocab_size']} or data prepared with a smaller vocabulary.")
-    return TokenFile(path, dtype, n_tokens)
+    return token_split
 
 
-def read(token_file, offsets, length):
-    """The tokens [o, o + length) for each offset o, as a (len(offsets), length) array."""
-    path, dtype = token_file.path, token_file.dtype
-    n_bytes = length * dtype.itemsize
+def read(token_split, offsets, length):
+    """The tokens [o, o + length) of the split for each offset o, as a (len(offsets), length)
+    array; each window lies inside one file."""
+    files = np.searchsorted(token_split.starts, offsets, side="right") - 1
+    pieces = [b""] * len(offsets)
+    for k in np.unique(files).tolist():
+        here = np.flatnonzero(files == k).tolist()
+        first = int(token_split.starts[k])
+        windows = read_file(token_split, k, [int(offsets[i]) - first for i in here], length)
+        for i, window in zip(here, windows):
+            pieces[i] = window
+    return np.frombuffer(b"".join(pieces), dtype=token_split.dtype).reshape(len(offsets), length)
+
+
+def read_file(token_split, k, local_offsets, length):
+    """The raw bytes of windows in file k, one pread each."""
+    path, itemsize = token_split.paths[k], token_split.dtype.itemsize
     fix = f"Restore it, or run `{PREPARE_HINT.format(os.path.dirname(path))}` and resume."
     try:
         fd = os.open(path, os.O_RDONLY)
         try:
-            raw = b"".join([os.pread(fd, n_bytes, o * dtype.itemsize) for o in offsets.tolist()])
+            windows = [os.pread(fd, length * itemsize, token_split.header_bytes + o * itemsize)
+                       for o in local_offsets]
         finally:
             os.close(fd)
     except OSError as e:
         raise UserError(f"{path} could not be read during the run ({e.strerror}). {fix}") from None
-    if len(raw) != n_bytes * len(offsets):
-        raise UserError(f"{path} is shorter than the {token_file.n_tokens} tokens it held at "
-                        f"start-up: it was truncated or replaced during the run. {fix}")
-    return np.frombuffer(raw, dtype=dtype).reshape(len(offsets), length)
+    if any(len(w) != length * itemsize for w in windows):
+        n_tokens = int(token_split.starts[k + 1] - token_split.starts[k])
+        raise UserError(f"{path} is shorter than the {n_tokens} tokens it held at start-up: it "
+                        f"was truncated or replaced during the run. {fix}")
+    return windows

@@ -255,7 +255,7 @@ def check_out_dir(out_dir, n_params):
 
 
 def start_up(cfg, given, world_size, log):
-    """(checkpoint to resume or None, the data's meta.json, model_args, {split: TokenFile},
+    """(checkpoint to resume or None, the data's meta.json, model_args, {split: TokenSplit},
     the model on the CPU). Raises UserError for anything the user must fix."""
     resume = load_resume_state(cfg, log)
     meta = tokenfile.read_meta(cfg.data_dir)
@@ -324,7 +324,8 @@ def same_data_on_all_ranks(splits, data_dir, rank, world_size):
     """Every node must read the same token files, or the global batches are not one batch."""
     if world_size == 1:
         return True
-    mine = {s: (f.n_tokens, tokenfile.sampled_fingerprint(f.path)) for s, f in splits.items()}
+    mine = {s: (t.n_tokens, tokenfile.sampled_fingerprint(t.paths, t.header_bytes))
+            for s, t in splits.items()}
     identities = [None] * world_size
     dist.all_gather_object(identities, mine)
     if all(i == identities[0] for i in identities):
@@ -357,13 +358,13 @@ def evaluate(model, splits, cfg, rank, world_size, autocast, device, vocab_size)
     The losses stay on the device until the one transfer per split at the end."""
     model.eval()
     out = {}
-    for name, token_file in splits.items():
-        offsets = data.eval_offsets(token_file.n_tokens, cfg.block_size,
+    for name, token_split in splits.items():
+        offsets = data.eval_offsets(token_split.starts, cfg.block_size,
                                     cfg.eval_iters * cfg.batch_size)[rank::world_size]
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for i in range(0, len(offsets), cfg.batch_size):
             chunk = offsets[i:i + cfg.batch_size]
-            x, y = data.read_xy(token_file, chunk, cfg.block_size, vocab_size)
+            x, y = data.read_xy(token_split, chunk, cfg.block_size, vocab_size)
             with autocast:
                 _, loss = model(x.to(device), y.to(device))
             loss_sum += loss.double() * len(chunk)
@@ -522,9 +523,8 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
         f"{model.get_num_params() / 1e6:.2f}M parameters, global batch {global_batch} x "
         f"{cfg.block_size} tokens ({micro_steps} micro-steps of {cfg.batch_size} per rank)")
     metrics, wandb = open_metrics(cfg, master)
-    train_file = splits["train"]
     batches = data.rank_batches(
-        train_file, block_size=cfg.block_size, batch_size=cfg.batch_size,
+        splits["train"], block_size=cfg.block_size, batch_size=cfg.batch_size,
         micro_steps=micro_steps, rank=rank, world_size=world_size, seed=cfg.seed,
         mode=cfg.sampling, start_step=samples // global_batch, device=device,
         vocab_size=args["vocab_size"])
@@ -572,7 +572,7 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
 
         # everything below is diagnostics, done while the device runs the optimizer step
         batch_fp = data.global_batch_fingerprint(samples // global_batch, global_batch,
-                                                 train_file.n_tokens, cfg.block_size,
+                                                 splits["train"].starts, cfg.block_size,
                                                  cfg.seed, cfg.sampling)
         if not apply:
             skip_or_stop(cfg, log, f"non-finite loss {loss} or gradient norm at iter "

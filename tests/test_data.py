@@ -38,7 +38,7 @@ def test_epoch_mode_reads_every_block_once_per_epoch_in_a_new_order():
     orders, phases = [], set()
     for epoch in range(4):
         g = np.arange(epoch * per_epoch, (epoch + 1) * per_epoch)
-        offsets = data.sample_offsets(g, n_tokens, block, seed=3, mode="epoch")
+        offsets = data.sample_offsets(g, [0, n_tokens], block, seed=3, mode="epoch")
         phase = int(offsets.min())
         assert phase < block
         assert sorted(((offsets - phase) // block).tolist()) == list(range(per_epoch))
@@ -52,16 +52,17 @@ def test_epoch_mode_reads_every_block_once_per_epoch_in_a_new_order():
 
 def test_random_mode_stays_in_range_and_depends_on_seed():
     g = np.arange(100_000)
-    a = data.sample_offsets(g, 5_000, 100, seed=1, mode="random")
+    a = data.sample_offsets(g, [0, 5_000], 100, seed=1, mode="random")
     assert a.min() >= 0 and a.max() <= 5_000 - 100 - 1
     assert len(np.unique(a)) > 4_800  # covers nearly every one of the 4,900 offsets
-    assert not np.array_equal(a, data.sample_offsets(g, 5_000, 100, seed=2, mode="random"))
+    assert not np.array_equal(a, data.sample_offsets(g, [0, 5_000], 100, seed=2, mode="random"))
 
 
 def test_sampling_needs_no_memory_of_the_dataset_size():
     # a sample of a 9e9-token file (OpenWebText) costs what a sample of a tiny one does
     for mode in data.SAMPLING_MODES:
-        offsets = data.sample_offsets(np.arange(10**12, 10**12 + 480), 9 * 10**9, 1024, 1, mode)
+        offsets = data.sample_offsets(np.arange(10**12, 10**12 + 480), [0, 9 * 10**9], 1024, 1,
+                                      mode)
         assert offsets.min() >= 0 and offsets.max() + 1025 <= 9 * 10**9
 
 

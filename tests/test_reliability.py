@@ -193,7 +193,7 @@ def test_a_failing_rank_ends_the_whole_run_within_seconds(env, corpus, tmp_path)
         tokens = np.fromfile(os.path.join(corpus, f"{split}.bin"), dtype=np.uint16)
         if split == "train":
             g = data.rank_sample_indices(5, 0, 1, 2, 4, 1)
-            offsets = data.sample_offsets(g, len(tokens), 32, 1337, "epoch")
+            offsets = data.sample_offsets(g, [0, len(tokens)], 32, 1337, "epoch")
             tokens[offsets[0] + 3] = 60000
         tokens.tofile(bad / f"{split}.bin")  # no meta.json: a raw file, read as uint16
     start = time.time()
