@@ -172,9 +172,11 @@ def hub_dataset(name, column):
             f"name and the network, or pass a local {'/'.join(EXTENSIONS)} file, folder or "
             f"glob, or --dataset=pystdlib, which needs no network.")
     if any("partial-" in f for f in (builder.config.data_files or {}).get("train", [])):
-        print(f"prepare.py: warning: the hub's parquet export of {name} holds only the start of "
-              f"its train split (exports stop at about 5 GB). For all of it, save the dataset as "
-              f"parquet with datasets<4 and pass that folder as --dataset.", file=sys.stderr)
+        print(f"prepare.py: warning: the hub's parquet export of {name} is partial: it holds "
+              f"only the start of its train split (exports stop at about 5 GB), and so will the "
+              f"token files. For all of it, download the dataset's own files with `hf download "
+              f"{name} --repo-type dataset --local-dir DIR` and pass --dataset=DIR: prepare.py "
+              f"reads the {'/'.join(EXTENSIONS)} files in it.", file=sys.stderr)
     check_arrow_column(ds.data.schema, column, f"hub dataset {name!r}")
     # the Arrow table is memory-mapped: reading it in slices never holds all the text
     return ds.select_columns([column]).with_format("arrow")
