@@ -3,6 +3,7 @@ Turn a text corpus into token files for training: <out_dir>/train.bin, val.bin a
 in the format tokenfile.py describes.
 
     python prepare.py                                       # OpenWebText, from the HF hub
+    python prepare.py --dataset=path/to/openwebtext         # a copy of its archives, offline
     python prepare.py --dataset=pystdlib --tokenizer=byte   # needs no network
     python prepare.py --dataset=my_texts/ --out_dir=data/mine
 
@@ -14,14 +15,16 @@ grow with the corpus (OpenWebText is 9B tokens).
 import argparse
 import glob
 import json
+import lzma
 import os
 import re
 import signal
 import sys
 import sysconfig
+import tarfile
 import time
 import tokenize
-from collections import deque
+from collections import Counter, deque
 from multiprocessing import Pool
 
 import numpy as np
@@ -137,8 +140,9 @@ def local_files(dataset):
     files = [p for p in sorted(glob.glob(pattern, recursive=True))
              if os.path.isfile(p) and p.endswith(EXTENSIONS)]
     if not files:
-        raise UserError(f"--dataset={dataset!r} matches no {', '.join(EXTENSIONS)} files: "
-                           f"check the path (relative paths start at {os.getcwd()}).")
+        raise UserError(f"--dataset={dataset!r} matches no {', '.join(EXTENSIONS)} files, and "
+                           f"is no copy of OpenWebText's archives (subsets/{OWT_GLOB}): check "
+                           f"the path (relative paths start at {os.getcwd()}).")
     return files
 
 
@@ -172,15 +176,131 @@ def hub_dataset(name, column):
             f"name and the network, or pass a local {'/'.join(EXTENSIONS)} file, folder or "
             f"glob, or --dataset=pystdlib, which needs no network.")
     if any("partial-" in f for f in (builder.config.data_files or {}).get("train", [])):
-        print(f"prepare.py: warning: the hub's parquet export of {name} holds only the start of "
-              f"its train split (exports stop at about 5 GB). For all of it, save the dataset as "
-              f"parquet with datasets<4 and pass that folder as --dataset.", file=sys.stderr)
+        print(f"prepare.py: warning: the hub's parquet export of {name} is partial: it holds "
+              f"only the start of its train split (exports stop at about 5 GB), and so will the "
+              f"token files. For all of it, download the dataset's own files with `hf download "
+              f"{name} --repo-type dataset --local-dir DIR` and pass --dataset=DIR: prepare.py "
+              f"reads the {'/'.join(EXTENSIONS)} files in it.", file=sys.stderr)
     check_arrow_column(ds.data.schema, column, f"hub dataset {name!r}")
     # the Arrow table is memory-mapped: reading it in slices never holds all the text
     return ds.select_columns([column]).with_format("arrow")
 
 
-def open_source(dataset, column):
+# ---- OpenWebText: 21 tars of .xz files, each an xz-compressed tar of .txt documents ----
+
+OWT_REPO = "Skylion007/openwebtext"  # a dataset repository on the Hugging Face hub
+OWT_ARCHIVES = [f"subsets/urlsf_subset{i:02d}.tar" for i in range(21)]
+OWT_GLOB = "urlsf_subset*.tar"
+OWT_DOCUMENTS = 8_013_769  # .txt files in the 21 archives, as the hub's loading script counts
+
+
+def download_openwebtext():
+    """The 21 archives in the Hugging Face cache, downloaded the first time (about 13 GB,
+    resumable); with HF_HUB_OFFLINE=1 the cache only."""
+    import huggingface_hub  # only this source needs it
+    paths = []
+    for filename in tqdm(OWT_ARCHIVES, desc="OpenWebText archives", unit=" archives"):
+        try:
+            paths.append(huggingface_hub.hf_hub_download(OWT_REPO, filename,
+                                                         repo_type="dataset"))
+        except OSError as e:  # every hub error is one, not-cached-and-offline included
+            reason = " ".join(str(e).split())  # the hub's messages span lines
+            raise UserError(
+                f"could not get {filename} of the hub dataset {OWT_REPO} ({reason}). The "
+                f"first run downloads OpenWebText's 21 archives (about 13 GB) into the Hugging "
+                f"Face cache ({huggingface_hub.constants.HF_HUB_CACHE}) and needs the network; "
+                f"later runs read the cache, offline too. Without the network here, "
+                f"download the archives where there is one with `hf download {OWT_REPO} "
+                f"--repo-type dataset --include 'subsets/*' --local-dir DIR`, copy DIR here and "
+                f"pass --dataset=DIR.") from e
+    return paths
+
+
+def local_archives(dataset):
+    """The archives of a copy of OpenWebText: urlsf_subset*.tar in <dataset>/subsets (where
+    `hf download --local-dir` puts them) or in <dataset> itself; [] for anything else."""
+    for folder in (os.path.join(dataset, "subsets"), dataset):
+        archives = sorted(glob.glob(os.path.join(glob.escape(folder), OWT_GLOB)))
+        if archives:
+            return archives
+    return []
+
+
+def tar_members(tar, suffix):
+    """(name, file) of a streamed tar's files named *suffix, skipping what the hub's loading
+    script skipped (through datasets' iter_archive): anything but regular files, and hidden
+    ones (.* and __*)."""
+    for member in tar:
+        base = os.path.basename(member.name)
+        if member.isreg() and base.endswith(suffix) and not base.startswith((".", "__")):
+            yield member.name, tar.extractfile(member)
+
+
+def check_tar_end(tar, path):
+    """tarfile ends a streamed archive quietly at a damaged header, or where the file is cut
+    off: only an end-of-archive (zero) block where it stopped (tar.offset) shows that nothing
+    was lost."""
+    with open(path, "rb") as f:
+        f.seek(tar.offset)
+        if f.read(tarfile.BLOCKSIZE) != bytes(tarfile.BLOCKSIZE):
+            raise tarfile.ReadError(f"reading stopped at byte {tar.offset:,}, where there is "
+                                    f"a damaged header or the end of a cut-off file")
+
+
+def owt_text(data, where):
+    """A .txt member as the hub's loading script made it a document."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{where} is not UTF-8 text ({e}): the archive is not OpenWebText's "
+                        f"own.") from e
+    return re.sub("\n\n\n+", "\n\n", text).strip()
+
+
+def archive_documents(path):
+    """The documents of one archive, in member order, streamed: memory does not grow with it.
+    Each .xz is read with lzma, not tarfile's "r|xz", which takes an .xz cut off near a member
+    boundary for the end of its tar; lzma raises EOFError there."""
+    where = path
+    try:
+        with tarfile.open(path, "r|") as outer:
+            for xz_name, xz_file in tar_members(outer, ".xz"):
+                where = f"{path}, member {xz_name},"
+                with lzma.open(xz_file) as xz:
+                    with tarfile.open(fileobj=xz, mode="r|") as inner:
+                        for txt_name, txt_file in tar_members(inner, ".txt"):
+                            yield owt_text(txt_file.read(), f"{path}: {xz_name}: {txt_name}")
+                    while xz.read(1 << 16):  # on to the end marker, which a cut-off .xz lacks
+                        pass
+                where = path
+            check_tar_end(outer, path)
+    except (tarfile.TarError, lzma.LZMAError, EOFError) as e:  # not OSError: main() says it
+        name = os.path.basename(path)
+        raise UserError(
+            f"{where} is damaged ({type(e).__name__}: {e}): the archive is cut off or corrupt. "
+            f"Replace it with a good copy: `hf download {OWT_REPO} subsets/{name} --repo-type "
+            f"dataset --force-download` downloads it again (into the cache that prepare.py "
+            f"reads; add --local-dir DIR for a copy in DIR/subsets).") from e
+
+
+def openwebtext_source(name, archives, num_proc):
+    return name, f"OpenWebText, {len(archives)} archives in {os.path.dirname(archives[0])}", \
+        lambda: (text for path in archives for text in archive_documents(path)), \
+        lambda: count_archives(archives, num_proc)
+
+
+def open_source(dataset, column, num_proc):
+    """(default folder name, a description, a function that yields the documents, a function
+    that counts them)."""
+    if dataset in ("openwebtext", OWT_REPO) and not os.path.exists(dataset):
+        return openwebtext_source("openwebtext", download_openwebtext(), num_proc)
+    if archives := local_archives(dataset):
+        return openwebtext_source(local_name(dataset), archives, num_proc)
+    name, source, documents = text_source(dataset, column)
+    return name, source, documents, lambda: count_documents(documents)
+
+
+def text_source(dataset, column):
     """(default folder name, a description, a function that yields the documents)."""
     if dataset == "pystdlib":
         root = sysconfig.get_paths()["stdlib"]
@@ -201,10 +321,10 @@ def is_document(text):
     return bool(text) and not text.isspace()
 
 
-def count_documents(documents):
+def tally(texts):
     """Non-empty documents, empty ones, and files that could not be decoded (None)."""
     n = {"documents": 0, "empty": 0, "undecodable": 0}
-    for text in tqdm(documents(), desc="counting documents", unit=" docs"):
+    for text in texts:
         if text is None:
             n["undecodable"] += 1
         elif is_document(text):
@@ -212,6 +332,40 @@ def count_documents(documents):
         else:
             n["empty"] += 1
     return n
+
+
+def count_documents(documents):
+    return tally(tqdm(documents(), desc="counting documents", unit=" docs"))
+
+
+def count_archive(path):
+    return tally(archive_documents(path))
+
+
+def count_archives(archives, num_proc):
+    """count_documents for OpenWebText, one archive per process: decompressing is the work."""
+    counts = Counter()
+    with Pool(min(num_proc, len(archives)), ignore_sigint) as pool, \
+            tqdm(total=len(archives), desc="counting documents", unit=" archives") as bar:
+        for n in pool.imap(count_archive, archives):  # in order: the first damaged one is named
+            counts.update(n)
+            bar.set_postfix(documents=f"{counts['documents']:,}")
+            bar.update()
+    report_openwebtext_total(counts["documents"] + counts["empty"], archives)
+    return counts
+
+
+def report_openwebtext_total(total, archives):
+    print(f"OpenWebText: {total:,} documents (.txt files) in {len(archives)} archives")
+    if total != OWT_DOCUMENTS:
+        missing = sorted({os.path.basename(a) for a in OWT_ARCHIVES} -
+                         {os.path.basename(a) for a in archives})
+        print(f"prepare.py: warning: OpenWebText is {OWT_DOCUMENTS:,} documents in "
+              f"{len(OWT_ARCHIVES)} archives (urlsf_subset00.tar to urlsf_subset20.tar), but "
+              f"the archives read here hold {total:,} (missing archives: "
+              f"{', '.join(missing) or 'none'}). They are a partial download or copy, or "
+              f"upstream changed them; the token files will hold only these documents, and "
+              f"the README's expected numbers do not apply.", file=sys.stderr)
 
 
 def validation_size(args, n_docs, source):
@@ -258,8 +412,12 @@ def in_val(first, count, n_docs, n_val, key):
 _tokenizer = None  # each worker's own
 
 
-def init_worker(tokenizer_name):
+def ignore_sigint():
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the main process to handle
+
+
+def init_worker(tokenizer_name):
+    ignore_sigint()
     global _tokenizer
     _tokenizer = get_tokenizer(tokenizer_name)
 
@@ -334,8 +492,8 @@ def prepare(args):
     if args.num_proc < 1:
         raise UserError(f"--num_proc={args.num_proc}: use at least 1 process.")
     tokenizer = get_tokenizer(args.tokenizer)
-    name, source, documents = open_source(args.dataset, args.text_column)
-    counts = count_documents(documents)
+    name, source, documents, count = open_source(args.dataset, args.text_column, args.num_proc)
+    counts = count()
     n_val = validation_size(args, counts["documents"], source)
     out_dir = args.out_dir or os.path.join("data", name)
     files = open_outputs(out_dir)
@@ -365,11 +523,14 @@ def parse_args():
         description="Tokenize a corpus into train.bin, val.bin and meta.json (format: "
                     "tokenfile.py): each non-empty document followed by end-of-text; empty ones are skipped.")
     p.add_argument("--dataset", default="openwebtext", help=(
-        "a Hugging Face hub dataset (its train split; needs network the first time), or local "
-        "files: a .txt file (one document), .jsonl (an object per line), .json (a list of "
-        "objects, or JSON lines if it does not start with '['), .parquet (a document per row), "
-        "a folder (all such files in it, recursively, sorted) or a quoted glob; or 'pystdlib': "
-        "the .py files of this Python's standard library, a document each, no network needed. "
+        "'openwebtext': all of OpenWebText, its 21 archives from the hub repository "
+        f"{OWT_REPO} (about 13 GB, downloaded to the Hugging Face cache the first time), or "
+        "a folder holding a copy of them (subsets/urlsf_subset*.tar); another Hugging Face hub "
+        "dataset (its train split; needs network the first time); local files: a .txt file "
+        "(one document), .jsonl (an object per line), .json (a list of objects, or JSON lines "
+        "if it does not start with '['), .parquet (a document per row), a folder (all such "
+        "files in it, recursively, sorted) or a quoted glob; or 'pystdlib': the .py files of "
+        "this Python's standard library, a document each, no network needed. "
         "Default: %(default)s"))
     p.add_argument("--text_column", default="text",
                    help="the field or column that holds the text (default: %(default)s)")
@@ -384,7 +545,8 @@ def parse_args():
     p.add_argument("--seed", type=int, default=2357,
                    help="chooses the validation documents (default: %(default)s)")
     p.add_argument("--num_proc", type=int, default=os.cpu_count(),
-                   help="tokenizer processes (default: one per core, %(default)s)")
+                   help="tokenizer processes, and for OpenWebText the processes that count "
+                        "its archives' documents (default: one per core, %(default)s)")
     return p.parse_args()
 
 
