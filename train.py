@@ -260,6 +260,7 @@ def start_up(cfg, given, world_size, log):
     resume = load_resume_state(cfg, log)
     meta = tokenfile.read_meta(cfg.data_dir)
     args = model_args(cfg, meta)
+    cfg.vocab_size = args["vocab_size"]  # what 0 meant, so that the configuration says it
     if resume is not None:
         args = take_architecture(cfg, given, args, resume["model_args"],
                                  f"the checkpoint in {cfg.out_dir}")

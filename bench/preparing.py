@@ -6,7 +6,7 @@ import os
 import shutil
 import sys
 
-import prepare
+import corpus
 import tokenfile
 import tokenizer
 from bench import common, report
@@ -41,8 +41,8 @@ def tiktoken_env(workdir):
 
 def stdlib_documents(limit):
     """The built-in corpus, as prepare.py --dataset=pystdlib reads it."""
-    texts = prepare.open_source("pystdlib", None)[2]()
-    return [t for t in texts if t is not None and prepare.is_document(t)][:limit]
+    texts = corpus.open_source("pystdlib", None, 1)[2]()
+    return [t for t in texts if t is not None and corpus.is_document(t)][:limit]
 
 
 def write_corpus(path, documents, copies):

@@ -6,20 +6,26 @@
   corpus         a few standard-library modules, prepared with the byte tokenizer
   TINY           a model of a few thousand parameters that trains in seconds on a CPU
   metrics(out)   the rows of out/metrics.jsonl; steps(out) the step rows by iter
+  read_with_ranks(...)  what each rank of a torchrun job reads through data.rank_batches
+  decoded(out, tokenizer)  the documents of a prepared folder, its meta.json checked
 """
+import glob
 import json
 import os
 import subprocess
 import sys
 import sysconfig
 
+import numpy as np
 import pytest
 
+import tokenfile
 from bench.common import ROOT, child_env
 from bench.common import torchrun as torchrun_command
 from tokenizer import install_tiktoken_file
 
 SHARED_VOCAB = os.path.join(ROOT, "..", "shared", "tokenizers", "r50k_base.tiktoken")
+OUTPUTS = ("train.bin", "val.bin", tokenfile.META_NAME)  # what prepare.py writes by default
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--eval_iters=4", "--device=cpu", "--learning_rate=3e-3", "--warmup_iters=2",
         "--lr_decay_iters=40", "--min_lr=3e-4"]
@@ -75,6 +81,53 @@ def fails(script, *args, env, nproc=1, **kw):
     ours = f'File "{ROOT}' if nproc > 1 else "Traceback"
     assert ours not in p.stderr, p.stderr
     return p
+
+
+def read_with_ranks(env, folder, out, nproc, micro_steps, start_step=0, steps=3, batch=4,
+                    block=32, mode="epoch"):
+    """Per rank: the first token of each window it read (tests/rank_reader.py), and its RSS."""
+    torchrun(nproc, "tests/rank_reader.py", folder, out, block, batch, micro_steps, start_step,
+             steps, mode, env=env)
+    ranks = []
+    for path in sorted(glob.glob(f"{out}.rank*.json")):
+        with open(path) as f:
+            ranks.append(json.load(f))
+        os.remove(path)
+    assert len(ranks) == nproc
+    return ranks
+
+
+def global_batches(ranks):
+    """{step: sorted offsets read by all ranks and micro-steps together}"""
+    batches = {}
+    for r in ranks:
+        for read in r["reads"]:
+            assert read["shift_ok"]
+            batches.setdefault(read["step"], []).extend(read["first_tokens"])
+    return {s: sorted(v) for s, v in batches.items()}
+
+
+def decoded(out_dir, tok):
+    """{split: [document, ...]} decoded from the token files, checking meta.json on the way."""
+    meta = json.loads((out_dir / tokenfile.META_NAME).read_text())
+    assert meta["format_version"] == tokenfile.FORMAT_VERSION
+    assert meta["dtype"] == tokenfile.token_dtype(tok.vocab_size).name
+    assert (meta["vocab_size"], meta["eot_token"], meta["tokenizer"]) == \
+        (tok.vocab_size, tok.eot, tok.name)
+    docs = {}
+    for split in tokenfile.SPLITS:
+        path = out_dir / f"{split}.bin"
+        tokens = np.fromfile(path, dtype=meta["dtype"])
+        info = meta["splits"][split]
+        assert tokens[-1] == tok.eot  # every document ends with end-of-text
+        ends = np.flatnonzero(tokens == tok.eot)
+        assert info == {"tokens": len(tokens), "documents": len(ends),
+                        "fingerprint": tokenfile.sampled_fingerprint([path])}
+        tokenfile.open_split(str(out_dir), split, block_size=1)  # what training will check
+        starts = np.concatenate([[0], ends[:-1] + 1])
+        docs[split] = [tok.decode(tokens[a:b].tolist()) for a, b in zip(starts, ends)]
+    assert not glob.glob(str(out_dir / "*.tmp"))
+    return docs
 
 
 def metrics(out_dir):

@@ -1,7 +1,5 @@
 """data.py: O(1) sampling, exact epochs, rank disjointness, world-size invariance, resume,
 files opened only to read a batch, and clear errors for bad token files."""
-import glob
-import json
 import os
 import pickle
 import subprocess
@@ -12,7 +10,7 @@ import torch
 
 import data
 import tokenfile
-from conftest import TINY, fails, python, torchrun
+from conftest import TINY, fails, global_batches, python, read_with_ranks
 
 
 @pytest.fixture
@@ -90,29 +88,6 @@ def test_dataloader_workers_read_the_same_batches_as_the_trainer(counting_data, 
     assert len(from_loader) == 6
     for x in from_loader:
         assert torch.equal(x, next(trainer)[0])
-
-
-def read_with_ranks(env, folder, out, nproc, micro_steps, start_step=0, steps=3, batch=4,
-                    block=32, mode="epoch"):
-    torchrun(nproc, "tests/rank_reader.py", folder, out, block, batch, micro_steps, start_step,
-             steps, mode, env=env)
-    ranks = []
-    for path in sorted(glob.glob(f"{out}.rank*.json")):
-        with open(path) as f:
-            ranks.append(json.load(f))
-        os.remove(path)
-    assert len(ranks) == nproc
-    return ranks
-
-
-def global_batches(ranks):
-    """{step: sorted offsets read by all ranks and micro-steps together}"""
-    batches = {}
-    for r in ranks:
-        for read in r["reads"]:
-            assert read["shift_ok"]
-            batches.setdefault(read["step"], []).extend(read["first_tokens"])
-    return {s: sorted(v) for s, v in batches.items()}
 
 
 def test_global_batches_are_the_same_for_any_world_size_split_and_resume(

@@ -15,15 +15,12 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from conftest import ROOT, python, run
-from test_prepare import OUTPUTS, decoded
-
-sys.path.insert(0, ROOT)
-import data  # noqa: E402
-import prepare  # noqa: E402
-import tokenfile  # noqa: E402
-from errors import UserError  # noqa: E402
-from tokenizer import get_tokenizer  # noqa: E402
+import corpus
+import data
+import tokenfile
+from conftest import OUTPUTS, ROOT, decoded, python, run
+from errors import UserError
+from tokenizer import get_tokenizer
 
 # an inner tar's members: (name, text), or (name, None) for a folder; the odd ones on purpose
 ODD_MEMBERS = [
@@ -171,13 +168,13 @@ def test_reading_an_archive_holds_one_document_at_a_time(tmp_path):
         path = tmp_path / f"x{copies}.tar"
         outer, documents = bulk_archive(copies)
         path.write_bytes(outer)
-        for name, read in (("count", prepare.count_archive),
-                           ("read", lambda p: max(map(len, prepare.archive_documents(p))))):
+        for name, read in (("count", corpus.count_archive),
+                           ("read", lambda p: max(map(len, corpus.archive_documents(p))))):
             tracemalloc.start()
             read(str(path))
             peaks[name, copies] = tracemalloc.get_traced_memory()[1] / 2**20
             tracemalloc.stop()
-        assert prepare.count_archive(str(path))["documents"] == len(documents)
+        assert corpus.count_archive(str(path))["documents"] == len(documents)
     assert all(peaks[name, 6] - peaks[name, 1] < 1 for name in ("count", "read")), peaks
 
 
@@ -222,7 +219,7 @@ def test_a_cut_or_damaged_archive_is_an_error(tmp_path):
     outer, documents = odd_archive(0)
     path = tmp_path / "urlsf_subset00.tar"
     path.write_bytes(outer)
-    assert list(prepare.archive_documents(str(path))) == documents
+    assert list(corpus.archive_documents(str(path))) == documents
     headers, end = headers_and_end(outer)
     damaged = [outer[:n] for n in range(0, end + 512, 64)]
     damaged += [flip(outer, n + 3) for n in headers]  # in the member's name
@@ -232,9 +229,9 @@ def test_a_cut_or_damaged_archive_is_an_error(tmp_path):
     for content in damaged:
         path.write_bytes(content)
         with pytest.raises(UserError, match="is damaged"):
-            list(prepare.archive_documents(str(path)))
+            list(corpus.archive_documents(str(path)))
     path.write_bytes(outer[:end + 1024])  # cut after the end-of-archive blocks: nothing lost
-    assert list(prepare.archive_documents(str(path))) == documents
+    assert list(corpus.archive_documents(str(path))) == documents
 
 
 def bad_input(tmp_path, env):

@@ -16,18 +16,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ROOT, python
-
-sys.path.insert(0, ROOT)
-import data  # noqa: E402
-import tokenfile  # noqa: E402
-from tokenizer import get_tokenizer  # noqa: E402
+import data
+import tokenfile
+from conftest import OUTPUTS, ROOT, decoded, python
+from tokenizer import get_tokenizer
 
 DOCS = ["Hello, world!\n", "ünïcödé — 日本語 🎉\r\nsecond line", "", "   \n\t",
         "a document that says <|endoftext|> in the middle", "x"] + \
        [f"document {i}: " + "lorem ipsum " * i for i in range(20)]
 NON_EMPTY = [d for d in DOCS if d.strip()]
-OUTPUTS = ("train.bin", "val.bin", tokenfile.META_NAME)
 
 
 def write_jsonl(path, docs, column="text"):
@@ -36,29 +33,6 @@ def write_jsonl(path, docs, column="text"):
 
 def write_parquet(path, docs, column="text"):
     pq.write_table(pa.table({column: docs, "id": list(range(len(docs)))}), path)
-
-
-def decoded(out_dir, tok):
-    """{split: [document, ...]} decoded from the token files, checking meta.json on the way."""
-    meta = json.loads((out_dir / tokenfile.META_NAME).read_text())
-    assert meta["format_version"] == tokenfile.FORMAT_VERSION
-    assert meta["dtype"] == tokenfile.token_dtype(tok.vocab_size).name
-    assert (meta["vocab_size"], meta["eot_token"], meta["tokenizer"]) == \
-        (tok.vocab_size, tok.eot, tok.name)
-    docs = {}
-    for split in tokenfile.SPLITS:
-        path = out_dir / f"{split}.bin"
-        tokens = np.fromfile(path, dtype=meta["dtype"])
-        info = meta["splits"][split]
-        assert tokens[-1] == tok.eot  # every document ends with end-of-text
-        ends = np.flatnonzero(tokens == tok.eot)
-        assert info == {"tokens": len(tokens), "documents": len(ends),
-                        "fingerprint": tokenfile.sampled_fingerprint(path)}
-        tokenfile.open_split(str(out_dir), split, block_size=1)  # what training will check
-        starts = np.concatenate([[0], ends[:-1] + 1])
-        docs[split] = [tok.decode(tokens[a:b].tolist()) for a, b in zip(starts, ends)]
-    assert not glob.glob(str(out_dir / "*.tmp"))
-    return docs
 
 
 @pytest.mark.parametrize("tokenizer", ["gpt2", "byte"])
@@ -140,7 +114,7 @@ def test_pystdlib(env, tmp_path):
     for split in tokenfile.SPLITS:
         tokenfile.open_split(str(out), split, block_size=128)  # config/quickstart.py's block_size
         assert meta["splits"][split]["fingerprint"] == tokenfile.sampled_fingerprint(
-            out / f"{split}.bin")
+            [out / f"{split}.bin"])
     # each validation document is a whole source file, as Python decodes it (coding cookies)
     sources = set()
     for path in files:
@@ -218,8 +192,9 @@ def bad_input(tmp_path, env):
 
 @pytest.mark.parametrize("case", ["no such file", "no glob match", "not on the hub",
                                   "no text field", "no text column", "empty corpus",
-                                  "val takes all", "one document", "unwritable out_dir", "not utf-8 txt",
-                                  "not utf-8 jsonl", "unknown tokenizer", "vocab offline"])
+                                  "val takes all", "one document", "unwritable out_dir",
+                                  "not utf-8 txt", "not utf-8 jsonl", "unknown tokenizer",
+                                  "vocab offline"])
 def test_bad_input(case, env, tmp_path):
     args, named = bad_input(tmp_path, env)[case]
     tokenizer = [] if any(str(a).startswith("--tokenizer") for a in args) else ["--tokenizer=byte"]

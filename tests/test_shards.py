@@ -1,0 +1,273 @@
+"""Shard sets and llm.c shards: one token space per split, every block once per epoch, the same
+global batches on any world size, exact resume, the cross-rank identity check, a sharded
+prepare that resumes after a kill, and clear errors for bad shards."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import data
+import tokenfile
+from conftest import (ROOT, TINY, decoded, fails, global_batches, python, read_with_ranks, steps,
+                      torchrun)
+
+
+from tokenizer import get_tokenizer
+
+
+def write_llmc_shard(path, tokens, magic=20240520, version=1, count=None):
+    """A shard as llm.c's data scripts write it: 256 int32 (magic, version, token count),
+    then uint16 tokens. Written here from llm.c's description, not with our code."""
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = magic, version, len(tokens) if count is None else count
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(tokens, dtype="<u2").tobytes())
+
+
+@pytest.fixture
+def llmc_data(corpus, tmp_path):
+    """The byte corpus as llm.c shards: val as one shard, train cut into three."""
+    folder = tmp_path / "fineweb10B"
+    folder.mkdir()
+    train = np.fromfile(os.path.join(corpus, "train.bin"), dtype=np.uint16)
+    write_llmc_shard(folder / "fineweb_val_000000.bin",
+                     np.fromfile(os.path.join(corpus, "val.bin"), dtype=np.uint16))
+    for i, part in enumerate(np.array_split(train, 3)):
+        write_llmc_shard(folder / f"fineweb_train_{i + 1:06d}.bin", part)
+    return str(folder)
+
+
+def test_llmc_shards_train_the_same_global_batches_on_any_world_size_and_resume_exactly(
+        env, llmc_data, tmp_path):
+    args = [f"--data_dir={llmc_data}", *TINY, "--gradient_accumulation_steps=2",
+            "--eval_interval=3"]
+    one, two, halves = (str(tmp_path / n) for n in ("one", "two", "halves"))
+    p = python("train.py", *args, f"--out_dir={one}", "--max_iters=6", env=env)
+    assert "vocab_size = 50304" in p.stdout  # GPT-2's, from the llm.c header's magic
+    torchrun(2, "train.py", *args, f"--out_dir={two}", "--max_iters=6", env=env)
+    torchrun(2, "train.py", *args, f"--out_dir={halves}", "--max_iters=3", env=env)
+    torchrun(2, "train.py", *args, f"--out_dir={halves}", "--max_iters=6",
+             "--init_from=resume", env=env)
+    a, b, c = steps(one), steps(two), steps(halves)
+    assert sorted(a) == sorted(b) == sorted(c) == list(range(6))
+    assert [a[i]["batch_fp"] for i in range(6)] == [b[i]["batch_fp"] for i in range(6)]
+    assert [(b[i]["batch_fp"], b[i]["loss"]) for i in range(6)] == \
+        [(c[i]["batch_fp"], c[i]["loss"]) for i in range(6)]
+
+
+# ---- a shard set is one token space ----
+
+SIZES = [1000, 37, 500, 0, 2051]  # a shard shorter than one block, and an empty one
+
+
+def counting_shards(folder, sizes=SIZES, fmt="raw"):
+    """A train split of shards whose token at split offset i is i, with a meta.json listing
+    them, and a val.bin: every window names where it starts."""
+    os.makedirs(folder, exist_ok=True)
+    shards, start = [], 0
+    for k, n in enumerate(sizes):
+        path = os.path.join(folder, f"train_{k:06d}.bin")
+        np.arange(start, start + n, dtype=np.uint16).tofile(path)
+        shards.append({"file": os.path.basename(path), "tokens": n, "documents": 1,
+                       "fingerprint": tokenfile.sampled_fingerprint([path])})
+        start += n
+    paths = [os.path.join(folder, s["file"]) for s in shards]
+    val = os.path.join(folder, "val.bin")
+    np.arange(500, dtype=np.uint16).tofile(val)
+    tokenfile.write_meta(folder, tokenizer="test", vocab_size=2**16, eot_token=0, splits={
+        "train": {"tokens": start, "documents": len(sizes), "shards": shards,
+                  "fingerprint": tokenfile.sampled_fingerprint(paths)},
+        "val": tokenfile.describe_split(val, np.uint16, 1)})
+    return str(folder)
+
+
+def test_epoch_mode_reads_every_block_of_every_shard_once_and_never_across_shards():
+    block, starts = 32, np.cumsum([0, *SIZES])
+    blocks = data.blocks_per_epoch(np.array(SIZES), block)
+    per_epoch = int(blocks.sum())
+    assert per_epoch == sum(max((n - 1) // block, 0) - ((n - 1) // block >= 2) for n in SIZES)
+    for epoch in range(3):
+        i = np.arange(epoch * per_epoch, (epoch + 1) * per_epoch)
+        offsets = data.sample_offsets(i, starts, block, seed=5, mode="epoch")
+        shard = np.searchsorted(starts, offsets, side="right") - 1
+        assert (offsets + block + 1 <= starts[shard + 1]).all(), "a window crossed a shard"
+        phase = {k: int(offsets[shard == k].min() - starts[k]) for k in np.unique(shard)}
+        assert all(p < block for p in phase.values())
+        seen = sorted((int(k), int((o - starts[k] - phase[k]) // block))
+                      for o, k in zip(offsets, shard))
+        assert seen == [(k, b) for k in range(len(SIZES)) for b in range(blocks[k])]
+
+
+def test_random_mode_draws_windows_uniformly_over_all_shards():
+    block, starts = 32, np.cumsum([0, *SIZES])
+    offsets = data.sample_offsets(np.arange(60_000), starts, block, seed=1, mode="random")
+    shard = np.searchsorted(starts, offsets, side="right") - 1
+    assert (offsets + block + 1 <= starts[shard + 1]).all()
+    windows = np.maximum(np.array(SIZES) - block, 0)  # window starts in each shard
+    share = np.bincount(shard, minlength=len(SIZES)) / len(offsets)
+    assert np.allclose(share, windows / windows.sum(), atol=0.01)
+
+
+def test_ten_thousand_shards_cost_no_per_sample_table():
+    starts = np.cumsum([0] + [100_000] * 10_000)  # 1e9 tokens in 10,000 shards
+    for mode in data.SAMPLING_MODES:
+        offsets = data.sample_offsets(np.arange(10**12, 10**12 + 480), starts, 1024, 1, mode)
+        shard = np.searchsorted(starts, offsets, side="right") - 1
+        assert (offsets + 1025 <= starts[shard + 1]).all()
+
+
+def test_shard_sets_read_the_same_global_batches_on_any_world_size(env, tmp_path):
+    folder = counting_shards(tmp_path / "shards")
+    out = str(tmp_path / "read")
+    reference = global_batches(read_with_ranks(env, folder, out, nproc=1, micro_steps=4,
+                                               steps=4))
+    assert global_batches(read_with_ranks(env, folder, out, nproc=2, micro_steps=2,
+                                          steps=4)) == reference
+    resumed = read_with_ranks(env, folder, out, nproc=2, micro_steps=2, start_step=2, steps=2)
+    assert global_batches(resumed) == {s: reference[s] for s in (2, 3)}
+
+
+def test_ranks_that_see_different_shards_stop_before_the_first_step(env, tmp_path):
+    """Rank 1 is given a copy of the data with one shard fewer (tests/rank_data_dir.py)."""
+    folder = counting_shards(tmp_path / "shards")
+    counting_shards(tmp_path / "shards_rank1", sizes=SIZES[:-1])
+    p = fails("tests/rank_data_dir.py", f"--data_dir={folder}", f"--out_dir={tmp_path / 'o'}",
+              *TINY, "--vocab_size=65536", "--gradient_accumulation_steps=2", "--max_iters=2",
+              env=env, nproc=2)
+    assert "the ranks do not see the same data" in p.stderr
+    assert not os.path.exists(tmp_path / "o" / "metrics.jsonl")
+
+
+# ---- prepare.py --shard_tokens and --format=llmc ----
+
+def write_corpus(path, n_docs, seed=0):
+    rng = np.random.default_rng(seed)
+    words = ["the", "data", "shard", "token", "résumé", "GPU", "naïve", "epoch", "\n\n"]
+    with open(path, "w") as f:
+        for d in range(n_docs):
+            f.write(json.dumps({"text": " ".join(rng.choice(words, 200 + d % 300))}) + "\n")
+
+
+def prepare_shards(env, corpus_path, out_dir, *extra, **kw):
+    return python("prepare.py", f"--dataset={corpus_path}", f"--out_dir={out_dir}",
+                  "--tokenizer=gpt2", "--val_fraction=0.01", "--num_proc=1", *extra, env=env,
+                  **kw)
+
+
+def read_all(folder):
+    return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder))}
+
+
+def test_a_killed_sharded_prepare_resumes_and_writes_the_same_bytes(env, tmp_path,
+                                                                   monkeypatch):
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", env["TIKTOKEN_CACHE_DIR"])  # to decode here
+    write_corpus(tmp_path / "docs.jsonl", 12_000)
+    shard = ["--shard_tokens=100000"]
+    prepare_shards(env, tmp_path / "docs.jsonl", tmp_path / "whole", *shard)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "prepare.py"),
+                             f"--dataset={tmp_path / 'docs.jsonl'}", f"--out_dir={out}",
+                             "--tokenizer=gpt2", "--val_fraction=0.01", "--num_proc=1",
+                             *shard], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (out / "train_000002.bin").exists():
+        assert proc.poll() is None and time.time() < deadline, "it ended before the kill"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / tokenfile.META_NAME).exists()
+    p = prepare_shards(env, tmp_path / "docs.jsonl", out, *shard)
+    assert "resuming an interrupted run" in p.stdout
+    assert read_all(out) == read_all(tmp_path / "whole")
+    meta = json.loads((out / tokenfile.META_NAME).read_text())
+    assert len(meta["splits"]["train"]["shards"]) > 3
+    docs = decoded_shards(out)
+    assert len(docs) == 12_000
+
+
+def decoded_shards(out_dir):
+    """Every document of both splits, decoded shard by shard: each holds whole documents."""
+    tok = get_tokenizer("gpt2")
+    docs = []
+    for split in tokenfile.SPLITS:
+        token_split = tokenfile.open_split(str(out_dir), split, block_size=1)
+        for first, end in zip(token_split.starts[:-1], token_split.starts[1:]):
+            tokens = tokenfile.read(token_split, np.array([first]), int(end - first))[0]
+            assert tokens[-1] == tok.eot
+            ends = np.flatnonzero(tokens == tok.eot)
+            docs += [tok.decode(tokens[a:b].tolist())
+                     for a, b in zip(np.concatenate([[0], ends[:-1] + 1]), ends)]
+    return docs
+
+
+def test_llmc_format_output_is_what_llmc_reads(env, tmp_path, monkeypatch):
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", env["TIKTOKEN_CACHE_DIR"])
+    write_corpus(tmp_path / "docs.jsonl", 3_000)
+    out = tmp_path / "llmc"
+    prepare_shards(env, tmp_path / "docs.jsonl", out, "--format=llmc", "--shard_tokens=100000")
+    names = sorted(os.listdir(out))
+    assert names[0].startswith("docs_train_000000.bin") and "docs_val_000000.bin" in names
+    for name in names:
+        if name.endswith(".bin"):  # llm.c's reader: the header, then exactly that many tokens
+            header = np.fromfile(out / name, dtype="<i4", count=256)
+            assert (header[0], header[1]) == (20240520, 1) and not header[3:].any()
+            assert (out / name).stat().st_size == 1024 + 2 * header[2]
+    # and without meta.json, as llm.c shards downloaded elsewhere come, training reads them
+    (out / tokenfile.META_NAME).unlink()
+    assert tokenfile.read_meta(str(out))["format"] == "llmc"
+    assert len(decoded_shards(out)) == 3_000
+
+
+def test_streaming_local_parquet_gives_the_same_tokens(env, tmp_path):
+    rows = [f"document {i}: " + "streamed text " * (i % 7 + 1) for i in range(300)]
+    for k in range(3):
+        pq.write_table(pa.table({"text": rows[k * 100:(k + 1) * 100]}),
+                       tmp_path / f"part-{k}.parquet")
+    for name, extra in (("stored", []), ("streamed", ["--streaming"])):
+        python("prepare.py", f"--dataset={tmp_path}/*.parquet", f"--out_dir={tmp_path / name}",
+               "--tokenizer=byte", "--val_docs=10", "--num_proc=1", *extra, env=env)
+    streamed = decoded(tmp_path / "streamed", get_tokenizer("byte"))
+    assert streamed == decoded(tmp_path / "stored", get_tokenizer("byte"))
+    assert sorted(streamed["train"] + streamed["val"]) == sorted(rows)
+
+
+# ---- bad shards: what train.py says ----
+
+def bad_llmc(folder, case):
+    shutil.copytree(folder, folder + "-" + case)
+    folder = folder + "-" + case
+    first = os.path.join(folder, "fineweb_train_000001.bin")
+    tokens = np.fromfile(first, dtype="<u2")[512:]
+    if case == "wrong magic":
+        write_llmc_shard(first, tokens, magic=20240801, version=7)  # llama-3's uint32 shards
+    elif case == "count disagrees":
+        write_llmc_shard(first, tokens, count=len(tokens) + 5)
+    elif case == "short file":
+        with open(first, "wb") as f:
+            f.write(b"\0" * 100)
+    elif case == "no val shard":
+        os.remove(os.path.join(folder, "fineweb_val_000000.bin"))
+    return folder
+
+
+@pytest.mark.parametrize("case, named", [
+    ("wrong magic", ["fineweb_train_000001.bin", "magic 20240801, version 7", "llama-3"]),
+    ("count disagrees", ["fineweb_train_000001.bin", "header says", "truncated"]),
+    ("short file", ["fineweb_train_000001.bin", "100 bytes", "not a header and a whole"]),
+    ("no val shard", ["none of the val split", "fineweb_val_000000.bin"]),
+])
+def test_bad_llmc_shards_are_named(case, named, env, llmc_data, tmp_path):
+    folder = bad_llmc(llmc_data, case)
+    err = fails("train.py", f"--data_dir={folder}", f"--out_dir={tmp_path / 'out'}", *TINY,
+                "--max_iters=1", env=env).stderr
+    assert all(n in err for n in named), err
