@@ -4,12 +4,15 @@
      G = batch_size * gradient_accumulation_steps, whatever the world size.
   2. Rank r's micro-step m reads B = batch_size of them, starting at
      ((step * M + m) * W + r) * B, with W ranks of M micro-steps each (M * W fixed).
-  3. Sample i reads the window that starts at token offset sample_offsets(i): a pure function
-     of (seed, i) and the split's file sizes. 'epoch' mode reads every block of the split once
-     per epoch, in an order and at a phase drawn from (seed, epoch); 'random' draws windows
-     uniformly, as nanoGPT. A split of many shards is one token space (tokenfile.py), and no
-     window crosses from one shard into the next.
-  4. The window at offset o gives x = tokens[o : o + T] and y = tokens[o + 1 : o + T + 1].
+  3. Sample i comes from source s(i) of the mixture and is that source's sample j(i); with
+     one source (the plain case) s = 0 and j = i. Of every MIX_BLOCK samples, a fixed number
+     come from each source, as its weight says, in slots drawn from (seed, block).
+  4. A source's sample j reads the window that starts at token offset sample_offsets(j): a
+     pure function of (seed, j) and the split's file sizes. 'epoch' mode reads every block of
+     the split once per epoch, in an order and at a phase drawn from (seed, epoch); 'random'
+     draws windows uniformly, as nanoGPT. A split of many shards is one token space
+     (tokenfile.py), and no window crosses from one shard into the next.
+  5. The window at offset o gives x = tokens[o : o + T] and y = tokens[o + 1 : o + T + 1].
 
 So no rank builds anything whose size depends on the data (start-up and memory do not grow
 with it), the ranks read disjoint slices of one global batch, any world size reads the same
@@ -21,6 +24,7 @@ import hashlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from itertools import count
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,7 +35,7 @@ from errors import UserError
 SAMPLING_MODES = ("epoch", "random")
 
 
-# ---- 1 and 2: global sample indices ----
+# ---- points 1 and 2: global sample indices ----
 
 def rank_sample_indices(step, micro_step, rank, world_size, batch_size, micro_steps):
     """Global sample indices of one rank's micro-batch (contract, point 2)."""
@@ -39,7 +43,7 @@ def rank_sample_indices(step, micro_step, rank, world_size, batch_size, micro_st
     return np.arange(first, first + batch_size, dtype=np.int64)
 
 
-# ---- 3: sample index -> window offset, vectorised, O(1) memory ----
+# ---- point 4: a source's sample -> its window offset, vectorised, O(1) memory ----
 
 # numpy scalars, not python ints: numpy converts a python operand on every operation, which
 # doubles the cost of a hash on the dozen indices of a micro-batch
@@ -109,7 +113,7 @@ def locate(i, counts):
 
 
 def sample_offsets(sample_indices, starts, block_size, seed, mode):
-    """The start offset of the window each global sample index reads (contract, point 3).
+    """The start offset of the window each sample index of a split reads (contract, point 4).
     starts: where each file of the split begins in its token space, and its end (TokenSplit)."""
     indices = np.asarray(sample_indices, dtype=np.int64)
     starts = np.asarray(starts, dtype=np.int64)
@@ -136,14 +140,6 @@ def sample_offsets(sample_indices, starts, block_size, seed, mode):
     return out
 
 
-def global_batch_fingerprint(step, global_batch, starts, block_size, seed, mode):
-    """A short hash of which windows global batch `step` reads, independent of how it is split
-    across ranks and micro-steps: two runs that read the same data print the same value."""
-    indices = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.int64)
-    offsets = np.sort(sample_offsets(indices, starts, block_size, seed, mode))
-    return hashlib.blake2b(offsets.tobytes(), digest_size=8).hexdigest()
-
-
 def eval_offsets(starts, block_size, n_windows):
     """A fixed set of windows spread evenly over a split, the same for every run and world
     size, so that evaluation losses are comparable."""
@@ -154,7 +150,74 @@ def eval_offsets(starts, block_size, n_windows):
     return starts[k] + local
 
 
-# ---- 4: windows -> (x, y) ----
+# ---- point 3: mixtures, the source each global sample comes from ----
+
+MIX_BLOCK = 2**20  # the weights hold exactly over every MIX_BLOCK consecutive samples
+
+
+class Mixture(NamedTuple):
+    """The sources of one split's samples: each source's TokenSplit, how many of every
+    MIX_BLOCK consecutive samples come from it, and its name in metrics."""
+    splits: tuple
+    counts: tuple
+    names: tuple
+
+    @property
+    def weights(self):
+        return [c / MIX_BLOCK for c in self.counts]
+
+
+def mixture(splits, weights=(1.0,), names=("",)):
+    """A Mixture with these weights (shares of the samples), rounded to whole samples per
+    MIX_BLOCK by largest remainder; one split alone is the plain case."""
+    exact = np.asarray(weights, dtype=np.float64) / np.sum(weights) * MIX_BLOCK
+    counts = np.floor(exact).astype(np.int64)
+    counts[np.argsort(counts - exact, kind="stable")[:MIX_BLOCK - counts.sum()]] += 1
+    if not counts.all():
+        raise UserError(f"a data_mix weight below 1/{MIX_BLOCK:,} of the total gets no samples "
+                        f"(weights {', '.join(map(str, weights))}): raise it or leave the "
+                        f"source out.")
+    return Mixture(tuple(splits), tuple(counts.tolist()), tuple(names))
+
+
+def source_indices(sample_indices, mix, seed):
+    """(source, index among that source's samples) of each global sample. In block b of
+    MIX_BLOCK samples, source s takes counts[s] slots, drawn from (seed, b), and its samples
+    b * counts[s] onwards: so each source reads its own samples in order, every block of it
+    once per its own epoch, and a source sampled less reaches its epoch boundary later."""
+    indices = np.asarray(sample_indices, dtype=np.int64)
+    if len(mix.counts) == 1:
+        return np.zeros_like(indices), indices
+    blocks, slots = indices // MIX_BLOCK, np.empty_like(indices)
+    for block in np.unique(blocks):
+        here = blocks == block
+        slots[here] = permute(indices[here] % MIX_BLOCK, MIX_BLOCK, hash_key(seed, 4, block))
+    counts = np.asarray(mix.counts, dtype=np.int64)
+    source, rank = locate(slots, counts)
+    return source, blocks * counts[source] + rank
+
+
+def sample_windows(sample_indices, mix, block_size, seed, mode):
+    """(source, window offset in that source's split) of each global sample (points 3, 4)."""
+    source, local = source_indices(sample_indices, mix, seed)
+    offsets = np.empty_like(local)
+    for s in np.unique(source).tolist():
+        here = source == s
+        offsets[here] = sample_offsets(local[here], mix.splits[s].starts, block_size, seed,
+                                       mode)
+    return source, offsets
+
+
+def global_batch_fingerprint(step, global_batch, mix, block_size, seed, mode):
+    """A short hash of which windows global batch `step` reads, independent of how it is split
+    across ranks and micro-steps: two runs that read the same data print the same value."""
+    indices = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.int64)
+    source, offsets = sample_windows(indices, mix, block_size, seed, mode)
+    return hashlib.blake2b(np.sort(offsets + (source << 48)).tobytes(),
+                           digest_size=8).hexdigest()
+
+
+# ---- point 5: windows -> (x, y) ----
 
 def read_xy(token_split, offsets, block_size, vocab_size=None):
     """(x, y) int64 tensors of shape (len(offsets), block_size); y is x shifted by one.
@@ -175,7 +238,19 @@ def read_xy(token_split, offsets, block_size, vocab_size=None):
     return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
-def rank_batches(token_split, *, block_size, batch_size, micro_steps, rank, world_size, seed,
+def read_mixture_xy(mix, source, offsets, block_size, vocab_size=None):
+    """read_xy for windows of several sources, in the order given."""
+    if len(mix.splits) == 1:
+        return read_xy(mix.splits[0], offsets, block_size, vocab_size)
+    x = torch.empty((len(offsets), block_size), dtype=torch.long)
+    y = torch.empty_like(x)
+    for s in np.unique(source).tolist():
+        here = torch.from_numpy(np.flatnonzero(source == s))
+        x[here], y[here] = read_xy(mix.splits[s], offsets[source == s], block_size, vocab_size)
+    return x, y
+
+
+def rank_batches(mix, *, block_size, batch_size, micro_steps, rank, world_size, seed,
                  mode, start_step, device, vocab_size, prefetch=2):
     """This rank's micro-batches, step after step from start_step: yields (x, y) on device.
     The next `prefetch` batches are read in a background thread while the current step runs;
@@ -185,8 +260,8 @@ def rank_batches(token_split, *, block_size, batch_size, micro_steps, rank, worl
     def load(step, micro_step):
         indices = rank_sample_indices(step, micro_step, rank, world_size, batch_size,
                                       micro_steps)
-        offsets = sample_offsets(indices, token_split.starts, block_size, seed, mode)
-        x, y = read_xy(token_split, offsets, block_size, vocab_size)
+        source, offsets = sample_windows(indices, mix, block_size, seed, mode)
+        x, y = read_mixture_xy(mix, source, offsets, block_size, vocab_size)
         return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
 
     def on_device(batch):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -56,6 +57,7 @@ class TrainConfig:
     wandb_run_name: str = "gpt2"
     # data
     data_dir: str = "data/openwebtext"
+    data_mix: str = ""  # 'data/web=0.7,data/code=0.3': sources and their shares of the samples
     sampling: Literal["epoch", "random"] = "epoch"  # epoch: every block once; random: nanoGPT's
     gradient_accumulation_steps: int = 5 * 8  # global: divided by the world size
     batch_size: int = 12  # per rank and micro-step
@@ -215,7 +217,7 @@ def samples_consumed(resume, global_batch):
     return resume.get("samples_consumed", resume["iter_num"] * global_batch)
 
 
-def check_resume(cfg, resume, meta, world_size):
+def check_resume(cfg, resume, meta, world_size, log):
     if cfg.gradient_accumulation_steps % world_size:
         micro = cfg.gradient_accumulation_steps
         raise UserError(
@@ -230,6 +232,11 @@ def check_resume(cfg, resume, meta, world_size):
             f"the checkpoint was trained on {used!r} tokens but {cfg.data_dir} holds "
             f"{meta.get('tokenizer')!r} tokens: set data_dir to data made with {used!r}.")
     global_batch = cfg.batch_size * cfg.gradient_accumulation_steps
+    old_mix = (resume.get("config") or {}).get("data_mix", "")
+    if old_mix != cfg.data_mix and (old_mix or len(data_sources(cfg, set())) > 1):
+        log(f"note: data_mix was {old_mix!r} and is now {cfg.data_mix!r}: the run goes on "
+            f"from the same global sample, but which source each sample comes from differs "
+            f"from here on from what the old mixture would have read.")
     if samples_consumed(resume, global_batch) % global_batch:
         raise UserError(
             f"the checkpoint consumed {samples_consumed(resume, global_batch)} samples, not a "
@@ -254,20 +261,69 @@ def check_out_dir(out_dir, n_params):
                         f"out_dir.")
 
 
+def data_sources(cfg, given):
+    """(folder, weight, name in metrics) of each data source: data_mix's, else data_dir."""
+    if not cfg.data_mix:
+        return [(cfg.data_dir, 1.0, "")]
+    if "data_dir" in given:
+        raise UserError(f"data_dir={cfg.data_dir!r} and data_mix={cfg.data_mix!r} are both set: "
+                        f"keep data_mix (each source and its weight) to train on the mixture, "
+                        f"or drop it to train on data_dir alone.")
+    sources, names = [], []
+    for part in cfg.data_mix.split(","):
+        folder, has_weight, weight = part.strip().rpartition("=")
+        if not has_weight:  # a source without a weight weighs 1
+            folder, weight = weight, "1"
+        try:
+            weight = float(weight)
+        except ValueError:
+            weight = None
+        if weight is None or not 0 < weight < math.inf:
+            raise UserError(f"data_mix source {part.strip()!r}: the weight must be a number "
+                            f"above 0, as in data_mix='data/web=0.7,data/code=0.3'.")
+        if not os.path.isdir(folder):
+            raise UserError(f"data_mix source {folder!r} is not a folder: give each source as "
+                            f"<data folder>=<weight>, separated by commas.")
+        name = os.path.basename(os.path.normpath(folder))
+        names.append(name if name not in names else f"{name}-{names.count(name) + 1}")
+        sources.append((folder, weight, names[-1]))
+    return sources if len(sources) > 1 else [(sources[0][0], 1.0, "")]
+
+
+def check_same_tokenizer(sources, metas):
+    kinds = {(m or {}).get("tokenizer"): folder for (folder, _, _), m in zip(sources, metas)}
+    sizes = {(m or {}).get("vocab_size") for m in metas}
+    if len(kinds) > 1 or len(sizes) > 1:
+        detail = ", ".join(f"{folder}: {m and m.get('tokenizer')!r}, {m and m.get('vocab_size')} "
+                           f"ids" for (folder, _, _), m in zip(sources, metas))
+        raise UserError(f"the data_mix sources were not made with one tokenizer ({detail}): "
+                        f"prepare them all with the same --tokenizer.")
+
+
+def open_data(cfg, sources, vocab_size, log):
+    """{split: the Mixture of the sources' token files}; the split's mixture has one source in
+    the plain case."""
+    return {split: data.mixture([tokenfile.open_split(folder, split, cfg.block_size, vocab_size,
+                                                      log=log) for folder, _, _ in sources],
+                                [w for _, w, _ in sources], [n for _, _, n in sources])
+            for split in tokenfile.SPLITS}
+
+
 def start_up(cfg, given, world_size, log):
-    """(checkpoint to resume or None, the data's meta.json, model_args, {split: TokenSplit},
+    """(checkpoint to resume or None, the data's meta.json, model_args, {split: Mixture},
     the model on the CPU). Raises UserError for anything the user must fix."""
     resume = load_resume_state(cfg, log)
-    meta = tokenfile.read_meta(cfg.data_dir)
+    sources = data_sources(cfg, given)
+    metas = [tokenfile.read_meta(folder) for folder, _, _ in sources]
+    check_same_tokenizer(sources, metas)
+    meta = metas[0]
     args = model_args(cfg, meta)
     cfg.vocab_size = args["vocab_size"]  # what 0 meant, so that the configuration says it
     if resume is not None:
         args = take_architecture(cfg, given, args, resume["model_args"],
                                  f"the checkpoint in {cfg.out_dir}")
-    splits = {split: tokenfile.open_split(cfg.data_dir, split, cfg.block_size,
-                                          args["vocab_size"], log=log)
-              for split in tokenfile.SPLITS}
-    check_resume(cfg, resume, meta, world_size)
+    splits = open_data(cfg, sources, args["vocab_size"], log)
+    check_resume(cfg, resume, meta, world_size, log)
     if cfg.eval_only and resume is None and cfg.init_from == "resume":
         raise UserError(f"eval_only with init_from='resume' needs a checkpoint in {cfg.out_dir}")
     torch.manual_seed(cfg.seed)
@@ -302,6 +358,16 @@ def autocast_for(dtype, device_type):
                                               "float16": torch.float16}[dtype])
 
 
+def log_mixture(log, mix, samples, block_size):
+    """Each source's share of the samples (not of the tokens on disk), and so how many epochs
+    of it max_iters reads."""
+    for name, weight, token_split in zip(mix.names, mix.weights, mix.splits):
+        blocks = int(data.blocks_per_epoch(np.diff(token_split.starts), block_size).sum())
+        log(f"data: {name} ({os.path.dirname(token_split.paths[0])}): {weight:.2%} of the "
+            f"samples, {samples * weight / blocks:,.2f} epochs of its {blocks:,} blocks by "
+            f"max_iters")
+
+
 def agree(error, rank, world_size):
     """Share each rank's start-up error so that all ranks stop together and rank 0 reports
     every distinct problem once; no rank is left waiting in a later collective."""
@@ -325,8 +391,8 @@ def same_data_on_all_ranks(splits, data_dir, rank, world_size):
     """Every node must read the same token files, or the global batches are not one batch."""
     if world_size == 1:
         return True
-    mine = {s: (t.n_tokens, tokenfile.sampled_fingerprint(t.paths, t.header_bytes))
-            for s, t in splits.items()}
+    mine = {(s, k): (t.n_tokens, tokenfile.sampled_fingerprint(t.paths, t.header_bytes))
+            for s, mix in splits.items() for k, t in enumerate(mix.splits)}
     identities = [None] * world_size
     dist.all_gather_object(identities, mine)
     if all(i == identities[0] for i in identities):
@@ -355,27 +421,37 @@ def lr_at(cfg, it):
 
 @torch.no_grad()
 def evaluate(model, splits, cfg, rank, world_size, autocast, device, vocab_size):
-    """Mean loss over the fixed evaluation windows of each split, shared out over the ranks.
-    The losses stay on the device until the one transfer per split at the end."""
+    """{'train_loss': ..., 'val_loss': ...}: the mean loss over the fixed evaluation windows of
+    each split, shared out over the ranks; for a mixture, each source's too ('val_loss/web'),
+    and the split's loss is their average by weight."""
     model.eval()
     out = {}
-    for name, token_split in splits.items():
-        offsets = data.eval_offsets(token_split.starts, cfg.block_size,
-                                    cfg.eval_iters * cfg.batch_size)[rank::world_size]
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        for i in range(0, len(offsets), cfg.batch_size):
-            chunk = offsets[i:i + cfg.batch_size]
-            x, y = data.read_xy(token_split, chunk, cfg.block_size, vocab_size)
-            with autocast:
-                _, loss = model(x.to(device), y.to(device))
-            loss_sum += loss.double() * len(chunk)
-        total = torch.stack([loss_sum, torch.full_like(loss_sum, len(offsets))])
-        if world_size > 1:
-            dist.all_reduce(total)
-        loss_sum, n = total.tolist()
-        out[name] = loss_sum / n
+    for split, mix in splits.items():
+        losses = [split_loss(model, t, cfg, rank, world_size, autocast, device, vocab_size)
+                  for t in mix.splits]
+        out[f"{split}_loss"] = sum(w * loss for w, loss in zip(mix.weights, losses))
+        if len(losses) > 1:
+            out.update({f"{split}_loss/{n}": loss for n, loss in zip(mix.names, losses)})
     model.train()
     return out
+
+
+def split_loss(model, token_split, cfg, rank, world_size, autocast, device, vocab_size):
+    """The losses stay on the device until the one transfer at the end."""
+    offsets = data.eval_offsets(token_split.starts, cfg.block_size,
+                                cfg.eval_iters * cfg.batch_size)[rank::world_size]
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for i in range(0, len(offsets), cfg.batch_size):
+        chunk = offsets[i:i + cfg.batch_size]
+        x, y = data.read_xy(token_split, chunk, cfg.block_size, vocab_size)
+        with autocast:
+            _, loss = model(x.to(device), y.to(device))
+        loss_sum += loss.double() * len(chunk)
+    total = torch.stack([loss_sum, torch.full_like(loss_sum, len(offsets))])
+    if world_size > 1:
+        dist.all_reduce(total)
+    loss_sum, n = total.tolist()
+    return loss_sum / n
 
 
 # ---- one optimizer step ----
@@ -455,6 +531,13 @@ def record(metrics, wandb, row):
         wandb.log(row, step=row["iter"])
 
 
+def log_evaluation(log, iter_num, losses):
+    sources = ", ".join(f"{k.removeprefix('val_loss/')} {v:.4f}" for k, v in losses.items()
+                        if k.startswith("val_loss/"))
+    log(f"iter {iter_num}: train loss {losses['train_loss']:.4f}, val loss "
+        f"{losses['val_loss']:.4f}{f' ({sources})' if sources else ''}")
+
+
 def log_step(log, cfg, row, peak):
     if row["iter"] % cfg.log_interval == 0:
         mfu = f", mfu {row['mfu'] * 100:.1f}%" if peak else ""
@@ -523,6 +606,8 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
     log(f"world size {world_size}, device {device}, dtype {dtype}, "
         f"{model.get_num_params() / 1e6:.2f}M parameters, global batch {global_batch} x "
         f"{cfg.block_size} tokens ({micro_steps} micro-steps of {cfg.batch_size} per rank)")
+    if len(splits["train"].splits) > 1:
+        log_mixture(log, splits["train"], cfg.max_iters * global_batch, cfg.block_size)
     metrics, wandb = open_metrics(cfg, master)
     batches = data.rank_batches(
         splits["train"], block_size=cfg.block_size, batch_size=cfg.batch_size,
@@ -539,10 +624,10 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
         if iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters or cfg.eval_only:
             losses = evaluate(forward, splits, cfg, rank, world_size, autocast, device,
                               args["vocab_size"])
-            log(f"iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            record(metrics, wandb, {"iter": iter_num, "train_loss": losses["train"],
-                                    "val_loss": losses["val"]})
-            improved, best_val = losses["val"] < best_val, min(best_val, losses["val"])
+            log_evaluation(log, iter_num, losses)
+            record(metrics, wandb, {"iter": iter_num, **losses})
+            improved = losses["val_loss"] < best_val
+            best_val = min(best_val, losses["val_loss"])
             if not all(map(math.isfinite, losses.values())):
                 log(f"warning: non-finite evaluation loss at iter {iter_num}: no checkpoint "
                     f"written, the previous ones are kept")
@@ -573,7 +658,7 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
 
         # everything below is diagnostics, done while the device runs the optimizer step
         batch_fp = data.global_batch_fingerprint(samples // global_batch, global_batch,
-                                                 splits["train"].starts, cfg.block_size,
+                                                 splits["train"], cfg.block_size,
                                                  cfg.seed, cfg.sampling)
         if not apply:
             skip_or_stop(cfg, log, f"non-finite loss {loss} or gradient norm at iter "

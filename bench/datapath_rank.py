@@ -29,8 +29,9 @@ def ddpgpt(data_dir, rank, world):
     making one batch, as it does for (a). With the thread, as in training, a loop that does
     nothing between batches would time two threads passing the interpreter lock back and
     forth; the training part measures what the thread is for, a step's wait for data."""
-    tokens = tokenfile.open_split(data_dir, "train", BLOCK, VOCAB, log=lambda *a: None)
-    return data.rank_batches(tokens, block_size=BLOCK, batch_size=BATCH, micro_steps=1,
+    train = data.mixture([tokenfile.open_split(data_dir, "train", BLOCK, VOCAB,
+                                               log=lambda *a: None)])
+    return data.rank_batches(train, block_size=BLOCK, batch_size=BATCH, micro_steps=1,
                              rank=rank, world_size=world, seed=SEED, mode="epoch", start_step=0,
                              device="cpu", vocab_size=VOCAB, prefetch=0)
 

@@ -14,8 +14,8 @@ import tokenfile
 def main(data_dir, out, block_size, batch_size, micro_steps, start_step, steps, mode):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
-    tokens = tokenfile.open_split(data_dir, "train", block_size)
-    batches = data.rank_batches(tokens, block_size=block_size, batch_size=batch_size,
+    train = data.mixture([tokenfile.open_split(data_dir, "train", block_size)])
+    batches = data.rank_batches(train, block_size=block_size, batch_size=batch_size,
                                 micro_steps=micro_steps, rank=rank, world_size=world, seed=7,
                                 mode=mode, start_step=start_step, device="cpu",
                                 vocab_size=2**32)

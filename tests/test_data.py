@@ -82,9 +82,9 @@ def test_dataloader_workers_read_the_same_batches_as_the_trainer(counting_data, 
         multiprocessing_context=start_method,
         sampler=data.RankSampler(4, rank=1, world_size=2, micro_steps=3, num_steps=2))
     from_loader = [x for x, _ in loader]
-    trainer = data.rank_batches(tokens, block_size=32, batch_size=4, micro_steps=3, rank=1,
-                                world_size=2, seed=7, mode="epoch", start_step=0, device="cpu",
-                                vocab_size=n + 1)
+    trainer = data.rank_batches(data.mixture([tokens]), block_size=32, batch_size=4,
+                                micro_steps=3, rank=1, world_size=2, seed=7, mode="epoch",
+                                start_step=0, device="cpu", vocab_size=n + 1)
     assert len(from_loader) == 6
     for x in from_loader:
         assert torch.equal(x, next(trainer)[0])

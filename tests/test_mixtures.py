@@ -1,0 +1,127 @@
+"""data_mix: each global sample's source drawn by weight as a pure function of (seed, index),
+each source in its own epoch order, the same global batches on any world size, exact resume,
+per-source evaluation, and clear errors for bad mixtures."""
+import os
+
+import numpy as np
+import pytest
+
+import data
+import tokenfile
+from conftest import TINY, evals, fails, python, steps, torchrun
+
+WEIGHTS = (0.7, 0.2, 0.1)
+
+
+def byte_folder(folder, n_train, seed, tokenizer="byte", vocab=257):
+    rng = np.random.default_rng(seed)
+    tokenfile.write_token_files(str(folder), {"train": rng.integers(0, vocab - 1, n_train),
+                                              "val": rng.integers(0, vocab - 1, 5_000)},
+                                tokenizer=tokenizer, vocab_size=vocab, eot_token=vocab - 1)
+    return str(folder)
+
+
+@pytest.fixture
+def sources(corpus, tmp_path):
+    """Three byte-tokenized sources of different sizes: web (the corpus), code, books."""
+    return [corpus, byte_folder(tmp_path / "code", 40_000, 1),
+            byte_folder(tmp_path / "books", 20_000, 2)]
+
+
+def mix_arg(folders, weights=WEIGHTS):
+    return "--data_mix=" + ",".join(f"{f}={w}" for f, w in zip(folders, weights))
+
+
+def test_each_source_gets_its_share_of_the_samples():
+    mix = data.mixture([None] * 3, WEIGHTS, ("a", "b", "c"))
+    source, _ = data.source_indices(np.arange(100_000), mix, seed=3)
+    for s, w in enumerate(WEIGHTS):  # within 4 standard deviations of a binomial draw
+        assert abs(np.mean(source == s) - w) < 4 * np.sqrt(w * (1 - w) / 100_000)
+    # and exactly, to a sample, over every MIX_BLOCK samples
+    source, _ = data.source_indices(np.arange(data.MIX_BLOCK, 2 * data.MIX_BLOCK), mix, seed=3)
+    assert np.bincount(source).tolist() == list(mix.counts)
+    assert all(abs(c / data.MIX_BLOCK - w) < 1e-6 for c, w in zip(mix.counts, WEIGHTS))
+
+
+def test_each_source_reads_every_block_once_per_its_own_epoch():
+    sizes = [40_001, 13_001, 7_001]
+    splits = tuple(tokenfile.TokenSplit((f"{i}.bin",), np.dtype(np.uint16), 0,
+                                        np.array([0, n])) for i, n in enumerate(sizes))
+    mix = data.mixture(splits, WEIGHTS, ("a", "b", "c"))
+    block = 32
+    source, offsets = data.sample_windows(np.arange(2 * data.MIX_BLOCK), mix, block, 9, "epoch")
+    for s, n in enumerate(sizes):
+        per_epoch = int(data.blocks_per_epoch(n, block))
+        mine = offsets[source == s]  # in global sample order: the source's own order
+        epochs = len(mine) // per_epoch
+        assert epochs >= 3
+        local = data.source_indices(np.flatnonzero(source == s), mix, 9)[1]
+        assert sorted(local.tolist()) == list(range(len(mine)))
+        by_local = mine[np.argsort(local)]
+        for e in range(epochs):
+            blocks = by_local[e * per_epoch:(e + 1) * per_epoch] // block
+            assert len(np.unique(blocks)) == per_epoch, (s, e)
+
+
+def test_mixture_trains_the_same_batches_on_any_world_size_and_resumes_exactly(
+        env, sources, tmp_path):
+    args = [mix_arg(sources), *TINY, "--gradient_accumulation_steps=2", "--eval_interval=3"]
+    one, two, halves = (str(tmp_path / n) for n in ("one", "two", "halves"))
+    p = python("train.py", *args, f"--out_dir={one}", "--max_iters=6", env=env)
+    assert "data: code (" in p.stdout and "20.00% of the samples" in p.stdout
+    torchrun(2, "train.py", *args, f"--out_dir={two}", "--max_iters=6", env=env)
+    torchrun(2, "train.py", *args, f"--out_dir={halves}", "--max_iters=3", env=env)
+    torchrun(2, "train.py", *args, f"--out_dir={halves}", "--max_iters=6",
+             "--init_from=resume", env=env)
+    a, b, c = steps(one), steps(two), steps(halves)
+    assert [a[i]["batch_fp"] for i in range(6)] == [b[i]["batch_fp"] for i in range(6)]
+    assert [(b[i]["batch_fp"], b[i]["loss"]) for i in range(6)] == \
+        [(c[i]["batch_fp"], c[i]["loss"]) for i in range(6)]
+    last = evals(one)[-1]
+    names = [os.path.basename(f) for f in sources]
+    weights = data.mixture([None] * 3, WEIGHTS, names).weights  # as rounded per MIX_BLOCK
+    assert last["val_loss"] == pytest.approx(sum(
+        w * last[f"val_loss/{n}"] for n, w in zip(names, weights)), rel=1e-12)
+    assert f"val loss {last['val_loss']:.4f} ({names[0]} " in p.stdout
+
+
+def test_a_single_source_is_data_dir(env, corpus, tmp_path):
+    args = [*TINY, "--gradient_accumulation_steps=1", "--max_iters=3", "--eval_interval=3"]
+    python("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path / 'dir'}", *args, env=env)
+    python("train.py", f"--data_mix={corpus}", f"--out_dir={tmp_path / 'mix'}", *args, env=env)
+    a, b = steps(tmp_path / "dir"), steps(tmp_path / "mix")
+    assert [(a[i]["batch_fp"], a[i]["loss"]) for i in range(3)] == \
+        [(b[i]["batch_fp"], b[i]["loss"]) for i in range(3)]
+    assert evals(tmp_path / "dir") == evals(tmp_path / "mix")
+
+
+def test_new_weights_on_resume_go_on_from_the_same_sample_and_say_so(env, sources, tmp_path):
+    out = str(tmp_path / "out")
+    args = [*TINY, "--gradient_accumulation_steps=1", "--eval_interval=2"]
+    python("train.py", mix_arg(sources), f"--out_dir={out}", *args, "--max_iters=2", env=env)
+    p = python("train.py", mix_arg(sources, (0.1, 0.1, 0.8)), f"--out_dir={out}", *args,
+               "--max_iters=4", "--init_from=resume", env=env)
+    assert "note: data_mix was" in p.stdout and "differs from here on" in p.stdout
+    assert sorted(steps(out)) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("case, named", [
+    ("unknown folder", ["data_mix source", "nowhere", "is not a folder"]),
+    ("weight 0", ["=0'", "weight must be a number above 0"]),
+    ("negative weight", ["=-1'", "weight must be a number above 0"]),
+    ("weight not a number", ["=lots'", "weight must be a number above 0"]),
+    ("other tokenizers", ["not made with one tokenizer", "'gpt2', 50257 ids"]),
+    ("with data_dir", ["data_dir=", "are both set", "keep data_mix"]),
+])
+def test_bad_mixtures(case, named, env, sources, tmp_path):
+    mix = {"unknown folder": mix_arg([*sources[:2], str(tmp_path / "nowhere")]),
+           "weight 0": mix_arg(sources, (1, 1, 0)),
+           "negative weight": mix_arg(sources, (1, 1, -1)),
+           "weight not a number": mix_arg(sources, (1, 1, "lots")),
+           "other tokenizers": mix_arg([*sources[:2], byte_folder(
+               tmp_path / "gpt2", 20_000, 3, tokenizer="gpt2", vocab=50257)]),
+           "with data_dir": mix_arg(sources)}[case]
+    extra = [f"--data_dir={sources[0]}"] if case == "with data_dir" else []
+    err = fails("train.py", mix, *extra, f"--out_dir={tmp_path / 'out'}", *TINY,
+                "--max_iters=1", env=env).stderr
+    assert all(n in err for n in named), err
