@@ -117,12 +117,18 @@ def sample_offsets(sample_indices, n_tokens, block_size, seed, mode):
     return out
 
 
+def samples_fingerprint(sample_indices, n_tokens, block_size, seed, mode):
+    """A short hash of which windows a set of global samples reads, in any order: a loader
+    that reports the indices it read (examples/lightning_datamodule.py) hashes them here."""
+    offsets = np.sort(sample_offsets(sample_indices, n_tokens, block_size, seed, mode))
+    return hashlib.blake2b(offsets.tobytes(), digest_size=8).hexdigest()
+
+
 def global_batch_fingerprint(step, global_batch, n_tokens, block_size, seed, mode):
     """A short hash of which windows global batch `step` reads, independent of how it is split
     across ranks and micro-steps: two runs that read the same data print the same value."""
     indices = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.int64)
-    offsets = np.sort(sample_offsets(indices, n_tokens, block_size, seed, mode))
-    return hashlib.blake2b(offsets.tobytes(), digest_size=8).hexdigest()
+    return samples_fingerprint(indices, n_tokens, block_size, seed, mode)
 
 
 def eval_offsets(n_tokens, block_size, n_windows):
