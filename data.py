@@ -208,13 +208,19 @@ def sample_windows(sample_indices, mix, block_size, seed, mode):
     return source, offsets
 
 
-def global_batch_fingerprint(step, global_batch, mix, block_size, seed, mode):
-    """A short hash of which windows global batch `step` reads, independent of how it is split
-    across ranks and micro-steps: two runs that read the same data print the same value."""
-    indices = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.int64)
-    source, offsets = sample_windows(indices, mix, block_size, seed, mode)
+def samples_fingerprint(sample_indices, mix, block_size, seed, mode):
+    """A short hash of which windows a set of global samples reads, in any order: a loader
+    that reports the indices it read (examples/lightning_datamodule.py) hashes them here."""
+    source, offsets = sample_windows(sample_indices, mix, block_size, seed, mode)
     return hashlib.blake2b(np.sort(offsets + (source << 48)).tobytes(),
                            digest_size=8).hexdigest()
+
+
+def global_batch_fingerprint(step, global_batch, mix, block_size, seed, mode):
+    """samples_fingerprint of global batch `step`, independent of how it is split across
+    ranks and micro-steps: two runs that read the same data print the same value."""
+    indices = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.int64)
+    return samples_fingerprint(indices, mix, block_size, seed, mode)
 
 
 # ---- point 5: windows -> (x, y) ----

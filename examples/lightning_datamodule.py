@@ -1,0 +1,246 @@
+"""ddpgpt's data path in PyTorch Lightning: a LightningDataModule over data.BlockDataset and
+data.RankSampler, and a minimal LightningModule around model.GPT to drive it.
+
+  python examples/lightning_datamodule.py --data_dir=data/pystdlib --devices=2 --max_steps=100
+  python examples/lightning_datamodule.py --data_dir=data/pystdlib --devices=2 --max_steps=200 \\
+      --ckpt_path=last                 # resume from out_dir/last.ckpt at the exact sample
+
+What Lightning needs, all in make_trainer() and BlockDataModule (docs/lightning.md says why):
+  - Trainer(use_distributed_sampler=False): else Lightning would wrap RankSampler in its
+    DistributedSamplerWrapper and shard each rank's slice again; BlockDataModule refuses that.
+  - rank and world size from the trainer; accumulate_grad_batches = gradient_accumulation_steps
+    (global micro-steps) / world size, so the global batch does not depend on the world size.
+  - the data position (global samples consumed) in the DataModule's state_dict, which Lightning
+    saves in its checkpoints, so a resumed run continues at the exact sample.
+
+Rank 0 writes out_dir/metrics.jsonl, one row per step with `batch_fp`, the fingerprint of the
+samples all ranks read in that step, as train.py does: `python compare_runs.py` compares a
+Lightning run with a train.py run. Lightning itself is needed only here and in the tests.
+"""
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+# run as a script, this file's folder is on sys.path, not the checkout that holds data.py
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import configurator
+import data
+import tokenfile
+from errors import UserError
+from model import GPT, GPTConfig
+from train import model_args
+
+
+@dataclass
+class LightningConfig:
+    data_dir: str = "data/pystdlib"
+    out_dir: str = "out-lightning"
+    devices: int = 1  # processes on this node: GPUs, or CPU processes (gloo) without one
+    max_steps: int = 100
+    ckpt_path: str = ""  # '' trains from scratch; 'last': out_dir/last.ckpt; or a path
+    checkpoint_interval: int = 50  # steps
+    sampling: Literal["epoch", "random"] = "epoch"
+    gradient_accumulation_steps: int = 4  # global: divided by the world size
+    batch_size: int = 12  # per rank and micro-step
+    block_size: int = 128
+    num_workers: int = 2
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = False
+    vocab_size: int = 0  # 0: the data's vocabulary rounded up to a multiple of 64
+    learning_rate: float = 1e-3  # constant: train.py has the schedule
+    seed: int = 1337
+
+
+class IndexedBlocks(data.BlockDataset):
+    """BlockDataset's (x, y) and the global sample index, so that what the ranks actually read
+    can be fingerprinted."""
+
+    def __getitem__(self, i):
+        return (*super().__getitem__(i), i)
+
+
+class BlockDataModule(L.LightningDataModule):
+    """Every rank reads its disjoint slice of the global batches of data.py's contract: the
+    same batches as train.py for the same seed and global batch, on any world size."""
+
+    def __init__(self, data_dir, block_size, batch_size, global_micro_steps, seed,
+                 mode="epoch", num_workers=2):
+        super().__init__()
+        self.data_dir, self.block_size, self.seed, self.mode = data_dir, block_size, seed, mode
+        self.batch_size, self.global_micro_steps = batch_size, global_micro_steps
+        self.global_batch = batch_size * global_micro_steps
+        self.num_workers = num_workers
+        self.samples_at_start, self.steps_at_start = 0, 0  # where this fit began
+        self.train_file = None
+
+    def setup(self, stage):
+        self.train_file = tokenfile.open_split(self.data_dir, "train", self.block_size)
+
+    def train_dataloader(self):
+        trainer = self.trainer
+        self.check_accumulation(trainer)
+        self.check_resume(trainer)
+        # Lightning has restored global_step by now: the position counts steps from here
+        self.steps_at_start = trainer.global_step
+        # endless: a loader with a length would make the whole run one Lightning epoch of that
+        # length, which Lightning counts from the epoch's start again when it resumes
+        sampler = data.RankSampler(self.batch_size, trainer.global_rank, trainer.world_size,
+                                   micro_steps=trainer.accumulate_grad_batches,
+                                   start_step=self.samples_at_start // self.global_batch)
+        dataset = IndexedBlocks(self.train_file, self.block_size, self.seed, self.mode)
+        loader = DataLoader(dataset, batch_size=self.batch_size, sampler=sampler,
+                            num_workers=self.num_workers)
+        self.check_not_resharded(trainer, loader)
+        return loader
+
+    def check_accumulation(self, trainer):
+        micro_steps = trainer.accumulate_grad_batches * trainer.world_size
+        if micro_steps != self.global_micro_steps:
+            raise UserError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) on "
+                f"{trainer.world_size} process(es) makes {micro_steps} micro-steps per global "
+                f"batch, not the {self.global_micro_steps} this DataModule reads: set "
+                f"accumulate_grad_batches to {self.global_micro_steps} / world size.")
+
+    def check_resume(self, trainer):
+        """A resumed run starts at a whole global batch, and where Lightning's gradient
+        accumulation starts a step: it counts each rank's micro-batches in its checkpoint and
+        steps the optimizer when that count is a multiple of accumulate_grad_batches."""
+        if self.samples_at_start % self.global_batch:
+            raise UserError(
+                f"the checkpoint consumed {self.samples_at_start} samples, not a whole number "
+                f"of global batches of {self.global_batch}: resume with a global batch "
+                f"(batch_size x gradient_accumulation_steps) that divides it.")
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        if done % trainer.accumulate_grad_batches:
+            raise UserError(
+                f"the checkpoint was saved after {done} micro-batches per rank, which is not "
+                f"a whole number of steps of {trainer.accumulate_grad_batches} micro-batches "
+                f"per rank here: Lightning would step the optimizer in the middle of global "
+                f"batches. Resume with the devices and gradient_accumulation_steps that saved "
+                f"it.")
+
+    @staticmethod
+    def check_not_resharded(trainer, loader):
+        """Ask Lightning, with its own test, whether it will replace the loader's sampler.
+        This cannot wait for a hook that sees the replaced sampler: Lightning's replacement
+        takes len() of an endless RankSampler, which raises before any hook runs."""
+        if trainer._data_connector._requires_distributed_sampler(loader):
+            raise UserError(
+                f"Trainer(use_distributed_sampler=True), Lightning's default, wraps the "
+                f"sampler of a DataLoader on {trainer.world_size} processes in a "
+                f"DistributedSamplerWrapper, which would shard again what this DataModule's "
+                f"RankSampler has already sharded: each rank's disjoint slice of every global "
+                f"batch. Pass use_distributed_sampler=False to the Trainer.")
+
+    def position(self):
+        """Global samples consumed by the optimizer steps taken so far."""
+        steps = self.trainer.global_step - self.steps_at_start
+        return self.samples_at_start + steps * self.global_batch
+
+    def state_dict(self):
+        return {"samples_consumed": self.position()}
+
+    def load_state_dict(self, state):
+        self.samples_at_start = state["samples_consumed"]
+
+    def fingerprint(self, sample_indices):
+        return data.samples_fingerprint(sample_indices, data.mixture([self.train_file]),
+                                        self.block_size, self.seed, self.mode)
+
+
+class GPTModule(L.LightningModule):
+    """model.GPT trained on (x, y, index) batches; rank 0 logs each step to metrics.jsonl."""
+
+    def __init__(self, args, learning_rate, out_dir):
+        super().__init__()
+        self.model = GPT(GPTConfig(**args))
+        self.learning_rate, self.out_dir = learning_rate, out_dir
+        self.step_losses, self.step_indices, self.metrics = [], [], None
+
+    def training_step(self, batch, batch_idx):
+        x, y, indices = batch
+        _, loss = self.model(x, y)
+        self.step_losses.append(loss.detach())
+        self.step_indices.append(indices)
+        return loss  # Lightning divides it by accumulate_grad_batches before backward
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if len(self.step_indices) < self.trainer.accumulate_grad_batches:
+            return  # mid-step: Lightning stepped the optimizer only after the last micro-batch
+        loss = self.all_gather(torch.stack(self.step_losses).mean()).mean().item()
+        indices = self.all_gather(torch.cat(self.step_indices)).flatten().cpu().numpy()
+        self.step_losses, self.step_indices = [], []
+        if self.metrics is not None:
+            row = {"iter": self.trainer.global_step - 1, "loss": loss,
+                   "batch_fp": self.trainer.datamodule.fingerprint(indices)}
+            self.metrics.write(json.dumps(row) + "\n")
+            self.metrics.flush()
+
+    def on_train_start(self):
+        if self.trainer.is_global_zero:  # appended to: a resumed run adds its steps
+            os.makedirs(self.out_dir, exist_ok=True)
+            self.metrics = open(os.path.join(self.out_dir, "metrics.jsonl"), "a")
+
+    def on_train_end(self):
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+
+    def configure_optimizers(self):
+        # nanoGPT's weight decay and betas
+        return self.model.configure_optimizers(0.1, self.learning_rate, (0.9, 0.95),
+                                               self.device.type)
+
+
+def make_trainer(cfg):
+    if cfg.gradient_accumulation_steps % cfg.devices:
+        raise UserError(
+            f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is the global "
+            f"number of micro-steps and must be a multiple of devices={cfg.devices}.")
+    # out_dir/step=<step>.ckpt, the newest kept, and last.ckpt for --ckpt_path=last
+    every = ModelCheckpoint(dirpath=cfg.out_dir, filename="{step:07d}", save_last=True,
+                            every_n_train_steps=cfg.checkpoint_interval)
+    return L.Trainer(
+        accelerator="auto", devices=cfg.devices,
+        strategy="ddp" if cfg.devices > 1 else "auto",  # on a CPU, ddp uses gloo
+        use_distributed_sampler=False,  # RankSampler shards; see BlockDataModule
+        accumulate_grad_batches=cfg.gradient_accumulation_steps // cfg.devices,
+        max_steps=cfg.max_steps, gradient_clip_val=1.0,  # train.py's grad_clip
+        callbacks=[every],
+        default_root_dir=cfg.out_dir, logger=False, enable_progress_bar=False)
+
+
+def build(cfg):
+    """(the DataModule, the LightningModule) for a configuration."""
+    datamodule = BlockDataModule(cfg.data_dir, cfg.block_size, cfg.batch_size,
+                                 cfg.gradient_accumulation_steps, cfg.seed, cfg.sampling,
+                                 cfg.num_workers)
+    torch.manual_seed(cfg.seed)
+    args = model_args(cfg, tokenfile.read_meta(cfg.data_dir))
+    return datamodule, GPTModule(args, cfg.learning_rate, cfg.out_dir)
+
+
+def main(argv):
+    cfg = configurator.parse(LightningConfig, argv)
+    datamodule, module = build(cfg)
+    make_trainer(cfg).fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path or None)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except UserError as e:
+        print(f"lightning_datamodule.py: error: {e}", file=sys.stderr)
+        sys.exit(1)
