@@ -154,9 +154,12 @@ def nanogpt_checkpoint(out_dir):
     return model.eval()
 
 
-def test_a_nanogpt_checkpoint_resumes_and_exports(gpt2_data, tmp_path, env):
+def test_a_nanogpt_checkpoint_samples_resumes_and_exports(gpt2_data, tmp_path, env):
     out, dest = tmp_path / "out", tmp_path / "exported"
     model = nanogpt_checkpoint(out)
+    p = python("sample.py", f"--out_dir={out}", "--start=Hello", "--num_samples=1",
+               "--max_new_tokens=3", env=env)
+    assert p.stdout.startswith("Hello") and "tokenizer 'gpt2' from nanoGPT's default" in p.stderr
     p = python("train.py", "--init_from=resume", f"--data_dir={gpt2_data}", f"--out_dir={out}",
                *RUN, "--max_iters=4", "--eval_interval=2", env=env)
     assert f"resuming from {out / 'ckpt.pt'} (iter 2)" in p.stdout
