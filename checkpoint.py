@@ -64,19 +64,25 @@ def model_state(state):
             if not k.endswith(".attn.bias") or v.dim() != 4}
 
 
+def read(path):
+    """(state, None) for a checkpoint file that loads, else (None, what is wrong with it)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated zip, a pickle with code in it...
+        return None, (f"cannot be loaded ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:200] if str(e) else ''})")
+    missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        return None, f"is not a checkpoint (it has no {', '.join(missing)})"
+    return state, None
+
+
 def load_latest(out_dir, log=print):
     """(state, path) of the newest checkpoint that loads, or (None, None) if there is none.
     A damaged newest checkpoint is reported and skipped in favour of the one before it."""
     for path in list_checkpoints(out_dir):
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # a truncated zip, a pickle with code in it...
-            log(f"checkpoint: {path} cannot be loaded ({type(e).__name__}: "
-                f"{str(e).splitlines()[0][:200] if str(e) else ''}); trying an older one")
-            continue
-        missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
-        if not missing:
+        state, problem = read(path)
+        if state is not None:
             return state, path
-        log(f"checkpoint: {path} is not a checkpoint (it has no {', '.join(missing)}); "
-            f"trying an older one")
+        log(f"checkpoint: {path} {problem}; trying an older one")
     return None, None

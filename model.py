@@ -21,6 +21,9 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # False: no bias in Linears and LayerNorms, a bit better and faster
+    # nn.GELU's approximate: 'none' is the exact erf form (nanoGPT's, and every checkpoint's
+    # that names none); 'tanh' is the approximation GPT-2 itself used, which OpenAI's weights need
+    gelu_approximate: str = "none"
 
 
 class CausalSelfAttention(nn.Module):
@@ -56,7 +59,7 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU()  # the exact erf form, as nanoGPT; GPT-2 itself used the tanh one
+        self.gelu = nn.GELU(approximate=config.gelu_approximate)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 

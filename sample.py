@@ -1,5 +1,7 @@
-"""Sample from the newest checkpoint in out_dir (train.py's, or nanoGPT's ckpt.pt):
+"""Sample from the newest checkpoint in out_dir (train.py's, or nanoGPT's ckpt.pt), or from
+GPT-2's weights (a name or a Hugging Face folder, hf.py):
   python sample.py --out_dir=out-quickstart --start="def " --num_samples=3 --max_new_tokens=200
+  python sample.py --init_from=gpt2 --start="The meaning of life is"
 
 Keys as in SampleConfig, set by config files and --key=value (configurator.py). The samples go
 to stdout, what was loaded to stderr, so `python sample.py ... > samples.txt` keeps the text only.
@@ -13,6 +15,7 @@ import torch
 
 import checkpoint
 import configurator
+import hf
 import tokenfile
 from errors import UserError
 from model import GPT, GPTConfig
@@ -22,6 +25,7 @@ from train import Dtype, pick_device, pick_dtype
 
 @dataclass
 class SampleConfig:
+    init_from: str = "resume"  # resume: out_dir's newest checkpoint; or gpt2... or an HF folder
     out_dir: str = "out"
     start: str = "\n"  # the prompt, or FILE:path to read it from a UTF-8 text file
     num_samples: int = 3
@@ -46,6 +50,27 @@ def tokenizer_name(state):
     return "gpt2", "nanoGPT's default, as the checkpoint names none"
 
 
+def load_weights(cfg, log):
+    """(model_args, weights, tokenizer name) of out_dir's newest checkpoint or of GPT-2's
+    weights, which read GPT-2's tokens."""
+    if cfg.init_from != "resume":
+        weights, args = hf.load(cfg.init_from, log=log)
+        gpt2_ids = get_tokenizer("gpt2").vocab_size
+        if args["vocab_size"] < gpt2_ids:
+            raise UserError(
+                f"{cfg.init_from} has {args['vocab_size']} token ids, fewer than the {gpt2_ids} "
+                f"of GPT-2's tokenizer, with which sample.py reads Hugging Face weights: sample "
+                f"the checkpoint they were exported from, with --out_dir.")
+        return args, weights, "gpt2"
+    state, path = checkpoint.load_latest(cfg.out_dir, log=log)
+    if state is None:
+        raise UserError(f"{cfg.out_dir} holds no loadable checkpoint (ckpt_*.pt or nanoGPT's "
+                          f"ckpt.pt): set --out_dir to where train.py saved, or train a model.")
+    name, where = tokenizer_name(state)
+    log(f"sample.py: {path} (iter {state['iter_num']}), tokenizer {name!r} from {where}")
+    return state["model_args"], checkpoint.model_state(state), name
+
+
 def main(argv):
     cfg = configurator.parse(SampleConfig, argv)
     log = functools.partial(print, file=sys.stderr)  # stdout is for the samples alone
@@ -58,6 +83,7 @@ def main(argv):
              "'cpu' or 'auto' here: torch sees no CUDA device")):
         if not ok:
             raise UserError(f"{key}={getattr(cfg, key)!r} must be {need}")
+    hf.check_init_from(cfg.init_from, ("resume",))
     prompt = cfg.start
     if prompt.startswith("FILE:"):  # read before the checkpoint: a typo should not cost a load
         try:
@@ -66,13 +92,8 @@ def main(argv):
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"cannot read the prompt file {prompt[5:]!r} ({e}): give --start="
                               f"FILE:<a UTF-8 text file>, or the prompt itself as --start=<text>.")
-    state, path = checkpoint.load_latest(cfg.out_dir, log=log)
-    if state is None:
-        raise UserError(f"{cfg.out_dir} holds no loadable checkpoint (ckpt_*.pt or nanoGPT's "
-                          f"ckpt.pt): set --out_dir to where train.py saved, or train a model.")
-    name, where = tokenizer_name(state)
-    log(f"sample.py: {path} (iter {state['iter_num']}), tokenizer {name!r} from {where}")
-    tok, vocab_size = get_tokenizer(name), state["model_args"]["vocab_size"]
+    args, weights, name = load_weights(cfg, log)
+    tok, vocab_size = get_tokenizer(name), args["vocab_size"]
     if tok.vocab_size > vocab_size:
         raise UserError(f"the model has {vocab_size} token ids, fewer than {name!r}'s "
                           f"{tok.vocab_size}: put its data's meta.json in the data_dir it names.")
@@ -83,8 +104,8 @@ def main(argv):
 
     device = pick_device(cfg, local_rank=0)
     dtype = pick_dtype(cfg, torch.device(device).type)
-    model = GPT(GPTConfig(**state["model_args"]))
-    model.load_state_dict(checkpoint.model_state(state))
+    model = GPT(GPTConfig(**args))
+    model.load_state_dict(weights)
     model.eval().to(device)
     if tok.vocab_size < vocab_size:
         # train.py pads the vocabulary to a multiple of 64 for speed; the padding ids are no

@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 import configurator
 import data
+import hf
 import tokenfile
 from errors import UserError
 from model import GPT, GPTConfig
@@ -49,7 +50,9 @@ class TrainConfig:
     eval_iters: int = 200  # evaluation reads eval_iters * batch_size fixed windows per split
     eval_only: bool = False
     always_save_checkpoint: bool = True  # else only when val loss improves (and at the end)
-    init_from: Literal["scratch", "resume", "auto"] = "scratch"  # auto: resume if possible
+    # scratch, resume, auto (resume if possible), or GPT-2's weights to start from: gpt2,
+    # gpt2-medium, gpt2-large, gpt2-xl or a Hugging Face GPT-2 folder (hf.py)
+    init_from: str = "scratch"
     keep_checkpoints: int = 3
     # wandb
     wandb_log: bool = False
@@ -90,6 +93,7 @@ class TrainConfig:
     seed: int = 1337
 
 
+INIT_FROM = ("scratch", "resume", "auto")  # else GPT-2's weights
 ARCHITECTURE = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
 AT_LEAST_ONE = ("batch_size", "block_size", "gradient_accumulation_steps", "eval_iters",
                 "eval_interval", "log_interval", "keep_checkpoints", "n_layer", "n_head")
@@ -112,6 +116,7 @@ def check_config(cfg):
             raise UserError(f"{key}={getattr(cfg, key)} must be at least 1")
     if cfg.n_embd % cfg.n_head:
         raise UserError(f"n_embd={cfg.n_embd} must be a multiple of n_head={cfg.n_head}")
+    hf.check_init_from(cfg.init_from, INIT_FROM)
 
 
 # ---- the distributed set-up ----
@@ -199,7 +204,9 @@ def take_architecture(cfg, given, args, weights_args, source):
 
 
 def load_resume_state(cfg, log):
-    """The checkpoint to resume from, or None to start from scratch."""
+    """The checkpoint to resume from, or None to start fresh. GPT-2's weights are a fresh
+    start as auto sees it: in an out_dir with a checkpoint the run resumes, so that a restarted
+    or requeued fine-tune goes on from its last checkpoint instead of from iter 0 again."""
     if cfg.init_from == "scratch":
         return None
     state, path = checkpoint.load_latest(cfg.out_dir, log=log)
@@ -210,6 +217,35 @@ def load_resume_state(cfg, log):
     if state is not None:
         log(f"resuming from {path} (iter {state['iter_num']})")
     return state
+
+
+def check_pretrained_data(cfg, meta, weights_args, source):
+    """The data must be in the weights' tokens: OpenAI's read GPT-2's; a folder's must at least
+    have an embedding for every token id."""
+    tokens = (meta or {}).get("tokenizer")
+    if cfg.init_from in hf.NAMES and tokens not in (None, *hf.GPT2_TOKENIZERS) or \
+            meta is not None and meta["vocab_size"] > weights_args["vocab_size"]:
+        raise UserError(
+            f"{cfg.data_dir} holds {tokens!r} tokens ({meta['vocab_size']} ids), which "
+            f"{source} ({weights_args['vocab_size']} token ids) cannot read: prepare the data "
+            f"with the tokenizer those weights were trained with (--tokenizer=gpt2 for "
+            f"OpenAI's GPT-2).")
+
+
+def take_pretrained(cfg, given, args, meta, log):
+    """(weights, model_args) of GPT-2's weights (hf.py). As in nanoGPT the architecture is
+    theirs, but a smaller block_size crops the position table (the first positions are the
+    same)."""
+    weights, weights_args = hf.load(cfg.init_from, log=log)
+    source, positions = f"the weights of {cfg.init_from}", weights_args["block_size"]
+    check_pretrained_data(cfg, meta, weights_args, source)
+    if "block_size" in given and cfg.block_size > positions:
+        raise UserError(f"block_size={cfg.block_size} is more than the {positions} positions "
+                        f"of {source}: use block_size <= {positions} (a smaller one crops them).")
+    if "block_size" in given:
+        weights_args["block_size"] = cfg.block_size
+        weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"][:cfg.block_size]
+    return weights, take_architecture(cfg, given, args, weights_args, source)
 
 
 def samples_consumed(resume, global_batch):
@@ -322,6 +358,9 @@ def start_up(cfg, given, world_size, log):
     if resume is not None:
         args = take_architecture(cfg, given, args, resume["model_args"],
                                  f"the checkpoint in {cfg.out_dir}")
+    pretrained = None
+    if cfg.init_from not in INIT_FROM and resume is None:
+        pretrained, args = take_pretrained(cfg, given, args, meta, log)
     splits = open_data(cfg, sources, args["vocab_size"], log)
     check_resume(cfg, resume, meta, world_size, log)
     if cfg.eval_only and resume is None and cfg.init_from == "resume":
@@ -330,6 +369,8 @@ def start_up(cfg, given, world_size, log):
     model = GPT(GPTConfig(**args))
     if resume is not None:
         model.load_state_dict(checkpoint.model_state(resume))
+    if pretrained is not None:
+        model.load_state_dict(pretrained)
     check_out_dir(cfg.out_dir, sum(p.numel() for p in model.parameters()))
     return resume, meta, args, splits, model
 

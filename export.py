@@ -1,0 +1,132 @@
+"""Export a checkpoint as a Hugging Face GPT-2 folder:
+
+  python export.py out-finetune-gpt2 gpt2-finetuned      # the out_dir's newest loadable checkpoint
+  python export.py out/ckpt_0000040.pt gpt2-finetuned    # one checkpoint file (nanoGPT's too)
+
+transformers loads DEST (GPT2LMHeadModel or AutoModelForCausalLM .from_pretrained(DEST)), and
+it computes the same function as the checkpoint (float32 logits within 1e-4). It holds
+config.json, generation_config.json, model.safetensors, a README.md that says what was exported
+and, for data in GPT-2's tokens, the tokenizer files, with which AutoTokenizer encodes as
+tiktoken does. Only the tokenizer's ids are exported: train.py pads the vocabulary for speed,
+and the padding rows belong to no token. DEST must not exist; it is written under a temporary
+name and renamed when complete.
+"""
+import argparse
+import os
+import shutil
+import sys
+
+import checkpoint
+import hf
+from errors import UserError
+from fileio import publish_folder
+from sample import tokenizer_name
+from tokenizer import get_tokenizer
+
+LM_EVAL = ("lm_eval --model hf --model_args pretrained={} --tasks hellaswag --device cuda:0 "
+           "--batch_size 16")
+
+
+def load_checkpoint(source):
+    """(state, path) of a checkpoint file, or of the newest loadable one in an out_dir."""
+    if os.path.isfile(source):
+        state, problem = checkpoint.read(source)
+        if state is None:
+            raise UserError(f"{source} {problem}: give a checkpoint file or a run's out_dir.")
+        return state, source
+    state, path = checkpoint.load_latest(source)
+    if state is None:
+        what = ("holds no loadable checkpoint (ckpt_*.pt or nanoGPT's ckpt.pt)"
+                if os.path.isdir(source) else "does not exist")
+        raise UserError(f"{source} {what}: give the out_dir of a run, or one checkpoint file.")
+    return state, path
+
+
+def tokenizer_note(tok, dest):
+    if tok.name in hf.GPT2_TOKENIZERS:
+        return (f"GPT-2's, converted from tiktoken's by transformers: `AutoTokenizer."
+                f"from_pretrained({dest!r})` encodes as tiktoken does. Like Hugging Face's GPT-2 "
+                f"tokenizer it reads `<|endoftext|>` in a text as the end-of-text token "
+                f"({tok.eot}); in training that token came only between documents "
+                f"(`split_special_tokens=True` encodes the string as text). Evaluate with "
+                f"lm-evaluation-harness (`pip install \"lm_eval[hf]\"`):\n\n"
+                f"    {LM_EVAL.format(dest)}")
+    if tok.name == "byte":
+        return ("ddpgpt's byte tokenizer, which transformers does not have, so there are no "
+                "tokenizer files: a text's ids are its UTF-8 bytes (0..255), and 256 is "
+                "end-of-text, which followed every document in training and ends generation "
+                "(generation_config.json).\n\n"
+                "    ids = list(text.encode('utf-8'))\n"
+                "    text = bytes(i for i in ids if i < 256).decode('utf-8', errors='replace')")
+    return (f"tiktoken's {tok.name!r}; no tokenizer files are written for it: "
+            f"`tiktoken.get_encoding({tok.name!r}).encode_ordinary(text)`, end-of-text "
+            f"{tok.eot}.")
+
+
+def readme(state, path, tok, dest):
+    args = state["model_args"]
+    gelu = {"none": "exact (`gelu`)", "tanh": "tanh approximation (`gelu_new`)"}[
+        args.get("gelu_approximate", "none")]
+    text = (f"# A GPT-2 exported by ddpgpt\n\n"
+            f"From `{path}` (iter {state['iter_num']}) by `python export.py`: "
+            f"{args['n_layer']} layers, {args['n_head']} heads, {args['n_embd']} dimensions, "
+            f"{args['block_size']} positions, {tok.vocab_size} token ids, GELU {gelu}.\n\n"
+            f"    from transformers import AutoModelForCausalLM\n"
+            f"    model = AutoModelForCausalLM.from_pretrained({dest!r})\n\n"
+            f"## Tokenizer\n\n{tokenizer_note(tok, dest)}\n")
+    padding = args["vocab_size"] - tok.vocab_size
+    if padding:
+        text += (f"\n## Vocabulary\n\nThe checkpoint's embedding had {args['vocab_size']} rows: "
+                 f"train.py pads the vocabulary to a multiple of 64, which runs faster. The "
+                 f"{padding} padding rows belong to no token (ids >= {tok.vocab_size} never "
+                 f"occur in the data) and were dropped.\n")
+    return text
+
+
+def write(dest, state, path, tok):
+    """DEST, complete or not at all."""
+    tmp = dest + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed export
+    try:
+        hf.save(checkpoint.model_state(state), state["model_args"], tok, tmp)
+        if tok.name in hf.GPT2_TOKENIZERS:
+            hf.save_gpt2_tokenizer(tmp, state["model_args"]["block_size"])
+        with open(os.path.join(tmp, "README.md"), "w") as f:
+            f.write(readme(state, path, tok, dest))
+        publish_folder(tmp, dest)
+    except OSError as e:
+        raise UserError(f"could not write {dest} ({e}); nothing is left there: free space or "
+                        f"give another DEST.") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", metavar="OUT_DIR",
+                        help="a run's out_dir (its newest checkpoint) or a checkpoint file")
+    parser.add_argument("dest", metavar="DEST", help="the folder to write; it must not exist")
+    cli = parser.parse_args(argv)
+    dest = cli.dest.rstrip("/") or cli.dest
+    if os.path.lexists(dest):
+        raise UserError(f"{dest} exists: export.py writes a new folder and never over an "
+                        f"existing one. Remove it, or give another DEST.")
+    state, path = load_checkpoint(cli.source)
+    name, where = tokenizer_name(state)
+    tok, vocab_size = get_tokenizer(name), state["model_args"]["vocab_size"]
+    if tok.vocab_size > vocab_size:
+        raise UserError(f"the model has {vocab_size} token ids, fewer than {name!r}'s "
+                        f"{tok.vocab_size}: put its data's meta.json in the data_dir it names.")
+    print(f"export.py: {path} (iter {state['iter_num']}), tokenizer {name!r} from {where}")
+    write(dest, state, path, tok)
+    print(f"export.py: wrote {dest}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except UserError as e:
+        print(f"export.py: error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,187 @@
+"""GPT-2 weights in and out: Hugging Face's GPT2LMHeadModel <-> model.py's GPT.
+
+nanoGPT took OpenAI's parameter names, so the two state dicts differ only in that
+  - HF's Conv1D stores the four matmul weights (attn.c_attn, attn.c_proj, mlp.c_fc,
+    mlp.c_proj) as (in, out), transposed relative to nn.Linear;
+  - HF's GPT-2 always has biases: a model trained with bias=False exports zero biases, which
+    compute the same function;
+  - older HF checkpoints hold causal-mask buffers (attn.bias, attn.masked_bias), no weights.
+Both tie lm_head.weight to transformer.wte.weight. HF's activation_function 'gelu_new' is the
+tanh approximation of GELU that OpenAI's GPT-2 used (GPTConfig.gelu_approximate='tanh'); 'gelu'
+is the exact form (gelu_approximate='none', nanoGPT's and ours by default).
+
+transformers is imported inside the functions that need it: it takes seconds, and a run from
+scratch or from a checkpoint never needs it.
+"""
+import json
+import os
+import tempfile
+
+import torch
+
+from errors import UserError
+
+NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # nanoGPT's names for OpenAI's weights
+HUB_ORG = "openai-community"  # the hub repository that holds them
+GPT2_TOKENIZERS = ("gpt2", "r50k_base")  # one vocabulary under two names (tokenizer.py)
+EOT = "<|endoftext|>"
+TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+NO_BIAS = ("wte.weight", "wpe.weight", "lm_head.weight")  # every other weight has a bias in HF
+TO_APPROXIMATE = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+TO_ACTIVATION = {"none": "gelu", "tanh": "gelu_new"}
+FOLDER_HINT = ("a Hugging Face GPT-2 folder holds config.json and model.safetensors, as "
+               "save_pretrained or `hf download openai-community/gpt2 config.json "
+               "model.safetensors --local-dir ./gpt2` writes them")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise UserError(f"GPT-2 weights need the transformers package ({e}): "
+                        f"pip install -r requirements.txt") from e
+    return transformers
+
+
+def check_init_from(init_from, keywords):
+    """A UserError unless init_from is one of keywords, a name in NAMES or an existing folder."""
+    if init_from in keywords or init_from in NAMES or os.path.isdir(init_from):
+        return
+    raise UserError(
+        f"init_from={init_from!r} is none of {', '.join(keywords)}, GPT-2's weights by name "
+        f"({', '.join(NAMES)}) or an existing folder; {FOLDER_HINT}.")
+
+
+# ---- the mapping ----
+
+def model_args_of(config):
+    """GPTConfig's arguments for an HF GPT2Config. A variant that model.py does not compute is
+    a UserError: it would load, and compute another function."""
+    unsupported = [f"{key}={getattr(config, key)!r}" for key, ok in (
+        ("activation_function", config.activation_function in TO_APPROXIMATE),
+        ("n_inner", config.n_inner in (None, 4 * config.n_embd)),
+        ("layer_norm_epsilon", config.layer_norm_epsilon == 1e-5),
+        ("scale_attn_weights", config.scale_attn_weights),
+        ("scale_attn_by_inverse_layer_idx", not config.scale_attn_by_inverse_layer_idx),
+        ("add_cross_attention", not config.add_cross_attention),
+        ("tie_word_embeddings", config.tie_word_embeddings)) if not ok]
+    if unsupported:
+        raise UserError(f"the GPT-2 has {', '.join(unsupported)} in its config.json, a variant "
+                        f"that model.py does not compute: use a standard GPT-2.")
+    return dict(n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd,
+                block_size=config.n_positions, vocab_size=config.vocab_size, bias=True,
+                gelu_approximate=TO_APPROXIMATE[config.activation_function])
+
+
+def config_of(args, vocab_size, eot):
+    """The HF GPT2Config of GPTConfig's arguments, for a tokenizer of vocab_size ids."""
+    dropout = args.get("dropout", 0.0)
+    return _transformers().GPT2Config(
+        vocab_size=vocab_size, n_positions=args["block_size"], n_embd=args["n_embd"],
+        n_layer=args["n_layer"], n_head=args["n_head"],
+        activation_function=TO_ACTIVATION[args.get("gelu_approximate", "none")],
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+        bos_token_id=eot, eos_token_id=eot)
+
+
+def from_hf_state(state):
+    """An HF GPT2LMHeadModel state dict in model.py's layout."""
+    return {k: v.t() if k.endswith(TRANSPOSED) else v for k, v in state.items()
+            if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+
+
+def to_hf_state(state, vocab_size):
+    """model.py's state dict in HF's layout, with the first vocab_size rows of the (tied)
+    embedding: the rows train.py pads the vocabulary with belong to no token."""
+    out = {}
+    for k, v in state.items():
+        if k.endswith(("wte.weight", "lm_head.weight")):
+            v = v[:vocab_size]
+        if k.endswith(".weight") and not k.endswith(NO_BIAS):  # its bias, if bias=False
+            out.setdefault(k.removesuffix("weight") + "bias", torch.zeros(len(v), dtype=v.dtype))
+        out[k] = v.t() if k.endswith(TRANSPOSED) else v
+    return out
+
+
+# ---- in: loading by name or folder ----
+
+def check_folder(folder):
+    """A folder must hold a GPT-2's config.json; checked before transformers is imported."""
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path) as f:
+            model_type = json.load(f).get("model_type")
+    except FileNotFoundError as e:
+        raise UserError(f"{folder} has no config.json: {FOLDER_HINT}.") from e
+    except (OSError, ValueError, AttributeError) as e:
+        raise UserError(f"{path} cannot be read ({e}): {FOLDER_HINT}.") from e
+    if model_type != "gpt2":
+        raise UserError(f"{folder} holds a {model_type!r} model (config.json's model_type), "
+                        f"not a GPT-2, the one model model.py computes: give a GPT-2 folder "
+                        f"or one of {', '.join(NAMES)}.")
+
+
+def repo_of(init_from):
+    """What from_pretrained takes: the hub repository of a name in NAMES, else the folder."""
+    return f"{HUB_ORG}/{init_from}" if init_from in NAMES else init_from
+
+
+def cannot_load(init_from, error):
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if init_from not in NAMES:
+        return f"cannot load the GPT-2 in {init_from} ({reason}): {FOLDER_HINT}."
+    repo = repo_of(init_from)
+    return (f"GPT-2's weights {init_from!r} ({repo}) are not in Hugging Face's cache and cannot "
+            f"be downloaded ({reason}). Run once with network access and without "
+            f"HF_HUB_OFFLINE=1 to cache them (in $HF_HOME, by default ~/.cache/huggingface), "
+            f"or download the folder where there is network, with `hf download {repo} "
+            f"config.json model.safetensors --local-dir ./{init_from}`, copy it here and set "
+            f"--init_from=./{init_from}.")
+
+
+def _fetch(load, init_from):
+    """load(), with what goes wrong finding, downloading or reading the files as a UserError:
+    transformers raises OSError for a missing file, other errors for a damaged one."""
+    try:
+        return load()
+    except Exception as e:
+        raise UserError(cannot_load(init_from, e)) from e
+
+
+def load(init_from, log=print):
+    """(weights in model.py's layout, GPTConfig's arguments) of GPT-2 weights: a name in NAMES
+    (through Hugging Face's cache, downloaded the first time) or a local folder."""
+    if init_from not in NAMES:
+        check_folder(init_from)
+    transformers = _transformers()
+    repo = repo_of(init_from)
+    config = _fetch(lambda: transformers.GPT2Config.from_pretrained(repo), init_from)
+    args = model_args_of(config)
+    model = _fetch(lambda: transformers.GPT2LMHeadModel.from_pretrained(
+        repo, config=config, dtype=torch.float32), init_from)
+    log(f"loaded the GPT-2 weights of {repo}: {model.num_parameters() / 1e6:.1f}M parameters")
+    return from_hf_state(model.state_dict()), args
+
+
+# ---- out: writing a folder ----
+
+def save(weights, args, tokenizer, folder):
+    """Write model.py's weights as an HF GPT-2 for tokenizer's ids into folder: config.json,
+    generation_config.json and model.safetensors."""
+    transformers = _transformers()
+    model = transformers.GPT2LMHeadModel(config_of(args, tokenizer.vocab_size, tokenizer.eot))
+    model.load_state_dict(to_hf_state(weights, tokenizer.vocab_size))
+    model.save_pretrained(folder)
+
+
+def save_gpt2_tokenizer(folder, max_length):
+    """GPT-2's tokenizer files, so that AutoTokenizer.from_pretrained(folder) encodes as
+    tiktoken does: transformers' own conversion of tiktoken's vocabulary."""
+    transformers = _transformers()
+    from transformers.integrations.tiktoken import convert_tiktoken_to_fast
+    with tempfile.TemporaryDirectory() as scratch:
+        convert_tiktoken_to_fast("r50k_base", scratch)  # 'gpt2' in the file tiktoken caches
+        tokenizer = transformers.PreTrainedTokenizerFast(
+            tokenizer_file=os.path.join(scratch, "tokenizer.json"), bos_token=EOT,
+            eos_token=EOT, unk_token=EOT, model_max_length=max_length)
+        tokenizer.save_pretrained(folder)

@@ -1,0 +1,246 @@
+"""GPT-2 weights in and out: hf.py's mapping, train.py and sample.py with init_from=<a GPT-2>,
+export.py, and nanoGPT's checkpoints. The GPT-2s are small random ones made here: no test
+needs the network."""
+import json
+import os
+import sys
+import sysconfig
+
+import pytest
+import tiktoken
+import torch
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # read when transformers is imported: never the network
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel  # noqa: E402
+
+import checkpoint
+import configurator
+import hf
+import train
+from conftest import ROOT, TINY, fails, python, run, steps
+from model import GPT, GPTConfig
+
+SMALL = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64)
+# train.py on SMALL: short steps on CPU
+RUN = ["--block_size=32", "--batch_size=4", "--gradient_accumulation_steps=1", "--eval_iters=2",
+       "--device=cpu"]
+
+
+def random_gpt2(folder, vocab_size=50257):
+    """A random GPT2LMHeadModel saved in folder. Every parameter is perturbed: HF starts
+    LayerNorms at 1 and biases at 0, which would hide a mix-up of them."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, **SMALL))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def ours(args, weights):
+    model = GPT(GPTConfig(**args))
+    model.load_state_dict(weights)
+    return model.eval()
+
+
+def max_logit_difference(model, hf_model, ids):
+    """Over all positions and the token ids both have (ours may be padded)."""
+    with torch.no_grad():
+        a, b = model(ids, ids)[0], hf_model(ids).logits
+    return (a[..., :b.size(-1)] - b).abs().max().item()
+
+
+def random_ids(t, vocab_size=50257):
+    return torch.randint(0, vocab_size, (2, t), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def gpt2_data(tmp_path_factory, session_env):
+    """A few standard-library modules in GPT-2's tokens."""
+    root = tmp_path_factory.mktemp("gpt2_data")
+    (root / "docs").mkdir()
+    for name in ("argparse", "shutil", "textwrap"):
+        with open(os.path.join(sysconfig.get_paths()["stdlib"], f"{name}.py")) as f:
+            (root / "docs" / f"{name}.txt").write_text(f.read())
+    python("prepare.py", f"--dataset={root / 'docs'}", "--tokenizer=gpt2", "--val_docs=1",
+           f"--out_dir={root / 'data'}", "--num_proc=1", env=session_env)
+    return str(root / "data")
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    return random_gpt2(tmp_path_factory.mktemp("hf") / "small-gpt2")
+
+
+def test_gpt2_124m_maps_both_ways_exactly():
+    theirs = GPT2LMHeadModel(GPT2Config())
+    args = hf.model_args_of(theirs.config)
+    assert args == dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257,
+                        bias=True, gelu_approximate="tanh")
+    model = GPT(GPTConfig(**args))
+    model.load_state_dict(hf.from_hf_state(theirs.state_dict()))  # strict: every key, shape
+    back, expected = hf.to_hf_state(model.state_dict(), 50257), theirs.state_dict()
+    assert back.keys() == expected.keys()
+    assert all(torch.equal(back[k], expected[k]) for k in expected)
+
+
+def test_a_folder_loads_with_transformers_logits(hf_folder, gpt2_data, tmp_path):
+    theirs = GPT2LMHeadModel.from_pretrained(hf_folder).eval()
+    ids = random_ids(64)
+    weights, args = hf.load(hf_folder)
+    assert max_logit_difference(ours(args, weights), theirs, ids) < 1e-4
+    # train.py's own start-up, with a smaller block_size that crops the position table
+    cfg, given = configurator.parse_given(train.TrainConfig, [
+        f"--init_from={hf_folder}", f"--data_dir={gpt2_data}", f"--out_dir={tmp_path}", *RUN])
+    train.check_config(cfg)
+    _, _, args, _, model = train.start_up(cfg, given, 1, log=lambda *a: None)
+    assert (cfg.n_layer, cfg.n_embd, cfg.block_size, cfg.bias) == (2, 32, 32, True)
+    assert args["block_size"] == 32 and model.transformer.wpe.weight.shape == (32, 32)
+    assert max_logit_difference(model.eval(), theirs, ids[:, :32].contiguous()) < 1e-4
+
+
+def test_fine_tune_export_and_reload_in_transformers(hf_folder, gpt2_data, tmp_path, env,
+                                                     tiktoken_cache, monkeypatch):
+    out, dest = tmp_path / "out", tmp_path / "exported"
+    args = ["config/finetune_gpt2.py", f"--init_from={hf_folder}", f"--data_dir={gpt2_data}",
+            f"--out_dir={out}", *RUN, "--eval_interval=2"]
+    p = python("train.py", *args, "--max_iters=4", env=env)
+    assert f"loaded the GPT-2 weights of {hf_folder}" in p.stdout
+    # the same command again, as a restart or a requeue runs it, goes on from the checkpoint
+    p = python("train.py", *args, "--max_iters=6", env=env)
+    assert "resuming from" in p.stdout and "(iter 4)" in p.stdout
+    assert sorted(steps(out)) == [0, 1, 2, 3, 4, 5]
+    python("export.py", out, dest, env=env)
+    state, _ = checkpoint.load_latest(str(out))
+    assert state["iter_num"] == 6 and state["model_args"]["gelu_approximate"] == "tanh"
+    theirs = GPT2LMHeadModel.from_pretrained(dest).eval()
+    assert theirs.config.activation_function == "gelu_new"
+    model = ours(state["model_args"], checkpoint.model_state(state))
+    assert max_logit_difference(model, theirs, random_ids(32)) < 1e-4
+    assert theirs.generate(random_ids(5)[:1], max_new_tokens=5, do_sample=False).shape == (1, 10)
+    with open(dest / "generation_config.json") as f:
+        assert json.load(f)["eos_token_id"] == 50256
+
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", tiktoken_cache)
+    enc, tok = tiktoken.get_encoding("r50k_base"), AutoTokenizer.from_pretrained(dest)
+    for text in ("Hello, world!  It's 2024.\n\n", "naïve café 日本語 🙂", "a<|endoftext|>b"):
+        assert tok.encode(text) == enc.encode(text, allowed_special="all"), text
+        assert tok(text, split_special_tokens=True)["input_ids"] == enc.encode_ordinary(text)
+    assert "lm_eval --model hf" in (dest / "README.md").read_text()
+    assert not os.path.exists(f"{dest}.tmp")
+
+
+def nanogpt_checkpoint(out_dir):
+    """A checkpoint as nanoGPT writes it: ckpt.pt, torch.compile's '_orig_mod.' prefix, the
+    causal-mask buffers of its pre-2.0 attention, its keys, a padded vocabulary."""
+    args = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, bias=True, vocab_size=50304,
+                dropout=0.0)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**args))
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    x = random_ids(32)
+    model(x, x)[1].backward()
+    optimizer.step()
+    weights = {f"_orig_mod.{k}": v for k, v in model.state_dict().items()}
+    causal_mask = torch.tril(torch.ones(32, 32)).view(1, 1, 32, 32)
+    for i in range(2):
+        weights[f"_orig_mod.transformer.h.{i}.attn.bias"] = causal_mask
+    os.makedirs(out_dir)
+    torch.save({"model": weights, "optimizer": optimizer.state_dict(), "model_args": args,
+                "iter_num": 2, "best_val_loss": torch.tensor(9.5),
+                "config": {"dataset": "openwebtext", "init_from": "scratch", "batch_size": 4}},
+               os.path.join(out_dir, "ckpt.pt"))
+    return model.eval()
+
+
+def test_a_nanogpt_checkpoint_samples_resumes_and_exports(gpt2_data, tmp_path, env):
+    out, dest = tmp_path / "out", tmp_path / "exported"
+    model = nanogpt_checkpoint(out)
+    p = python("sample.py", f"--out_dir={out}", "--start=Hello", "--num_samples=1",
+               "--max_new_tokens=3", env=env)
+    assert p.stdout.startswith("Hello") and "tokenizer 'gpt2' from nanoGPT's default" in p.stderr
+    p = python("train.py", "--init_from=resume", f"--data_dir={gpt2_data}", f"--out_dir={out}",
+               *RUN, "--max_iters=4", "--eval_interval=2", env=env)
+    assert f"resuming from {out / 'ckpt.pt'} (iter 2)" in p.stdout
+    assert sorted(steps(out)) == [2, 3]
+    python("export.py", out / "ckpt.pt", dest, env=env)
+    theirs = GPT2LMHeadModel.from_pretrained(dest).eval()
+    assert theirs.config.vocab_size == 50257 and theirs.config.activation_function == "gelu"
+    assert max_logit_difference(model, theirs, random_ids(32)) < 1e-4
+    assert "The 47 padding rows belong to no token" in (dest / "README.md").read_text()
+
+
+def test_a_byte_model_without_biases_exports_exactly(corpus, tmp_path, env):
+    out, dest = tmp_path / "out", tmp_path / "exported"
+    python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY, "--max_iters=2",
+           "--eval_interval=2", "--gradient_accumulation_steps=1", env=env)
+    python("export.py", out, dest, env=env)
+    state, _ = checkpoint.load_latest(str(out))
+    assert state["model_args"]["bias"] is False and state["model_args"]["vocab_size"] == 320
+    theirs = GPT2LMHeadModel.from_pretrained(dest).eval()
+    assert theirs.config.vocab_size == 257 and theirs.config.eos_token_id == 256
+    model = ours(state["model_args"], checkpoint.model_state(state))
+    assert max_logit_difference(model, theirs, random_ids(32, vocab_size=257)) < 1e-4
+    readme = (dest / "README.md").read_text()
+    assert "list(text.encode('utf-8'))" in readme and "The 63 padding rows" in readme
+    assert not os.path.exists(dest / "tokenizer.json")
+
+
+def test_sample_from_a_folder(hf_folder, env):
+    p = python("sample.py", f"--init_from={hf_folder}", "--start=Hello", "--num_samples=2",
+               "--max_new_tokens=5", env=env)
+    samples = p.stdout.split("\n---------------\n")
+    assert len(samples) == 3 and all(s.startswith("Hello") for s in samples[:2])
+
+
+def test_a_run_from_scratch_does_not_import_transformers(env, corpus, tmp_path):
+    p = run([sys.executable, "-X", "importtime", os.path.join(ROOT, "train.py"),
+             f"--data_dir={corpus}", f"--out_dir={tmp_path}", *TINY,
+             "--gradient_accumulation_steps=1", "--max_iters=1", "--eval_interval=1"], env)
+    assert "| torch\n" in p.stderr and "transformers" not in p.stderr
+
+
+# ---- what a user sees for bad input ----
+
+@pytest.fixture(scope="module")
+def bad_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    (root / "llama").mkdir()
+    (root / "llama" / "config.json").write_text('{"model_type": "llama"}')
+    return {"llama": str(root / "llama"), "bytes": random_gpt2(root / "bytes", vocab_size=257)}
+
+
+@pytest.mark.parametrize("init_from, args, message", [
+    ("llama", [], "holds a 'llama' model (config.json's model_type), not a GPT-2"),
+    ("bytes", [], "holds 'gpt2' tokens (50257 ids), which the weights of"),
+    ("small", ["--n_layer=3"], "n_layer=3 (2 there): the architecture comes from the weights of"),
+    ("small", ["--block_size=128"], "block_size=128 is more than the 64 positions of the weights"),
+    ("gtp2", [], "init_from='gtp2' is none of scratch, resume, auto, GPT-2's weights by name"),
+], ids=["not a GPT-2", "vocabulary too small", "conflicting n_layer", "block_size too large",
+        "misspelt name"])
+def test_bad_weights(init_from, args, message, bad_folders, hf_folder, gpt2_data, tmp_path, env):
+    init_from = {**bad_folders, "small": hf_folder}.get(init_from, init_from)
+    p = fails("train.py", f"--init_from={init_from}", f"--data_dir={gpt2_data}",
+              f"--out_dir={tmp_path}", "--device=cpu", *args, env=env)
+    assert message in p.stderr.strip().splitlines()[-1], p.stderr
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py"])
+def test_gpt2_offline_without_cached_weights(script, gpt2_data, tmp_path, env):
+    env.update(HF_HOME=str(tmp_path / "empty_hf_home"), HF_HUB_OFFLINE="1")
+    args = [f"--data_dir={gpt2_data}", f"--out_dir={tmp_path}"] if script == "train.py" else []
+    p = fails(script, "--init_from=gpt2", *args, env=env)
+    message = p.stderr.strip().splitlines()[-1]
+    assert message.startswith(f"{script}: error: GPT-2's weights 'gpt2' (openai-community/gpt2) "
+                              f"are not in Hugging Face's cache"), p.stderr
+    assert "hf download openai-community/gpt2" in message and "--init_from=./gpt2" in message
+
+
+def test_export_errors(tmp_path, env):
+    (tmp_path / "dest").mkdir()
+    p = fails("export.py", tmp_path, tmp_path / "dest", env=env)
+    assert f"export.py: error: {tmp_path / 'dest'} exists" in p.stderr
+    p = fails("export.py", tmp_path, tmp_path / "new", env=env)
+    assert f"export.py: error: {tmp_path} holds no loadable checkpoint" in p.stderr
+    assert not os.path.exists(tmp_path / "new")
