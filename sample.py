@@ -33,7 +33,7 @@ class SampleConfig:
     temperature: float = 0.8  # below 1 sharpens the distribution, above 1 flattens it
     top_k: int = 200  # sample among the k likeliest tokens only; 0 keeps them all
     seed: int = 1337
-    device: str = "auto"  # 'auto': cuda when it is there, else cpu
+    device: str = "auto"  # 'auto': cuda when it is there, else cpu; as in train.py
     dtype: Dtype = "auto"  # as in train.py
     compile: bool = False
 
@@ -78,11 +78,10 @@ def main(argv):
             ("temperature", cfg.temperature > 0, "above 0 (--top_k=1 picks the likeliest token)"),
             ("num_samples", cfg.num_samples >= 1, "at least 1"),
             ("max_new_tokens", cfg.max_new_tokens >= 0, "at least 0"),
-            ("top_k", cfg.top_k >= 0, "at least 0 (0 keeps all tokens)"),
-            ("device", not cfg.device.startswith("cuda") or torch.cuda.is_available(),
-             "'cpu' or 'auto' here: torch sees no CUDA device")):
+            ("top_k", cfg.top_k >= 0, "at least 0 (0 keeps all tokens)")):
         if not ok:
             raise UserError(f"{key}={getattr(cfg, key)!r} must be {need}")
+    device = pick_device(cfg.device, local_rank=0)
     hf.check_init_from(cfg.init_from, ("resume",))
     prompt = cfg.start
     if prompt.startswith("FILE:"):  # read before the checkpoint: a typo should not cost a load
@@ -102,7 +101,6 @@ def main(argv):
         raise UserError(f"the prompt {cfg.start!r} is empty, but the model needs at least one "
                           f"token to continue: give --start some text (the default is a newline).")
 
-    device = pick_device(cfg, local_rank=0)
     dtype = pick_dtype(cfg, torch.device(device).type)
     model = GPT(GPTConfig(**args))
     model.load_state_dict(weights)

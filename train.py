@@ -61,6 +61,7 @@ class TrainConfig:
     # data
     data_dir: str = "data/openwebtext"
     data_mix: str = ""  # 'data/web=0.7,data/code=0.3': sources and their shares of the samples
+    allow_data_change: bool = False  # resume on other data than the checkpoint's
     sampling: Literal["epoch", "random"] = "epoch"  # epoch: every block once; random: nanoGPT's
     gradient_accumulation_steps: int = 5 * 8  # global: divided by the world size
     batch_size: int = 12  # per rank and micro-step
@@ -95,25 +96,44 @@ class TrainConfig:
 
 INIT_FROM = ("scratch", "resume", "auto")  # else GPT-2's weights
 ARCHITECTURE = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
-AT_LEAST_ONE = ("batch_size", "block_size", "gradient_accumulation_steps", "eval_iters",
-                "eval_interval", "log_interval", "keep_checkpoints", "n_layer", "n_head")
-# dense bf16 peak of one GPU, by a substring of its name, for MFU
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+# the ranges the types cannot say (the configurator checks the types and the choices)
+AT_LEAST = {**dict.fromkeys(("batch_size", "block_size", "gradient_accumulation_steps",
+                             "eval_iters", "eval_interval", "log_interval", "keep_checkpoints",
+                             "n_layer", "n_head", "n_embd", "dist_timeout_s"), 1),
+            **dict.fromkeys(("learning_rate", "min_lr", "weight_decay", "grad_clip",
+                             "max_iters", "warmup_iters", "lr_decay_iters", "vocab_size",
+                             "seed"), 0)}
+BELOW_ONE = ("dropout", "beta1", "beta2")  # and at least 0
+# Dense bf16 tensor peak of one GPU, for MFU, by a part of its name; the first that matches
+# counts, so a variant comes before its family. From NVIDIA's datasheets, which print the
+# peak with 2:4 sparsity: half of it is the dense one.
+PEAK_FLOPS = [("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),  # H100 datasheet
+              ("H200 NVL", 835e12), ("H200", 989e12),  # H200 datasheet
+              ("B200", 2250e12),  # HGX B200 datasheet: 36 PFLOPS sparse for 8 GPUs
+              ("A100", 312e12),  # A100 datasheet, SXM and PCIe alike
+              ("L40S", 362e12),  # L40S datasheet
+              ("A10G", 70e12)]  # AWS's A10G (not NVIDIA's A10, 125e12)
 
 
 def peak_flops(device):
     """The device's dense bf16 peak in FLOP/s, for MFU; None when unknown (or a CPU)."""
     if torch.device(device).type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+    return peak_flops_of(torch.cuda.get_device_name(device))
+
+
+def peak_flops_of(name):
+    return next((flops for part, flops in PEAK_FLOPS if part in name), None)
 
 
 def check_config(cfg):
-    """The ranges the types cannot say (the choices are checked by the configurator)."""
-    for key in AT_LEAST_ONE:
-        if getattr(cfg, key) < 1:
-            raise UserError(f"{key}={getattr(cfg, key)} must be at least 1")
+    for key, low in AT_LEAST.items():
+        value = getattr(cfg, key)
+        if not low <= value < math.inf:  # not nan either
+            raise UserError(f"{key}={value!r} must be at least {low}")
+    for key in BELOW_ONE:
+        if not 0 <= getattr(cfg, key) < 1:
+            raise UserError(f"{key}={getattr(cfg, key)!r} must be at least 0 and below 1")
     if cfg.n_embd % cfg.n_head:
         raise UserError(f"n_embd={cfg.n_embd} must be a multiple of n_head={cfg.n_head}")
     hf.check_init_from(cfg.init_from, INIT_FROM)
@@ -141,23 +161,50 @@ def distributed_env():
     return 0, 0, 1
 
 
-def pick_device(cfg, local_rank):
-    if cfg.device != "auto":
-        return cfg.device
-    return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+def pick_device(device, local_rank, ranks_here=1):
+    """'auto' is this rank's GPU when torch sees one, else the CPU; 'cuda' is this rank's GPU,
+    cuda:<local rank>, since a launcher starts one process per GPU. ranks_here: the ranks on
+    this node, which one cuda:N would all put on one GPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        chosen = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"device={device!r} is not a device: use auto, cpu, cuda (this rank's "
+                        f"GPU) or cuda:N.") from None
+    if chosen.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise UserError(f"device={device!r}, but torch {torch.__version__} sees no CUDA device "
+                        f"(built for CUDA {torch.version.cuda or 'none: a CPU build'}): use "
+                        f"--device=cpu, or install torch's CUDA build.")
+    if chosen.index is not None and ranks_here > 1:
+        raise UserError(f"device={device!r} puts all {ranks_here} ranks of this node on one GPU: "
+                        f"use --device=cuda, which gives each rank its own, cuda:<local rank>.")
+    index = local_rank if chosen.index is None else chosen.index
+    if index >= torch.cuda.device_count():
+        raise UserError(f"this rank needs GPU cuda:{index}, but torch sees "
+                        f"{torch.cuda.device_count()}: start at most that many ranks per node.")
+    return f"cuda:{index}"
 
 
 def pick_dtype(cfg, device_type):
     if cfg.dtype != "auto":
         return cfg.dtype
-    if device_type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    if device_type == "cuda":  # emulated bf16 (V100, T4) is slow: float16 + GradScaler there
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+        return "bfloat16" if native else "float16"
     return "float32"
 
 
 def init_distributed(cfg, device, world_size):
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(device)
+        # float32 matmuls in TF32 where the tensor cores have it, as nanoGPT: float32 runs
+        # (and autocast's float32 parts) go several times faster at a precision loss that
+        # training does not notice
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     if world_size > 1:
         backend = cfg.backend or ("nccl" if torch.device(device).type == "cuda" else "gloo")
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout_s),
@@ -165,12 +212,20 @@ def init_distributed(cfg, device, world_size):
 
 
 def catch_stop_signals():
-    """Record SIGUSR1 (SLURM's warning before a time limit) and SIGTERM (scancel, preemption)
-    instead of dying: the ranks then agree on a step to stop at, and rank 0 saves. Caught from
-    the start, so that a signal that comes while the model is built is not lost."""
+    """Record SIGUSR1 (SLURM's warning before a time limit), SIGTERM (scancel, preemption) and
+    SIGINT (Ctrl-C) instead of dying: the ranks then agree on a step to stop at, and rank 0
+    saves. A second Ctrl-C stops at once, unsaved. Caught from the start, so that a signal
+    that comes while the model is built is not lost."""
     received = []
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: received.append(signum))
+
+    def on_signal(signum, frame):
+        if signum == signal.SIGINT and signal.SIGINT in received:
+            print("train.py: interrupted again: stopping now, without saving", file=sys.stderr)
+            os._exit(130)
+        received.append(signum)
+
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     return received
 
 
@@ -280,6 +335,23 @@ def check_resume(cfg, resume, meta, world_size, log):
             f"gradient_accumulation_steps): resume with a global batch that divides it.")
 
 
+def check_same_data_as_resumed(cfg, resume, identity, log):
+    """Resuming "at the exact data position" of other data would be a silent lie: refuse it,
+    unless the user says the change is meant."""
+    before = (resume or {}).get("data_identity")
+    if before is None or before == identity:
+        return
+    what = f"data_mix={cfg.data_mix!r}" if cfg.data_mix else f"data_dir={cfg.data_dir!r}"
+    if not cfg.allow_data_change:
+        raise UserError(
+            f"{what} is not the data the checkpoint in {cfg.out_dir} was trained on (tokens "
+            f"and fingerprint per split: {before} then, {identity} now): point it at that data "
+            f"again, or pass --allow_data_change=True to go on from the same sample index "
+            f"in this data.")
+    log(f"warning: {what} is not the data the checkpoint was trained on; going on from the "
+        f"same sample index in it, as allow_data_change=True asks")
+
+
 def check_out_dir(out_dir, n_params):
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -363,6 +435,7 @@ def start_up(cfg, given, world_size, log):
         pretrained, args = take_pretrained(cfg, given, args, meta, log)
     splits = open_data(cfg, sources, args["vocab_size"], log)
     check_resume(cfg, resume, meta, world_size, log)
+    check_same_data_as_resumed(cfg, resume, data_identity(splits), log)
     if cfg.eval_only and resume is None and cfg.init_from == "resume":
         raise UserError(f"eval_only with init_from='resume' needs a checkpoint in {cfg.out_dir}")
     torch.manual_seed(cfg.seed)
@@ -428,12 +501,18 @@ def agree(error, rank, world_size):
     return not problems
 
 
+def data_identity(splits):
+    """{split: [tokens, fingerprint] of each source, sorted}: what the data is, whatever its
+    folder is called or its sources are weighed."""
+    return {split: sorted([t.n_tokens, tokenfile.sampled_fingerprint(t.paths, t.header_bytes)]
+                          for t in mix.splits) for split, mix in splits.items()}
+
+
 def same_data_on_all_ranks(splits, data_dir, rank, world_size):
     """Every node must read the same token files, or the global batches are not one batch."""
     if world_size == 1:
         return True
-    mine = {(s, k): (t.n_tokens, tokenfile.sampled_fingerprint(t.paths, t.header_bytes))
-            for s, mix in splits.items() for k, t in enumerate(mix.splits)}
+    mine = data_identity(splits)
     identities = [None] * world_size
     dist.all_gather_object(identities, mine)
     if all(i == identities[0] for i in identities):
@@ -555,12 +634,14 @@ def skip_or_stop(cfg, log, what):
 
 # ---- checkpoints and metrics ----
 
-def save_checkpoint(cfg, model, optimizer, scaler, args, meta, iter_num, samples, best_val):
+def save_checkpoint(cfg, model, optimizer, scaler, args, meta, iter_num, samples, best_val,
+                    identity):
     return checkpoint.save(cfg.out_dir, {
         "model": model.state_dict(), "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(), "model_args": args, "iter_num": iter_num,
         "samples_consumed": samples, "best_val_loss": best_val,
-        "config": dataclasses.asdict(cfg), "data_meta": meta}, cfg.keep_checkpoints)
+        "config": dataclasses.asdict(cfg), "data_meta": meta, "data_identity": identity},
+        cfg.keep_checkpoints)
 
 
 def record(metrics, wandb, row):
@@ -606,7 +687,7 @@ def main(argv):
     check_config(cfg)
     rank, local_rank, world_size = distributed_env()
     log = print if rank == 0 else (lambda *a, **k: None)
-    device = pick_device(cfg, local_rank)
+    device = pick_device(cfg.device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     init_distributed(cfg, device, world_size)
     try:
         resume, meta, args, splits, model = start_up(cfg, given, world_size, log)
@@ -650,6 +731,7 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
     if len(splits["train"].splits) > 1:
         log_mixture(log, splits["train"], cfg.max_iters * global_batch, cfg.block_size)
     metrics, wandb = open_metrics(cfg, master)
+    identity = data_identity(splits)
     batches = data.rank_batches(
         splits["train"], block_size=cfg.block_size, batch_size=cfg.batch_size,
         micro_steps=micro_steps, rank=rank, world_size=world_size, seed=cfg.seed,
@@ -675,7 +757,7 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
             elif master and iter_num > start_iter and (
                     improved or cfg.always_save_checkpoint or iter_num >= cfg.max_iters):
                 path = save_checkpoint(cfg, model, optimizer, scaler, args, meta, iter_num,
-                                       samples, best_val)
+                                       samples, best_val, identity)
                 log(f"saved {path}")
             t_last = time.perf_counter()
         if cfg.eval_only or iter_num >= cfg.max_iters:
@@ -719,8 +801,9 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
             log(f"stopping at iter {iter_num}: signal received, saving a checkpoint")
             if master:
                 path = save_checkpoint(cfg, model, optimizer, scaler, args, meta, iter_num,
-                                       samples, best_val)
+                                       samples, best_val, identity)
                 log(f"saved {path}")
+                log(f"interrupted at iter {iter_num}; resume with --init_from=resume")
             break
     # ---------------------------------------------------------------- TRAINING LOOP END
 

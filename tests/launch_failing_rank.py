@@ -1,12 +1,17 @@
-"""train.py with one rank that fails mid-run, for test_launch.py: launched in place of train.py
-(TRAIN_SCRIPT) through the real launch scripts. FAIL_RANK's batch reader raises after
-FAIL_AFTER batches, as a failing disk or a bad file would, while the other ranks go on to the
-next step's all-reduce and would wait there until dist_timeout_s."""
+"""train.py with one rank that fails mid-run, launched in place of train.py: FAIL_RANK's batch
+reader raises after FAIL_AFTER batches, as a failing disk or a bad file would, while the other
+ranks go on to the next step's all-reduce and would wait there until dist_timeout_s.
+  FAIL_AS=OSError (default) or UserError: what the reader raises
+  BLOCKING_TEARDOWN=1: destroying the process group blocks for an hour, as NCCL's can when a
+    peer is gone, so a failing rank that tore down before it reported would never report
+Used by test_launch.py (through the real launch scripts) and test_reliability.py."""
 import os
 import sys
+import time
 
 import data
 import train
+from errors import UserError
 
 _rank_batches = data.rank_batches
 
@@ -18,10 +23,13 @@ def failing_rank_batches(*args, **kw):
         return
     for _ in range(int(os.environ.get("FAIL_AFTER", "3"))):
         yield next(batches)
-    raise OSError(f"injected read error on rank {kw['rank']}")
+    error = UserError if os.environ.get("FAIL_AS") == "UserError" else OSError
+    raise error(f"injected read error on rank {kw['rank']}")
 
 
 data.rank_batches = failing_rank_batches
+if os.environ.get("BLOCKING_TEARDOWN"):
+    train.dist.destroy_process_group = lambda *args, **kw: time.sleep(3600)
 
 if __name__ == "__main__":
     sys.exit(train.run_cli(sys.argv[1:]))

@@ -2,6 +2,7 @@
 corrupt checkpoint writes, a full disk, a failing rank, NaN losses."""
 import hashlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import torch
 import checkpoint
 import data
 import tokenfile
-from conftest import ROOT, TINY, metrics, python, steps, torchrun
+from conftest import ROOT, TINY, fails, metrics, python, steps, torchrun
 
 
 def compare(env, a, b, *flags):
@@ -204,6 +205,75 @@ def test_a_failing_rank_ends_the_whole_run_within_seconds(env, corpus, tmp_path)
     assert p.returncode != 0
     assert "train.py: error (rank 1):" in p.stderr and "token id 60000" in p.stderr
     assert elapsed < 60, f"the run took {elapsed:.0f}s to end: it waited for a timeout"
+
+
+def test_a_failing_rank_reports_before_a_teardown_that_would_block(env, corpus, tmp_path):
+    """Since PyTorch 2.6 destroying a process group waits for its collectives, and NCCL's may
+    wait for a peer that is gone: the failing rank prints its error and exits without it."""
+    start = time.time()
+    p = torchrun(2, "tests/launch_failing_rank.py", *train_args(corpus, tmp_path / "out"),
+                 "--gradient_accumulation_steps=2", "--max_iters=50", "--eval_interval=50",
+                 "--dist_timeout_s=300", env=dict(env, FAIL_RANK="1", FAIL_AS="UserError",
+                                                  BLOCKING_TEARDOWN="1"), check=False)
+    assert p.returncode != 0 and time.time() - start < 60, p.stderr
+    assert "train.py: error (rank 1): injected read error on rank 1" in p.stderr
+
+
+def test_ctrl_c_saves_at_one_step_and_says_how_to_resume(env, corpus, tmp_path):
+    out = str(tmp_path / "out")
+    args = train_args(corpus, out, "--max_iters=100000", "--eval_interval=100000")
+    with open(tmp_path / "log", "w+") as log:
+        proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+        wait_for_step(out, 3, proc)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        log.seek(0)
+        text = log.read()
+    assert proc.returncode == 0 and "Traceback" not in text, text
+    stopped = int(re.search(r"interrupted at iter (\d+); resume with --init_from=resume",
+                            text).group(1))
+    assert checkpoint.list_checkpoints(out) == [checkpoint.path_for(out, stopped)]
+    p = python("train.py", *train_args(corpus, out, f"--max_iters={stopped + 2}",
+                                       "--eval_interval=100000", "--init_from=resume"), env=env)
+    assert f"resuming from {checkpoint.path_for(out, stopped)}" in p.stdout
+
+
+def test_a_second_ctrl_c_stops_at_once(env, corpus, tmp_path):
+    """The first Ctrl-C comes during the first evaluation, a long one here, so the second
+    comes before any step could take the first into account."""
+    out = str(tmp_path / "out")
+    with open(tmp_path / "log", "w+") as log:
+        proc = subprocess.Popen([sys.executable, "train.py", *train_args(
+            corpus, out, "--eval_iters=20000", "--max_iters=10")], cwd=ROOT, env=env,
+            stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while "world size" not in (tmp_path / "log").read_text():
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        log.seek(0)
+        text = log.read()
+    assert proc.returncode == 130 and "interrupted again: stopping now" in text, text
+    assert "Traceback" not in text and not checkpoint.list_checkpoints(out)
+
+
+def test_resuming_on_other_data_is_refused_unless_allowed(env, corpus, tmp_path):
+    out = str(tmp_path / "out")
+    other = tmp_path / "other"
+    tokenfile.write_token_files(str(other), {s: np.arange(5000) % 250 for s in tokenfile.SPLITS},
+                                tokenizer="byte", vocab_size=257, eot_token=256)
+    python("train.py", *train_args(corpus, out, "--max_iters=2", "--eval_interval=2"), env=env)
+    again = [*train_args(corpus, out, "--max_iters=4", "--eval_interval=2",
+                         "--init_from=resume"), f"--data_dir={other}"]
+    err = fails("train.py", *again, env=env).stderr
+    assert f"data_dir='{other}' is not the data the checkpoint" in err
+    assert "--allow_data_change=True" in err
+    p = python("train.py", *again, "--allow_data_change=True", env=env)
+    assert "warning: data_dir=" in p.stdout and sorted(steps(out)) == [0, 1, 2, 3]
 
 
 def test_a_token_file_truncated_during_the_run_is_a_clear_error(env, corpus, tmp_path):

@@ -5,7 +5,9 @@ import json
 import os
 
 import pytest
+import torch
 
+import train
 from conftest import TINY, evals, fails, metrics, python, steps, torchrun
 
 
@@ -87,6 +89,12 @@ def train_error(env, *args, nproc=1):
     (["--n_embd=100", "--n_head=3"], "n_embd=100 must be a multiple of n_head=3"),
     (["config/nope.py"], "config file config/nope.py does not exist"),
     (["--max_iters"], "settings are written --key=value"),
+    (["--learning_rate=-1"], "learning_rate=-1.0 must be at least 0"),
+    (["--learning_rate=1e999"], "learning_rate=inf must be at least 0"),
+    (["--dropout=1"], "dropout=1.0 must be at least 0 and below 1"),
+    (["--beta2=1.5"], "beta2=1.5 must be at least 0 and below 1"),
+    (["--device=cuda"], "torch 2.13.0+cpu sees no CUDA device (built for CUDA none"),
+    (["--device=tpu:3"], "device='tpu:3' is not a device: use auto, cpu, cuda"),
 ])
 def test_configuration_errors_name_the_key(env, args, message):
     assert message in train_error(env, *args)
@@ -130,3 +138,42 @@ def test_resume_with_another_architecture_is_an_error(env, corpus, tmp_path):
     p = python("train.py", *args, "--n_layer=2", "--init_from=resume", "--max_iters=4",
                "--eval_interval=2", env=env)
     assert "  n_layer = 2\n" in p.stdout and "resuming from" in p.stdout
+
+
+# ---- the GPU paths, as far as a CPU can show them ----
+
+def test_cuda_means_each_ranks_own_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert train.pick_device("cuda", local_rank=3, ranks_here=8) == "cuda:3"
+    assert train.pick_device("auto", local_rank=5, ranks_here=8) == "cuda:5"
+    assert train.pick_device("cuda:1", local_rank=0, ranks_here=1) == "cuda:1"
+    assert train.pick_device("cpu", local_rank=5, ranks_here=8) == "cpu"
+    with pytest.raises(train.UserError, match="puts all 8 ranks of this node on one GPU"):
+        train.pick_device("cuda:0", local_rank=2, ranks_here=8)
+    with pytest.raises(train.UserError, match="needs GPU cuda:9, but torch sees 8"):
+        train.pick_device("cuda", local_rank=9, ranks_here=10)
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12), ("NVIDIA B200", 2250e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12),
+    ("NVIDIA L40S", 362e12), ("NVIDIA A10G", 70e12), ("Tesla T4", None)])
+def test_mfu_peak_of_each_gpu_name(name, peak):
+    assert train.peak_flops_of(name) == peak
+
+
+def test_the_settling_backward_passes_two_tensors():
+    """torch.compile guards on its arguments being one tensor or two: passing x twice would
+    compile the graph again at the first real step."""
+    seen = []
+
+    def model(x, y):
+        seen.append((x, y))
+        return None, (x.float() * torch.ones((), requires_grad=True)).sum()
+
+    cfg = train.TrainConfig(batch_size=2, block_size=8)
+    train.settle_gradient_buckets(model, cfg, "cpu", train.nullcontext())
+    (x, y), = seen
+    assert x is not y and x.shape == y.shape == (2, 8)
