@@ -16,10 +16,14 @@ import dataclasses
 import json
 import math
 import os
+import resource
+import secrets
 import shutil
 import signal
+import statistics
 import sys
 import time
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 import configurator
 import data
+import fileio
 import hf
 import tokenfile
 from errors import UserError
@@ -81,10 +86,14 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 disables clipping
     decay_lr: bool = True
+    lr_schedule: Literal["cosine", "wsd"] = "cosine"  # wsd: warm-up, stable, then a cooldown
     warmup_iters: int = 2000
-    lr_decay_iters: int = 600000
+    lr_decay_iters: int = 600000  # cosine: where it reaches min_lr
+    cooldown_frac: float = 0.2  # wsd: the last share of max_iters, decaying as 1 - sqrt
     min_lr: float = 6e-5
     nan_policy: Literal["stop", "skip"] = "stop"  # on a non-finite loss or gradient
+    spike_policy: Literal["off", "skip"] = "off"  # skip: a step whose loss or gradient norm
+    spike_zscore: float = 6.0  # is this many standard deviations above the last 100 steps
     # system
     backend: Literal["", "nccl", "gloo"] = ""  # '' picks nccl on CUDA, gloo on CPU
     device: str = "auto"  # 'auto' and 'cuda': cuda:<local rank> when CUDA is there, else cpu
@@ -104,6 +113,7 @@ AT_LEAST = {**dict.fromkeys(("batch_size", "block_size", "gradient_accumulation_
                              "max_iters", "warmup_iters", "lr_decay_iters", "vocab_size",
                              "seed"), 0)}
 BELOW_ONE = ("dropout", "beta1", "beta2")  # and at least 0
+SPIKE_WINDOW, SPIKE_WARMUP = 100, 20  # steps a spike is judged against; fewer: no judging
 # Dense bf16 tensor peak of one GPU, for MFU, by a part of its name; the first that matches
 # counts, so a variant comes before its family. From NVIDIA's datasheets, which print the
 # peak with 2:4 sparsity: half of it is the dense one.
@@ -134,6 +144,10 @@ def check_config(cfg):
     for key in BELOW_ONE:
         if not 0 <= getattr(cfg, key) < 1:
             raise UserError(f"{key}={getattr(cfg, key)!r} must be at least 0 and below 1")
+    if not 0 < cfg.cooldown_frac <= 1:
+        raise UserError(f"cooldown_frac={cfg.cooldown_frac!r} must be above 0 and at most 1")
+    if not 0 < cfg.spike_zscore < math.inf:
+        raise UserError(f"spike_zscore={cfg.spike_zscore!r} must be above 0")
     if cfg.n_embd % cfg.n_head:
         raise UserError(f"n_embd={cfg.n_embd} must be a multiple of n_head={cfg.n_head}")
     hf.check_init_from(cfg.init_from, INIT_FROM)
@@ -528,11 +542,17 @@ def same_data_on_all_ranks(splits, data_dir, rank, world_size):
 # ---- evaluation and the learning rate ----
 
 def lr_at(cfg, it):
-    """Linear warm-up, then cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    """Linear warm-up, then cosine decay to min_lr at lr_decay_iters, then min_lr; or (wsd)
+    the learning rate until the last cooldown_frac of max_iters, which decays as 1 - sqrt to
+    min_lr at the last step, so a run can be extended by raising max_iters before then."""
     if not cfg.decay_lr:
         return cfg.learning_rate
     if it < cfg.warmup_iters:
         return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    if cfg.lr_schedule == "wsd":
+        cooldown = max(1, round(cfg.max_iters * cfg.cooldown_frac))
+        done = min(1.0, max(0, it + 1 - (cfg.max_iters - cooldown)) / cooldown)
+        return cfg.min_lr + (1 - math.sqrt(done)) * (cfg.learning_rate - cfg.min_lr)
     if it > cfg.lr_decay_iters:
         return cfg.min_lr
     ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
@@ -592,8 +612,9 @@ def settle_gradient_buckets(model, cfg, device, autocast):
 
 def forward_backward(model, batches, micro_steps, autocast, scaler, world_size):
     """This rank's micro-steps of one optimizer step: (the summed loss on the device, seconds
-    spent waiting for data). The gradients accumulate in the parameters."""
-    loss_sum, data_wait = 0.0, 0.0
+    spent waiting for data, seconds until the last backward, which waits for the other ranks
+    in DDP: what this rank alone took). The gradients accumulate in the parameters."""
+    loss_sum, data_wait, t_start = 0.0, 0.0, time.perf_counter()
     for micro_step in range(micro_steps):
         if world_size > 1:
             # DDP all-reduces the gradients in the last micro-step's backward only. nanoGPT's
@@ -605,9 +626,10 @@ def forward_backward(model, batches, micro_steps, autocast, scaler, world_size):
         with autocast:
             _, loss = model(x, y)
             loss = loss / micro_steps
+        alone = time.perf_counter() - t_start
         scaler.scale(loss).backward()
         loss_sum = loss_sum + loss.detach().float()
-    return loss_sum, data_wait
+    return loss_sum, data_wait, alone
 
 
 def share_step_results(loss_sum, grad_norm, stop_signals, world_size):
@@ -622,14 +644,67 @@ def share_step_results(loss_sum, grad_norm, stop_signals, world_size):
     return loss / world_size, norm / world_size, stops > 0
 
 
-def skip_or_stop(cfg, log, what):
-    """A step that was not applied: stop (the default), or go on with the next one."""
+def step_problem(cfg, loss, grad_norm, history, fp16):
+    """Why this step must not be applied, or None. In float16 an overflow is normal, and the
+    GradScaler's to skip. A spike is judged against the last SPIKE_WINDOW applied steps
+    (llm.c's idea), once there are SPIKE_WARMUP of them."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        return None if fp16 else "non-finite"
+    if cfg.spike_policy == "off" or len(history) < SPIKE_WARMUP:
+        return None
+    for name, value, seen in (("loss", loss, [h[0] for h in history]),
+                              ("gradient norm", grad_norm, [h[1] for h in history])):
+        mean, spread = statistics.fmean(seen), statistics.pstdev(seen)
+        if value > mean + cfg.spike_zscore * spread:
+            return (f"{name} spike: {value:.4g}, {(value - mean) / spread:.1f} standard "
+                    f"deviations above the last {len(seen)} steps' {mean:.4g}")
+    return None
+
+
+def skip_or_stop(cfg, log, problem, iter_num, loss, batch_fp):
+    """A step that was not applied: stop (nan_policy's default), or go on with the next one,
+    whose data is what it would have been."""
+    if problem != "non-finite":
+        log(f"warning: {problem} at iter {iter_num} (batch_fp {batch_fp}): step skipped "
+            f"(spike_policy='skip')")
+        return
+    what = f"non-finite loss {loss} or gradient norm at iter {iter_num} (batch_fp {batch_fp})"
     if cfg.nan_policy == "stop":
         raise UserError(f"{what}: training stopped without saving, so the last checkpoint is "
                         f"still good. Try a lower learning_rate, grad_clip=1.0 or "
                         f"dtype=bfloat16, and check the data at that batch; nan_policy='skip' "
                         f"skips such steps.")
     log(f"warning: {what}: step skipped (nan_policy='skip')")
+
+
+def rank_telemetry(alone_s, data_wait_s, device, world_size):
+    """Each rank's seconds alone in the step (before the gradients' all-reduce), seconds
+    waiting for data, and peak memory (CUDA's allocated, else the process's RSS), gathered on
+    every rank: one small collective, on log steps only."""
+    if torch.device(device).type == "cuda":
+        memory = torch.cuda.max_memory_allocated(device)
+    else:
+        memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    mine = torch.tensor([alone_s * 1000, data_wait_s * 1000, memory / 2**20],
+                        dtype=torch.float64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(world_size)]
+    if world_size > 1:
+        dist.all_gather(every, mine)
+    else:
+        every = [mine]
+    ms, wait, mib = zip(*torch.stack(every).tolist())
+    return {"rank_ms": list(ms), "rank_data_wait_ms": list(wait), "rank_mem_mib": list(mib)}
+
+
+def log_straggler(log, row):
+    """Name the slowest rank when it is more than 10% slower than the median."""
+    ms = row["rank_ms"]
+    median = statistics.median(ms)
+    slowest = max(range(len(ms)), key=ms.__getitem__)
+    if len(ms) > 1 and ms[slowest] > 1.1 * median:
+        log(f"iter {row['iter']}: rank {slowest} is the slowest: {ms[slowest]:.1f} ms alone in "
+            f"the step against a median of {median:.1f} ms, {row['rank_data_wait_ms'][slowest]:.1f}"
+            f" ms of it waiting for data")
 
 
 # ---- checkpoints and metrics ----
@@ -660,12 +735,11 @@ def log_evaluation(log, iter_num, losses):
         f"{losses['val_loss']:.4f}{f' ({sources})' if sources else ''}")
 
 
-def log_step(log, cfg, row, peak):
-    if row["iter"] % cfg.log_interval == 0:
-        mfu = f", mfu {row['mfu'] * 100:.1f}%" if peak else ""
-        log(f"iter {row['iter']}: loss {row['loss']:.4f}, lr {row['lr']:.2e}, "
-            f"{row['ms']:.1f} ms, {row['tok_per_s']:,.0f} tok/s{mfu}, "
-            f"data wait {row['data_wait'] * 100:.1f}%")
+def log_step(log, row, peak):
+    mfu = f", mfu {row['mfu'] * 100:.1f}%" if peak else ""
+    log(f"iter {row['iter']}: loss {row['loss']:.4f}, grad norm {row['grad_norm']:.3g}, lr "
+        f"{row['lr']:.2e}, {row['ms']:.1f} ms, {row['tok_per_s']:,.0f} tok/s{mfu}, data wait "
+        f"{row['data_wait'] * 100:.1f}%")
 
 
 def open_metrics(cfg, master):
@@ -677,8 +751,20 @@ def open_metrics(cfg, master):
         return metrics, None
     import wandb  # slow to import, and only needed here
     wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name,
-               config=dataclasses.asdict(cfg))
+               config=dataclasses.asdict(cfg), id=wandb_run_id(cfg.out_dir), resume="allow")
     return metrics, wandb
+
+
+def wandb_run_id(out_dir):
+    """The wandb run of out_dir, made on its first run and kept there: a resumed or requeued
+    run goes on with the same curve instead of starting a new run."""
+    path = os.path.join(out_dir, "wandb_run_id")
+    if not os.path.exists(path):
+        with open(path + ".tmp", "w") as f:
+            f.write(secrets.token_hex(4) + "\n")
+        fileio.publish(path + ".tmp", path)
+    with open(path) as f:
+        return f.read().strip()
 
 
 def main(argv):
@@ -714,6 +800,7 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
     optimizer, scaler, iter_num, samples, best_val = restore(cfg, model, resume, device_type,
                                                              global_batch)
     start_iter, resume = iter_num, None  # free the checkpoint's tensors
+    history = deque(maxlen=SPIKE_WINDOW)  # (loss, gradient norm) of the last applied steps
     # One set of weights, three handles: `model` owns them (checkpoints, clipping, the
     # optimizer); `forward` is what evaluation calls, beneath DDP, which averages gradients
     # that evaluation does not make, so ranks may run different numbers of evaluation batches;
@@ -768,13 +855,13 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
         for group in optimizer.param_groups:
             group["lr"] = lr
         torch.manual_seed(cfg.seed + 7919 * rank + 104729 * iter_num)  # dropout resumes exactly
-        loss_sum, data_wait = forward_backward(trained, batches, micro_steps, autocast, scaler,
-                                               world_size)
+        loss_sum, data_wait, alone = forward_backward(trained, batches, micro_steps, autocast,
+                                                      scaler, world_size)
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
         loss, grad_norm, stop = share_step_results(loss_sum, grad_norm, stop_signals, world_size)
-        apply = math.isfinite(loss) and math.isfinite(grad_norm) or scaler.is_enabled()
-        if apply:  # in float16 an overflow is normal, and the scaler's to skip
+        problem = step_problem(cfg, loss, grad_norm, history, scaler.is_enabled())
+        if problem is None:
             scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -783,18 +870,22 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
         batch_fp = data.global_batch_fingerprint(samples // global_batch, global_batch,
                                                  splits["train"], cfg.block_size,
                                                  cfg.seed, cfg.sampling)
-        if not apply:
-            skip_or_stop(cfg, log, f"non-finite loss {loss} or gradient norm at iter "
-                                   f"{iter_num} (batch_fp {batch_fp})")
+        if problem is None and math.isfinite(loss):
+            history.append((loss, grad_norm))
+        elif problem is not None:
+            skip_or_stop(cfg, log, problem, iter_num, loss, batch_fp)
         t_now = time.perf_counter()
         dt, t_last = t_now - t_last, t_now
-        row = {"iter": iter_num, "loss": loss, "lr": lr, "batch_fp": batch_fp,
-               "ms": dt * 1000, "tok_per_s": global_batch * cfg.block_size / dt,
-               "data_wait": data_wait / dt}
-        if peak:
-            row["mfu"] = flops_per_step / dt / (peak * world_size)
+        row = {"iter": iter_num, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+               "batch_fp": batch_fp, "ms": dt * 1000,
+               "tok_per_s": global_batch * cfg.block_size / dt, "data_wait": data_wait / dt,
+               **({"skipped": problem} if problem else {}),
+               **({"mfu": flops_per_step / dt / (peak * world_size)} if peak else {})}
+        if iter_num % cfg.log_interval == 0:
+            row.update(rank_telemetry(alone, data_wait, device, world_size))
+            log_step(log, row, peak)
+            log_straggler(log, row)
         record(metrics, wandb, row)
-        log_step(log, cfg, row, peak)
         iter_num += 1
         samples += global_batch
         if stop:

@@ -1,0 +1,21 @@
+"""train.py with one rank whose reads of token files take 50 ms longer, as on a slow disk or a
+busy node: launched by test_diagnostics.py in place of train.py (SLOW_RANK=<rank>)."""
+import os
+import sys
+import time
+
+import tokenfile
+import train
+
+_read = tokenfile.read
+
+
+def slow_read(*args, **kw):
+    time.sleep(0.05)
+    return _read(*args, **kw)
+
+
+if __name__ == "__main__":
+    if os.environ["RANK"] == os.environ["SLOW_RANK"]:
+        tokenfile.read = slow_read
+    sys.exit(train.run_cli(sys.argv[1:]))

@@ -1,0 +1,125 @@
+"""What a run says about itself: the gradient norm, skipped spikes, each rank's telemetry and
+the slowest rank, the WSD schedule, and a resumed run's wandb curve."""
+import glob
+import math
+import os
+
+import numpy as np
+import pytest
+
+import data
+import tokenfile
+from conftest import TINY, fails, metrics, python, steps, torchrun
+
+RUN = [*TINY, "--gradient_accumulation_steps=1", "--eval_interval=1000", "--log_interval=1"]
+
+
+def test_every_step_reports_its_gradient_norm(env, corpus, tmp_path):
+    p = python("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path}", *RUN,
+               "--max_iters=3", env=env)
+    rows = steps(tmp_path)
+    assert all(r["grad_norm"] > 0 and math.isfinite(r["grad_norm"]) for r in rows.values())
+    assert f"grad norm {rows[2]['grad_norm']:.3g}" in p.stdout
+
+
+def spiked_copy(corpus, folder, step, global_batch, block_size, seed=1337):
+    """The corpus with every window of global batch `step` made of one token, 0, which text
+    never holds: a batch whose loss is far above anything the model has seen."""
+    ids = {s: np.fromfile(os.path.join(corpus, f"{s}.bin"), dtype=np.uint16)
+           for s in tokenfile.SPLITS}
+    train = data.mixture([tokenfile.open_split(corpus, "train", block_size)])
+    _, offsets = data.sample_windows(np.arange(step * global_batch, (step + 1) * global_batch),
+                                     train, block_size, seed, "epoch")
+    for o in offsets:
+        ids["train"][o:o + block_size + 1] = 0
+    tokenfile.write_token_files(folder, ids, tokenizer="byte", vocab_size=257, eot_token=256)
+    return folder
+
+
+def test_a_loss_spike_is_skipped_and_the_data_goes_on_as_before(env, corpus, tmp_path):
+    spiked = spiked_copy(corpus, str(tmp_path / "spiked"), step=60, global_batch=4,
+                         block_size=32)
+    args = [*RUN, "--max_iters=66", "--learning_rate=1e-2", "--decay_lr=False",
+            "--log_interval=100"]
+    python("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path / 'clean'}", *args,
+           env=env)
+    p = python("train.py", f"--data_dir={spiked}", f"--out_dir={tmp_path / 'skip'}", *args,
+               "--spike_policy=skip", env=env)
+    clean, skip = steps(tmp_path / "clean"), steps(tmp_path / "skip")
+    assert [i for i, r in skip.items() if "skipped" in r] == [60], p.stdout
+    assert "loss spike" in skip[60]["skipped"] and f"batch_fp {skip[60]['batch_fp']}" in p.stdout
+    assert "step skipped (spike_policy='skip')" in p.stdout
+    assert [r["batch_fp"] for r in clean.values()] == [r["batch_fp"] for r in skip.values()]
+    # before the spike the two runs are the same run; after it, training goes on as usual
+    assert [clean[i]["loss"] for i in range(60)] == [skip[i]["loss"] for i in range(60)]
+    assert skip[61]["loss"] < 2 * clean[61]["loss"]
+
+
+def test_each_rank_reports_and_the_slowest_is_named(env, corpus, tmp_path):
+    """tests/slow_rank.py makes rank 1's reads of token files 50 ms slower."""
+    p = torchrun(2, "tests/slow_rank.py", f"--data_dir={corpus}", f"--out_dir={tmp_path}",
+                 *TINY, "--gradient_accumulation_steps=2", "--eval_interval=1000",
+                 "--max_iters=8", "--log_interval=2", env=dict(env, SLOW_RANK="1"))
+    logged = [r for r in steps(tmp_path).values() if "rank_ms" in r]
+    assert [r["iter"] for r in logged] == [0, 2, 4, 6]
+    for r in logged:
+        assert len(r["rank_ms"]) == len(r["rank_data_wait_ms"]) == len(r["rank_mem_mib"]) == 2
+        assert min(r["rank_mem_mib"]) > 50
+    for r in logged[1:]:  # after the first step, which also makes the model's first buffers
+        assert r["rank_ms"][1] > r["rank_ms"][0] + 30 and r["rank_data_wait_ms"][1] > 30
+    assert "rank 1 is the slowest" in p.stdout and "rank 0 is the slowest" not in p.stdout
+
+
+def lrs(out_dir):
+    return [r["lr"] for _, r in sorted(steps(out_dir).items())]
+
+
+def test_wsd_is_flat_then_decays_to_min_lr_over_the_cooldown(env, corpus, tmp_path):
+    python("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path}", *RUN, "--max_iters=20",
+           "--lr_schedule=wsd", "--cooldown_frac=0.25", "--warmup_iters=2",
+           "--learning_rate=1e-3", "--min_lr=1e-4", env=env)
+    lr = lrs(tmp_path)
+    assert lr[:2] == pytest.approx([1e-3 / 3, 2e-3 / 3])  # warm-up
+    assert lr[2:15] == [1e-3] * 13  # stable
+    cooldown = lr[15:]
+    assert all(a > b for a, b in zip(cooldown, cooldown[1:])) and cooldown[-1] == 1e-4
+    assert cooldown[0] == pytest.approx(1e-4 + 0.9e-3 * (1 - math.sqrt(1 / 5)))
+
+
+def test_cosine_is_unchanged(env, corpus, tmp_path):
+    python("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path}", *RUN, "--max_iters=12",
+           "--warmup_iters=3", "--lr_decay_iters=10", "--learning_rate=1e-3", "--min_lr=1e-4",
+           env=env)
+
+    def nanogpt_lr(it):  # nanoGPT's get_lr, as train.py has always computed it
+        if it < 3:
+            return 1e-3 * (it + 1) / (3 + 1)
+        if it > 10:
+            return 1e-4
+        ratio = (it - 3) / (10 - 3)
+        return 1e-4 + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1e-3 - 1e-4)
+
+    assert lrs(tmp_path) == [nanogpt_lr(i) for i in range(12)]
+
+
+def test_a_resumed_run_goes_on_with_the_same_wandb_run(env, corpus, tmp_path):
+    out = tmp_path / "out"
+    args = [f"--data_dir={corpus}", f"--out_dir={out}", *RUN, "--eval_interval=2",
+            "--wandb_log=True"]
+    env = dict(env, WANDB_DIR=str(tmp_path))
+    python("train.py", *args, "--max_iters=2", env=env, cwd=str(tmp_path))
+    python("train.py", *args, "--max_iters=4", "--init_from=resume", env=env, cwd=str(tmp_path))
+    run_id = (out / "wandb_run_id").read_text().strip()
+    runs = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*")))
+    assert len(runs) == 2 and all(r.endswith(f"-{run_id}") for r in runs), runs
+    assert sorted(r["iter"] for r in metrics(out) if "loss" in r) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cooldown_frac=1.5"], "cooldown_frac=1.5 must be above 0 and at most 1"),
+    (["--spike_zscore=0"], "spike_zscore=0.0 must be above 0"),
+    (["--lr_schedule=linear"], "lr_schedule='linear' is not one of 'cosine', 'wsd'"),
+    (["--spike_policy=clip"], "spike_policy='clip' is not one of 'off', 'skip'"),
+])
+def test_bad_schedule_and_spike_keys(env, corpus, args, message):
+    assert message in fails("train.py", f"--data_dir={corpus}", *TINY, *args, env=env).stderr
