@@ -43,7 +43,7 @@ def rank_sample_indices(step, micro_step, rank, world_size, batch_size, micro_st
     return np.arange(first, first + batch_size, dtype=np.int64)
 
 
-# ---- point 4: a source's sample -> its window offset, vectorised, O(1) memory ----
+# ---- keyed hashes and permutations, O(1) memory: the tools of points 3 and 4 ----
 
 # numpy scalars, not python ints: numpy converts a python operand on every operation, which
 # doubles the cost of a hash on the dozen indices of a micro-batch
@@ -51,7 +51,7 @@ _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S1, _S2, _S3 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
-def mix(z):
+def hash64(z):
     """splitmix64's finaliser: a well-mixed 64-bit hash of each element of a uint64 array
     (multiplication wraps, as it should)."""
     z = (z ^ (z >> _S1)) * _M1
@@ -64,7 +64,7 @@ def hash_key(*parts):
     """A 64-bit key (a python int) from a few integers, e.g. (seed, epoch)."""
     h = np.zeros(1, dtype=np.uint64)
     for p in parts:
-        h = mix(h ^ mix(np.array([int(p) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64)))
+        h = hash64(h ^ hash64(np.array([int(p) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64)))
     return int(h[0])
 
 
@@ -76,9 +76,9 @@ def feistel(x, high_bits, low_bits, round_keys):
     high, low = x >> shift, x & low_mask
     for r, k in enumerate(round_keys):
         if r % 2:
-            low ^= mix(high ^ k) & low_mask
+            low ^= hash64(high ^ k) & low_mask
         else:
-            high ^= mix(low ^ k) & high_mask
+            high ^= hash64(low ^ k) & high_mask
     return (high << shift) | low
 
 
@@ -96,58 +96,12 @@ def permute(i, n, key):
     return out
 
 
-def blocks_per_epoch(n_tokens, block_size):
-    """Non-overlapping blocks read in one epoch of a file of n_tokens (an int or an array of
-    them). One block is left as slack where the file is long enough, so that each epoch can
-    shift block boundaries by any phase in [0, block_size)."""
-    whole = np.maximum((np.asarray(n_tokens) - 1) // block_size, 0)
-    return np.where(whole >= 2, whole - 1, whole)
-
-
 def locate(i, counts):
     """(file, index within that file) of item i of a sequence that is `counts[k]` items of each
     file k in turn: a binary search in the cumulative counts, nothing per item."""
     ends = np.cumsum(counts)
     k = np.searchsorted(ends, i, side="right")
     return k, i - (ends[k] - counts[k])
-
-
-def sample_offsets(sample_indices, starts, block_size, seed, mode):
-    """The start offset of the window each sample index of a split reads (contract, point 4).
-    starts: where each file of the split begins in its token space, and its end (TokenSplit)."""
-    indices = np.asarray(sample_indices, dtype=np.int64)
-    starts = np.asarray(starts, dtype=np.int64)
-    sizes = np.diff(starts)
-    if mode == "random":  # any window inside a file, each as likely
-        windows = np.maximum(sizes - block_size, 0)
-        k, local = locate(mix(indices.astype(np.uint64) ^ hash_key(seed, 1))
-                          % np.uint64(windows.sum()), windows)
-        return starts[k] + local.astype(np.int64)
-    if mode != "epoch":
-        raise ValueError(f"sampling mode {mode!r} is not one of {SAMPLING_MODES}")
-    blocks = blocks_per_epoch(sizes, block_size)
-    n_blocks = int(blocks.sum())
-    slack = np.clip(sizes - 1 - blocks * block_size, 0, block_size - 1)  # 0 for a file too short
-    max_phase = slack.astype(np.uint64)
-    out = np.empty(indices.shape, dtype=np.int64)
-    epochs = indices // n_blocks
-    for epoch in np.unique(epochs):
-        here = epochs == epoch
-        k, block = locate(permute(indices[here] % n_blocks, n_blocks, hash_key(seed, 2, epoch)),
-                          blocks)
-        phase = np.uint64(hash_key(seed, 3, epoch)) % (max_phase[k] + np.uint64(1))
-        out[here] = starts[k] + phase.astype(np.int64) + block.astype(np.int64) * block_size
-    return out
-
-
-def eval_offsets(starts, block_size, n_windows):
-    """A fixed set of windows spread evenly over a split, the same for every run and world
-    size, so that evaluation losses are comparable."""
-    starts = np.asarray(starts, dtype=np.int64)
-    windows = np.maximum(np.diff(starts) - block_size, 0)
-    spread = np.linspace(0, windows.sum() - 1, num=n_windows).round().astype(np.int64)
-    k, local = locate(spread, windows)
-    return starts[k] + local
 
 
 # ---- point 3: mixtures, the source each global sample comes from ----
@@ -221,6 +175,54 @@ def global_batch_fingerprint(step, global_batch, mix, block_size, seed, mode):
     ranks and micro-steps: two runs that read the same data print the same value."""
     indices = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.int64)
     return samples_fingerprint(indices, mix, block_size, seed, mode)
+
+
+# ---- point 4: a source's sample -> its window offset ----
+
+def blocks_per_epoch(n_tokens, block_size):
+    """Non-overlapping blocks read in one epoch of a file of n_tokens (an int or an array of
+    them). One block is left as slack where the file is long enough, so that each epoch can
+    shift block boundaries by any phase in [0, block_size)."""
+    whole = np.maximum((np.asarray(n_tokens) - 1) // block_size, 0)
+    return np.where(whole >= 2, whole - 1, whole)
+
+
+def sample_offsets(sample_indices, starts, block_size, seed, mode):
+    """The start offset of the window each sample index of a split reads (contract, point 4).
+    starts: where each file of the split begins in its token space, and its end (TokenSplit)."""
+    indices = np.asarray(sample_indices, dtype=np.int64)
+    starts = np.asarray(starts, dtype=np.int64)
+    sizes = np.diff(starts)
+    if mode == "random":  # any window inside a file, each as likely
+        windows = np.maximum(sizes - block_size, 0)
+        k, local = locate(hash64(indices.astype(np.uint64) ^ hash_key(seed, 1))
+                          % np.uint64(windows.sum()), windows)
+        return starts[k] + local.astype(np.int64)
+    if mode != "epoch":
+        raise ValueError(f"sampling mode {mode!r} is not one of {SAMPLING_MODES}")
+    blocks = blocks_per_epoch(sizes, block_size)
+    n_blocks = int(blocks.sum())
+    slack = np.clip(sizes - 1 - blocks * block_size, 0, block_size - 1)  # 0 for a file too short
+    max_phase = slack.astype(np.uint64)
+    out = np.empty(indices.shape, dtype=np.int64)
+    epochs = indices // n_blocks
+    for epoch in np.unique(epochs):
+        here = epochs == epoch
+        k, block = locate(permute(indices[here] % n_blocks, n_blocks, hash_key(seed, 2, epoch)),
+                          blocks)
+        phase = np.uint64(hash_key(seed, 3, epoch)) % (max_phase[k] + np.uint64(1))
+        out[here] = starts[k] + phase.astype(np.int64) + block.astype(np.int64) * block_size
+    return out
+
+
+def eval_offsets(starts, block_size, n_windows):
+    """A fixed set of windows spread evenly over a split, the same for every run and world
+    size, so that evaluation losses are comparable."""
+    starts = np.asarray(starts, dtype=np.int64)
+    windows = np.maximum(np.diff(starts) - block_size, 0)
+    spread = np.linspace(0, windows.sum() - 1, num=n_windows).round().astype(np.int64)
+    k, local = locate(spread, windows)
+    return starts[k] + local
 
 
 # ---- point 5: windows -> (x, y) ----
