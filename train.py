@@ -756,9 +756,10 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
                     f"written, the previous ones are kept")
             elif master and iter_num > start_iter and (
                     improved or cfg.always_save_checkpoint or iter_num >= cfg.max_iters):
+                t_save = time.perf_counter()
                 path = save_checkpoint(cfg, model, optimizer, scaler, args, meta, iter_num,
                                        samples, best_val, identity)
-                log(f"saved {path}")
+                log(f"saved {path} ({time.perf_counter() - t_save:.2f} s)")
             t_last = time.perf_counter()
         if cfg.eval_only or iter_num >= cfg.max_iters:
             break
@@ -793,6 +794,8 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
                "data_wait": data_wait / dt}
         if peak:
             row["mfu"] = flops_per_step / dt / (peak * world_size)
+        if device_type == "cuda":  # the allocator's own count, read with no synchronisation
+            row["peak_mem"] = torch.cuda.max_memory_allocated(device)
         record(metrics, wandb, row)
         log_step(log, cfg, row, peak)
         iter_num += 1
@@ -800,9 +803,10 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
         if stop:
             log(f"stopping at iter {iter_num}: signal received, saving a checkpoint")
             if master:
+                t_save = time.perf_counter()
                 path = save_checkpoint(cfg, model, optimizer, scaler, args, meta, iter_num,
                                        samples, best_val, identity)
-                log(f"saved {path}")
+                log(f"saved {path} ({time.perf_counter() - t_save:.2f} s)")
                 log(f"interrupted at iter {iter_num}; resume with --init_from=resume")
             break
     # ---------------------------------------------------------------- TRAINING LOOP END
