@@ -10,9 +10,11 @@ import sys
 import tempfile
 import time
 
-from bench import common, datapath, preparing, report, training
+import torch
 
-PARTS = {"data": datapath, "training": training, "prepare": preparing}
+from bench import common, datapath, gpu, preparing, report, training
+
+PARTS = {"data": datapath, "training": training, "prepare": preparing, "gpu": gpu}
 DOCS_DATA = os.path.join(common.ROOT, "docs", "bench")
 DOCS_REPORT = os.path.join(common.ROOT, "docs", "benchmarks.md")
 
@@ -23,6 +25,9 @@ def parse_args(argv):
                    help=f"any of {', '.join(PARTS)} (default: all)")
     p.add_argument("--small", action="store_true",
                    help="tiny sizes that run in seconds (CI); writes to out-bench-small/")
+    p.add_argument("--dry-run", action="store_true",
+                   help="the gpu part's every step on a tiny model on the CPU, to test its "
+                        "plumbing (CI); the same as --small")
     p.add_argument("--out_dir", help="where the JSON and plots go (default: docs/bench, or "
                                      "out-bench-small with --small)")
     p.add_argument("--report", help="the markdown page (default: docs/benchmarks.md for "
@@ -35,7 +40,11 @@ def parse_args(argv):
     unknown = [part for part in args.parts if part not in PARTS]
     if unknown:
         p.error(f"unknown part(s) {', '.join(unknown)}: choose from {', '.join(PARTS)}")
-    args.parts = [] if args.report_only else args.parts or list(PARTS)
+    args.small = args.small or args.dry_run
+    # with no GPU, "every part" leaves out the GPU's, whose results it could only replace with
+    # "not run"; named, it records exactly that
+    every = [name for name in PARTS if name != "gpu" or args.small or torch.cuda.is_available()]
+    args.parts = [] if args.report_only else args.parts or every
     args.out_dir = os.path.abspath(args.out_dir or (
         os.path.join(common.ROOT, "out-bench-small") if args.small else DOCS_DATA))
     default_report = DOCS_REPORT if args.out_dir == DOCS_DATA else \

@@ -843,9 +843,10 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
                     f"written, the previous ones are kept")
             elif master and iter_num > start_iter and (
                     improved or cfg.always_save_checkpoint or iter_num >= cfg.max_iters):
+                t_save = time.perf_counter()
                 path = save_checkpoint(cfg, model, optimizer, scaler, args, meta, iter_num,
                                        samples, best_val, identity)
-                log(f"saved {path}")
+                log(f"saved {path} ({time.perf_counter() - t_save:.2f} s)")
             t_last = time.perf_counter()
         if cfg.eval_only or iter_num >= cfg.max_iters:
             break
@@ -881,6 +882,8 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
                "tok_per_s": global_batch * cfg.block_size / dt, "data_wait": data_wait / dt,
                **({"skipped": problem} if problem else {}),
                **({"mfu": flops_per_step / dt / (peak * world_size)} if peak else {})}
+        if device_type == "cuda":  # the allocator's own count, read with no synchronisation
+            row["peak_mem"] = torch.cuda.max_memory_allocated(device)
         if iter_num % cfg.log_interval == 0:
             row.update(rank_telemetry(alone, data_wait, device, world_size))
             log_step(log, row, peak)
@@ -891,9 +894,10 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
         if stop:
             log(f"stopping at iter {iter_num}: signal received, saving a checkpoint")
             if master:
+                t_save = time.perf_counter()
                 path = save_checkpoint(cfg, model, optimizer, scaler, args, meta, iter_num,
                                        samples, best_val, identity)
-                log(f"saved {path}")
+                log(f"saved {path} ({time.perf_counter() - t_save:.2f} s)")
                 log(f"interrupted at iter {iter_num}; resume with --init_from=resume")
             break
     # ---------------------------------------------------------------- TRAINING LOOP END

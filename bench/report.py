@@ -14,9 +14,9 @@ class Formatter(string.Formatter):
     and a number the run could not measure (None: MFU on a CPU) reads n/a."""
 
     def format_field(self, value, spec):
-        if spec == "size":
-            return size(value)
-        return "n/a" if value is None else super().format_field(value, spec)
+        if value is None:
+            return "n/a"
+        return size(value) if spec == "size" else super().format_field(value, spec)
 
 
 FORMAT = Formatter()
@@ -64,9 +64,11 @@ def verdict(met):
 
 
 def section(name, title, tables, result, png):
-    """One part's section: its text/<name>.md between the run's facts and its targets."""
+    """One part's section: its text/<name>.md between the run's facts and its targets. A table
+    lists the part's results, or the rows under its own name when the result has them."""
     settings = result.get("settings", {})
-    body = fill(name, {**result, **{key: table(columns, result["results"], **settings)
+    body = fill(name, {**result, **{key: table(columns, result.get(key, result["results"]),
+                                               **settings)
                                     for key, columns in tables.items()}})
     targets = "\n".join(f"- {verdict(t['met'])}: {t['target']}. Measured: {t['measured']}."
                         for t in result["targets"])

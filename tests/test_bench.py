@@ -1,8 +1,10 @@
 """bench.py in its small mode, as CI runs it: every part writes its JSON, plot and section of
-the report, with numbers that make sense and verdicts that follow from them. Behaviour, not
-speed: no timing target has to be met. The committed page is what its JSON gives. And the
-watchdog that caps the reference loaders: it kills a command, and its children, at its memory
-or time cap."""
+the report, with numbers that make sense and verdicts that follow from them; the gpu part in its
+dry run, every step on the CPU. Behaviour, not speed: no timing target has to be met. The
+committed page is what its JSON gives. And the watchdog that caps the reference loaders: it
+kills a command, and its children, at its memory or time cap; and the counting of torch.compile's
+recompiles and graph breaks in TORCH_LOGS's own lines."""
+import importlib.util
 import json
 import os
 import shutil
@@ -10,9 +12,10 @@ import sys
 
 import psutil
 import pytest
+import torch
 
-from bench import common, report
-from conftest import ROOT, python
+from bench import common, gpu, report
+from conftest import ROOT, python, run
 
 DOCS = os.path.join(ROOT, "docs")
 GROWTH_KEYS = ("startup_s", "rss_first", "private_first", "rss_after", "private_after")
@@ -46,17 +49,38 @@ def prepare_verdicts(result):
                 for c in result["settings"]["copies"])]
 
 
-VERDICTS = {"data": data_verdicts, "training": training_verdicts, "prepare": prepare_verdicts}
+def gpu_verdicts(result):
+    """train.py within 3% of the minimal loop; 45% MFU where the peak is known; no recompile
+    after the first step where compiled; a resume with the same batches and losses within
+    0.1%; every check run and passed. Each None where what it judges did not run."""
+    ours, ceiling = result["speed"]
+    checks = {r["check"]: r for r in result["results"]}
+    ran = [r for r in result["results"] if r["status"] == "ok"]
+    ceiling_met = ours["ms_per_step"] <= 1.03 * ceiling["ms_per_step"] \
+        if ours["status"] == ceiling["status"] == "ok" else None
+    mfu = ours["mfu"] >= 0.45 if ours["status"] == "ok" and ours["mfu"] is not None else None
+    compiles = checks["recompiles"]
+    recompiles = compiles["fresh_recompiles_after"] == compiles["resumed_recompiles_after"] == 0 \
+        if compiles["status"] == "ok" and compiles["compiled"] else None
+    resumed = checks["checkpoint and resume"]
+    resume = resumed["same_batches"] and resumed["loss_rdiff"] <= 1e-3 \
+        and resumed["steps_compared"] > 0 if resumed["status"] == "ok" else None
+    every = len(ran) == len(result["results"]) and all(r["passed"] for r in ran) if ran else None
+    return [ceiling_met, mfu, recompiles, resume, every]
 
 
-def bench_part(part, env, tmp_path):
+VERDICTS = {"data": data_verdicts, "training": training_verdicts, "prepare": prepare_verdicts,
+            "gpu": gpu_verdicts}
+
+
+def bench_part(part, env, tmp_path, flag="--small"):
     out = tmp_path / "bench"
-    python("bench.py", part, "--small", f"--out_dir={out}", env=env)
+    python("bench.py", part, flag, f"--out_dir={out}", env=env)
     with open(out / f"{part}.json") as f:
         result = json.load(f)
     assert (out / f"{part}.png").stat().st_size > 0
     page = (out / "benchmarks.md").read_text()
-    assert f"Command: `python bench.py {part} --small --out_dir={out}`" in page
+    assert f"Command: `python bench.py {part} {flag} --out_dir={out}`" in page
     assert [t["met"] for t in result["targets"]] == VERDICTS[part](result)
     for t in result["targets"]:
         assert t["measured"] and f"{report.verdict(t['met'])}: {t['target']}." in page
@@ -111,6 +135,110 @@ def test_prepare(env, tmp_path):
             assert rows[c, impl]["tok_per_s"] > 0 and rows[c, impl]["peak_rss"] > 0
     assert set(rows[copies[0], "reference"]["phases"]) == {"documents", "load_s",
                                                             "tokenize_s", "write_s"}
+
+
+def test_gpu_dry_run(env, tmp_path):
+    # every step of the GPU check on the CPU: its plumbing, and docs/bench left alone
+    committed = os.path.join(DOCS, "bench", "gpu.json")
+    with open(committed, "rb") as f:
+        before = f.read()
+    result, page = bench_part("gpu", env, tmp_path, flag="--dry-run")
+    with open(committed, "rb") as f:
+        assert f.read() == before
+    assert result["settings"]["mode"] == "dry run"
+    checks = {r["check"]: r for r in result["results"]}
+    assert list(checks) == gpu.CHECKS
+    for name, r in checks.items():
+        assert r["status"] == "ok" and r["passed"], r
+        assert f"| {name} | pass | {r['measured']} |" in page
+    for r in result["speed"]:
+        assert r["status"] == "ok" and r["ms_per_step"] > 0 and r["tok_per_s"] > 0, r
+        assert r["steps_counted"] == result["settings"]["steps"] - result["settings"]["warmup"]
+        assert r["mfu"] is None and r["peak_mem"] is None  # a CPU: no peak, no CUDA allocator
+    assert 0 <= result["speed"][0]["data_wait"] < 1
+    resumed = checks["checkpoint and resume"]
+    # on a CPU in float32 a resumed run repeats the uninterrupted one bit for bit
+    assert resumed["same_batches"] and resumed["loss_rdiff"] == 0 and resumed["save_s"] >= 0
+    assert resumed["steps_compared"] == result["settings"]["steps"] - result["settings"]["save_at"]
+    compiles = checks["recompiles"]
+    assert not compiles["compiled"]
+    assert [compiles[f"{run}_{key}"] for run in ("fresh", "resumed")
+            for key in ("recompiles_first_step", "recompiles_after", "graph_breaks")] == [0] * 6
+    assert checks["sample.py"]["samples"] == 2
+    assert "world size 2 on cpu, gloo" in checks["2 ranks"]["measured"]
+    assert "A dry run" in page and "python sample.py --out_dir=<ranks> --device=cpu" in page
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it would run the checks")
+def test_gpu_part_without_a_gpu_records_not_run(env, tmp_path):
+    out = tmp_path / "bench"
+    python("bench.py", "gpu", f"--out_dir={out}", env=env)
+    with open(out / "gpu.json") as f:
+        result = json.load(f)
+    assert result["settings"]["mode"] == "not run"
+    assert all(r["status"] == gpu.NO_GPU for r in result["results"] + result["speed"])
+    assert [t["met"] for t in result["targets"]] == gpu_verdicts(result) == [None] * 5
+    assert f"| versions | {gpu.NO_GPU} |" in (out / "benchmarks.md").read_text()
+
+
+def load_bench_cli():
+    # bench.py by its path: the name `bench` is the package of its parts
+    spec = importlib.util.spec_from_file_location("bench_cli", os.path.join(ROOT, "bench.py"))
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    return cli
+
+
+def test_every_part_is_all_but_gpu_without_a_gpu():
+    # so that a CPU run of every part never replaces a GPU run's results with "not run"
+    cli = load_bench_cli()
+    every = list(cli.PARTS) if torch.cuda.is_available() else ["data", "training", "prepare"]
+    assert cli.parse_args([]).parts == every
+    assert cli.parse_args(["--small"]).parts == list(cli.PARTS)
+    assert cli.parse_args(["gpu"]).parts == ["gpu"]
+    dry = cli.parse_args(["gpu", "--dry-run"])
+    assert dry.small and dry.out_dir == os.path.join(ROOT, "out-bench-small")
+
+
+# a tiny compiled module run as train.py runs its model: evaluated, then trained; and after the
+# first step's line, called with another shape, which must show as a recompile after it
+COMPILED = """
+import torch
+class M(torch.nn.Module):
+    def forward(self, x):
+        x = x + 1 if self.training else x - 1
+        torch._dynamo.graph_break()
+        return x * 2
+m = torch.compile(M(), backend="eager")  # dynamo's own work, no code generation: fast
+with torch.no_grad():
+    m.eval()(torch.ones(3))
+m.train()(torch.ones(3))
+print("iter 0: loss 1.0000, lr 1e-4", flush=True)
+m(torch.ones(5))
+"""
+
+
+def test_compile_events_are_counted_in_torch_logs_own_lines(env):
+    finished = common.run_watched([sys.executable, "-c", COMPILED],
+                                  {**env, "TORCH_LOGS": gpu.TORCH_LOGS}, 300)
+    assert finished.returncode == 0, finished.output
+    first, after, breaks = gpu.compile_events(finished.output)
+    assert first >= 1 and after >= 1 and breaks >= 1, finished.output
+
+
+def test_compile_events_before_and_after_the_first_step():
+    line = "V1130 12:00:00.000000 1 torch/_dynamo/{}] [0/{}] [__{}] {}"
+    output = "\n".join([
+        line.format("guards.py:1", 0, "graph_breaks", "Graph break in user code at m.py:6"),
+        line.format("guards.py:1", 0, "graph_breaks", "Graph Break Reason: a call"),
+        "iter 0: train loss 5.0000, val loss 5.0000",  # an evaluation, not a step
+        line.format("guards.py:2", 1, "recompiles", "Recompiling function forward in m.py:3"),
+        line.format("guards.py:2", 1, "recompiles", "    triggered by the following guard"),
+        "iter 0: loss 5.0000, lr 1.00e-04, 10.0 ms, 100 tok/s, data wait 0.1%",
+        line.format("guards.py:2", 2, "recompiles", "Recompiling function forward in m.py:3"),
+        "iter 1: loss 5.0000, lr 1.00e-04, 10.0 ms, 100 tok/s, data wait 0.1%"])
+    assert gpu.compile_events(output) == (1, 1, 1)
+    assert gpu.compile_events("iter 0: loss 1.0") == (0, 0, 0)
 
 
 @pytest.mark.parametrize("part", VERDICTS)
