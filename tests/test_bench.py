@@ -47,10 +47,16 @@ def training_verdicts(result):
 
 
 def prepare_verdicts(result):
-    """prepare.py's tokens/s above the reference's at every corpus size."""
+    """prepare.py's tokens/s above the datasets.map reference's and at least twice llm.c's
+    at every corpus size; its peak RSS and private memory at the largest corpus within 10% of
+    the smallest."""
     rows = {(r["impl"], r["copies"]): r for r in result["results"]}
-    return [all(rows["ddpgpt", c]["tok_per_s"] > rows["reference", c]["tok_per_s"]
-                for c in result["settings"]["copies"])]
+    copies = result["settings"]["copies"]
+    ratios = {ref: [rows["ddpgpt", c]["tok_per_s"] / rows[ref, c]["tok_per_s"] for c in copies]
+              for ref in ("reference", "llmc")}
+    small, large = rows["ddpgpt", min(copies)], rows["ddpgpt", max(copies)]
+    return [all(r > 1 for r in ratios["reference"]), all(r >= 2 for r in ratios["llmc"]),
+            all(large[key] / small[key] - 1 <= 0.10 for key in ("peak_rss", "peak_private"))]
 
 
 VERDICTS = {"data": data_verdicts, "training": training_verdicts, "prepare": prepare_verdicts}
@@ -113,16 +119,22 @@ def test_training(env, tmp_path):
 def test_prepare(env, tmp_path):
     result, _ = bench_part("prepare", env, tmp_path)
     rows = {(r["copies"], r["impl"]): r for r in result["results"]}
-    copies = result["settings"]["copies"]
-    assert set(rows) == {(c, impl) for c in copies for impl in ("ddpgpt", "reference")}
+    copies, shard_tokens = result["settings"]["copies"], result["settings"]["shard_tokens"]
+    impls = ("ddpgpt", "reference", "llmc")
+    assert set(rows) == {(c, impl) for c in copies for impl in impls}
     for c in copies:
         # the same documents through the same tokenizer: the same number of tokens
-        assert rows[c, "ddpgpt"]["tokens"] == rows[c, "reference"]["tokens"] > 0
-        assert rows[c, "ddpgpt"]["tokens"] == c * rows[copies[0], "ddpgpt"]["tokens"]
-        for impl in ("ddpgpt", "reference"):
+        tokens = rows[c, "ddpgpt"]["tokens"]
+        assert tokens == rows[c, "reference"]["tokens"] == rows[c, "llmc"]["tokens"] > 0
+        assert tokens == c * rows[copies[0], "ddpgpt"]["tokens"]
+        for impl in impls:
             assert rows[c, impl]["tok_per_s"] > 0 and rows[c, impl]["peak_rss"] > 0
-    assert set(rows[copies[0], "reference"]["phases"]) == {"documents", "load_s",
-                                                            "tokenize_s", "write_s"}
+        # shards: llm.c's fill each one to shard_tokens; prepare.py's end at a document's end
+        assert rows[c, "llmc"]["files"] == -(-tokens // shard_tokens) >= 2
+        assert rows[c, "ddpgpt"]["files"] > 2 and rows[c, "reference"]["files"] == 2
+    phases = {"documents", "load_s", "tokenize_s", "write_s"}
+    assert set(rows[copies[0], "reference"]["phases"]) == phases
+    assert set(rows[copies[0], "llmc"]["phases"]) == phases | {"shards"}
 
 
 def test_shard_set_is_the_token_space_of_one_file(tmp_path):
