@@ -26,6 +26,7 @@ TABLES = {"table": [
     ("corpus", "pystdlib x{copies}"), ("documents", "{documents:,}"),
     ("size", "{corpus_bytes:size}"), ("pipeline", "{impl}"), ("tokens", "{tokens:,}"),
     ("files", "{files}"), ("wall s", "{wall_s:.1f}"), ("tokens/s", "{tok_per_s:,.0f}"),
+    ("CPU s", "{cpu_s:.1f}"), ("tokens per CPU s", "{tok_per_cpu_s:,.0f}"),
     ("peak RSS", "{peak_rss:size}"), ("peak private", "{peak_private:size}"),
     ("references' phases (load / tokenize / write s)",
      "{phases[load_s]:.1f} / {phases[tokenize_s]:.1f} / {phases[write_s]:.1f}"),
@@ -90,7 +91,8 @@ def measure(impl, corpus, out_dir, env, settings):
     if phases and phases.pop("tokens") != tokens:
         raise RuntimeError(f"the {impl} pipeline counted other tokens than it wrote")
     return {"impl": impl, "tokens": tokens, "files": files, "wall_s": finished.wall_s,
-            "tok_per_s": tokens / finished.wall_s, "peak_rss": finished.peak_rss,
+            "tok_per_s": tokens / finished.wall_s, "cpu_s": finished.cpu_s,
+            "tok_per_cpu_s": tokens / finished.cpu_s, "peak_rss": finished.peak_rss,
             "peak_private": finished.peak_private, "phases": phases,
             "load_1m": common.load_1m()}
 

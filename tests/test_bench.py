@@ -128,7 +128,10 @@ def test_prepare(env, tmp_path):
         assert tokens == rows[c, "reference"]["tokens"] == rows[c, "llmc"]["tokens"] > 0
         assert tokens == c * rows[copies[0], "ddpgpt"]["tokens"]
         for impl in impls:
-            assert rows[c, impl]["tok_per_s"] > 0 and rows[c, impl]["peak_rss"] > 0
+            r = rows[c, impl]
+            assert r["tok_per_s"] > 0 and r["peak_rss"] > 0
+            # the CPU time of the command and its workers, which no more cores can exceed
+            assert 0 < r["cpu_s"] <= r["wall_s"] * result["machine"]["cores"] + 0.5
         # shards: llm.c's fill each one to shard_tokens; prepare.py's end at a document's end
         assert rows[c, "llmc"]["files"] == -(-tokens // shard_tokens) >= 2
         assert rows[c, "ddpgpt"]["files"] > 2 and rows[c, "reference"]["files"] == 2
