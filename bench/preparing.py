@@ -160,6 +160,7 @@ def plot(result):
         result, f"Prepare, GPT-2 tokenizer, {result['settings']['processes']} processes",
         ("corpus_bytes", "corpus, MB of JSON lines", 1e6, "linear"),
         [("tok_per_s", "million tokens/s", 1e6, "linear"),
+         ("tok_per_cpu_s", "million tokens per CPU second", 1e6, "linear"),
          ("peak_rss", "peak RSS, MiB (all processes)", MiB, "linear"),
          ("peak_private", "peak private memory, MiB (all processes)", MiB, "linear")],
         series=("impl",))
