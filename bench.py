@@ -78,8 +78,9 @@ def write_report(out_dir, report_path):
             with open(path) as f:
                 png = os.path.relpath(os.path.join(out_dir, f"{name}.png"), here)
                 parts.append((name, module.TITLE, module.TABLES, json.load(f), png))
-    with open(report_path, "w") as f:
-        f.write(report.document(parts, os.path.relpath(out_dir, here)))
+    page = report.document(parts, os.path.relpath(out_dir, here))  # a template error leaves
+    with open(report_path, "w") as f:  # the page as it was, not empty
+        f.write(page)
 
 
 def main(argv):

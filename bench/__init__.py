@@ -2,4 +2,5 @@
 bench.py's PARTS) is a module with TITLE; run(small, device, workdir), which returns its
 "results" rows, "targets" and any "settings"; plot(result), a matplotlib Figure; and TABLES, the
 columns of the tables that its page text, bench/text/<part>.md, places. datapath_rank,
-prepare_reference and minimal_loop are programs that parts launch; report.py writes the page."""
+prepare_reference, prepare_llmc_reference and minimal_loop are programs that parts launch;
+report.py writes the page."""

@@ -3,6 +3,7 @@ as a user would while watching its memory and time."""
 import os
 import platform
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -66,6 +67,7 @@ class Finished:
     wall_s: float
     peak_rss: int  # the most that the process and all its children held at once (sum of RSS)
     peak_private: int  # the same for their private (anonymous) memory: RSS less file pages
+    cpu_s: float  # user + system CPU time of the process and all the children it waited for
     exceeded: str  # which cap it passed, e.g. "memory cap 6.0 GiB after 12.1 s"; "" if none
 
 
@@ -118,6 +120,7 @@ def run_watched(args, env, time_cap_s, mem_cap=None, poll_s=0.05):
     mem_cap bytes of private memory, or time_cap_s seconds, it is killed, so that a loader
     whose memory grows with the data shows that growth without taking the machine down."""
     with tempfile.TemporaryFile("w+") as out:  # a file, not a pipe: a full pipe would block it
+        cpu0 = children_cpu_s()
         t0 = time.perf_counter()
         proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 text=True)
@@ -138,7 +141,14 @@ def run_watched(args, env, time_cap_s, mem_cap=None, poll_s=0.05):
         proc.wait()
         out.seek(0)
         return Finished(proc.returncode, out.read(), time.perf_counter() - t0, peak_rss,
-                        peak_private, exceeded)
+                        peak_private, children_cpu_s() - cpu0, exceeded)
+
+
+def children_cpu_s():
+    """CPU seconds of this process's children that have been waited for, and of theirs: a
+    command's workers, once their parent has reaped them, count in it."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def check(finished, what):

@@ -1,8 +1,11 @@
 """The data path against the size of train.bin: start-up time, memory per rank and the latency
 of one batch, for data.py and two reference loaders, each launched with torchrun (gloo) as a
-user launches a job. What one rank does and the two references are in datapath_rank.py."""
+user launches a job; and data.py on the largest size again as a set of many shards, against
+one file of it. What one rank does and the two references are in datapath_rank.py."""
+import glob
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -15,15 +18,17 @@ from bench.datapath_rank import BATCH, BLOCK
 TITLE = "Data path"
 LOADERS = ("ddpgpt", "nanogpt", "seed")  # as named in datapath_rank.py and text/data.md
 # launches: how many times ddpgpt and (a) run each case (the median is kept); the seed's
-# loader, slow and capped, runs once
+# loader, slow and capped, runs once. shards: the largest size again, as that many shards
+# (ddpgpt only: the references read one train.bin)
 FULL = {"sizes": [16 * MiB, GiB, 16 * GiB], "ranks": [1, 2, 8], "batches": 1000,
-        "launches": 3, "seed_mem_cap": 6 * GiB, "seed_time_cap_s": 30}
+        "launches": 3, "seed_mem_cap": 6 * GiB, "seed_time_cap_s": 30, "shards": 10_000}
 # small: the seed's loader still finishes at 1 MiB and passes its cap at 64 MiB
 SMALL = {"sizes": [MiB, 64 * MiB], "ranks": [2], "batches": 20,
-         "launches": 1, "seed_mem_cap": 2 * GiB, "seed_time_cap_s": 30}
+         "launches": 1, "seed_mem_cap": 2 * GiB, "seed_time_cap_s": 30, "shards": 1_000}
 SAFETY_TIME_CAP_S = 600  # the other loaders are not capped; this only stops a hung launch
 TABLES = {"table": [
-    ("ranks", "{ranks}"), ("train.bin", "{size:size}"), ("loader", "{loader}"),
+    ("ranks", "{ranks}"), ("train split", "{size:size}"), ("files", "{files:,}"),
+    ("loader", "{loader}"),
     ("start-up s", "{startup_s:.2f}"), ("data setup s", "{setup_s:.3f}"),
     ("RSS first", "{rss_first:size}"), ("private first", "{private_first:size}"),
     ("RSS after {batches:,}", "{rss_after:size}"),
@@ -32,24 +37,55 @@ TABLES = {"table": [
     ("p99 ms", "{p99_ms:.2f}"), ("load", "{load_1m}")]}
 
 
-def sparse_token_file(folder, size):
-    """A train.bin of `size` bytes that takes no disk space (it reads as token 0), with a
-    meta.json as prepare.py writes it, so data.py takes its usual checked path."""
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, "train.bin")
+def sparse_file(path, size):
+    """A file of `size` bytes that takes no disk space: it reads as zeros (token 0)."""
     with open(path, "wb") as f:
         f.truncate(size)
-    tokenfile.write_meta(folder, tokenizer="none (sparse benchmark file)", vocab_size=50257,
-                         eot_token=50256,
-                         splits={"train": tokenfile.describe_split(path, "uint16", 0)})
     return path
 
 
-def evict(path):
-    """Drop the file's pages from the page cache, so that every launch starts cold and no
-    loader reads what the one before it brought in."""
-    with open(path, "rb") as f:
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+def write_sparse_meta(folder, train):
+    """meta.json as prepare.py writes it, so data.py takes its usual checked path."""
+    tokenfile.write_meta(folder, tokenizer="none (sparse benchmark file)", vocab_size=50257,
+                         eot_token=50256, splits={"train": train})
+
+
+def sparse_token_file(folder, size):
+    """A folder holding a sparse train.bin of `size` bytes and its meta.json."""
+    os.makedirs(folder, exist_ok=True)
+    path = sparse_file(os.path.join(folder, "train.bin"), size)
+    write_sparse_meta(folder, tokenfile.describe_split(path, "uint16", 0))
+    return folder
+
+
+def sparse_shard_set(folder, size, n_shards):
+    """A folder holding a train split of `size` bytes as n_shards sparse shards of (nearly)
+    equal size, train_000000.bin ..., each listed in meta.json as prepare.py --shard_tokens
+    lists it: the same number of tokens as one sparse train.bin of `size` bytes."""
+    os.makedirs(folder, exist_ok=True)
+    tokens, dtype = size // 2, np.dtype(np.uint16)
+    shards = []
+    for k in range(n_shards):
+        name = f"train_{k:06d}.bin"
+        n = tokens // n_shards + (k < tokens % n_shards)
+        path = sparse_file(os.path.join(folder, name), n * dtype.itemsize)
+        shards.append({"file": name, **tokenfile.describe_split(path, dtype, 0)})
+    paths = [os.path.join(folder, s["file"]) for s in shards]
+    write_sparse_meta(folder, {"tokens": tokens, "documents": 0, "shards": shards,
+                               "fingerprint": tokenfile.sampled_fingerprint(paths)})
+    return folder
+
+
+def token_files(folder):
+    return glob.glob(os.path.join(glob.escape(folder), "*.bin"))
+
+
+def evict(folder):
+    """Drop the token files' pages from the page cache, so that every launch starts cold and
+    no loader reads what the one before it brought in."""
+    for path in token_files(folder):
+        with open(path, "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def read_ahead_kb(path):
@@ -66,14 +102,14 @@ def read_ahead_kb(path):
     return None  # not on a block device (tmpfs, overlay)
 
 
-def launch(loader, path, ranks, settings, out):
-    """One torchrun job of `ranks` ranks reading with `loader`, the file evicted first: its
-    per-rank numbers, or why it did not finish."""
-    evict(path)
+def launch(loader, folder, ranks, settings, out):
+    """One torchrun job of `ranks` ranks reading the folder's train split with `loader`, its
+    files evicted first: its per-rank numbers, or why it did not finish."""
+    evict(folder)
     is_seed = loader == "seed"
     finished = common.run_watched(
-        [*common.torchrun(ranks), "-m", "bench.datapath_rank", loader, os.path.dirname(path),
-         out, str(settings["batches"])], common.child_env(OMP_NUM_THREADS="1"),
+        [*common.torchrun(ranks), "-m", "bench.datapath_rank", loader, folder, out,
+         str(settings["batches"])], common.child_env(OMP_NUM_THREADS="1"),
         settings["seed_time_cap_s"] if is_seed else SAFETY_TIME_CAP_S,
         settings["seed_mem_cap"] if is_seed else None)
     row = {"loader": loader, "ranks": ranks, "load_1m": common.load_1m(),
@@ -96,7 +132,8 @@ def summarize(per_rank):
     for when in ("first", "after"):
         for kind in ("rss", "private", "file"):
             worst[f"{kind}_{when}"] = max(r[when][kind] for r in per_rank)
-    return {**worst, "batches_per_s": float(np.mean([r["batches_per_s"] for r in per_rank])),
+    return {**worst, "files_read": min(r["files"] for r in per_rank),
+            "batches_per_s": float(np.mean([r["batches_per_s"] for r in per_rank])),
             "p50_ms": float(np.percentile(latencies, 50)),
             "p99_ms": float(np.percentile(latencies, 99))}
 
@@ -108,31 +145,49 @@ def median_launch(launches):
     if failed:
         return failed[0]
     return {**{k: float(np.median([r[k] for r in launches]))
-               if isinstance(v, (int, float)) and k != "ranks" else v
+               if isinstance(v, (int, float)) and k not in ("ranks", "files_read") else v
                for k, v in launches[0].items()}, "launches": len(launches)}
 
 
 def run(small, device, workdir):
     settings = SMALL if small else FULL
-    files = {size: sparse_token_file(os.path.join(workdir, f"size{size}"), size)
-             for size in settings["sizes"]}
+    sizes, n_shards = settings["sizes"], settings["shards"]
+    folders = {(size, 1): sparse_token_file(os.path.join(workdir, f"size{size}"), size)
+               for size in sizes}
+    print(f"bench data: {report.size(sizes[-1])} in {n_shards:,} shards", file=sys.stderr)
+    folders[sizes[-1], n_shards] = sparse_shard_set(
+        os.path.join(workdir, f"shards{n_shards}"), sizes[-1], n_shards)
     rows = []
     # rank counts outermost: the launches that a target compares (the sizes and loaders at
     # one rank count) run minutes apart at most, under about the same load from other work
     for ranks in settings["ranks"]:
-        for size, path in files.items():
-            for loader in LOADERS:
-                print(f"bench data: {report.size(size)}, {ranks} rank(s), {loader}",
-                      file=sys.stderr)
-                out = os.path.join(workdir, f"{loader}-{size}-{ranks}")
-                launches = [launch(loader, path, ranks, settings, out)
-                            for _ in range(1 if loader == "seed" else settings["launches"])]
-                rows.append({"size": size, **median_launch(launches)})
-    ahead = read_ahead_kb(files[settings["sizes"][0]])
-    for path in files.values():
-        os.remove(path)  # also drops the page cache it filled
+        for size in sizes:
+            cases = [(loader, 1) for loader in LOADERS] + \
+                    ([("ddpgpt", n_shards)] if size == sizes[-1] else [])
+            rows += measure(cases, size, ranks, folders, settings, workdir)
+    ahead = read_ahead_kb(token_files(folders[sizes[0], 1])[0])
+    for folder in folders.values():
+        shutil.rmtree(folder)  # also drops the page cache its files filled
     return {"settings": {**settings, "batch": [BATCH, BLOCK], "read_ahead_kb": ahead},
             "results": rows, "targets": targets(rows, settings)}
+
+
+def measure(cases, size, ranks, folders, settings, workdir):
+    """The rows of the (loader, files) cases at one size and rank count. The cases take turns,
+    launch after launch, so that a change in the machine's load falls on all of them alike;
+    the seed's loader runs in the first turn only."""
+    launches = {case: [] for case in cases}
+    for turn in range(settings["launches"]):
+        for loader, files in cases:
+            if loader == "seed" and turn:
+                continue
+            print(f"bench data: {report.size(size)} in {files:,} file(s), {ranks} rank(s), "
+                  f"{loader}", file=sys.stderr)
+            out = os.path.join(workdir, f"{loader}-{size}-{files}-{ranks}")
+            launches[loader, files].append(
+                launch(loader, folders[size, files], ranks, settings, out))
+    return [{"size": size, "files": files, **median_launch(launches[loader, files])}
+            for loader, files in cases]
 
 
 def find(rows, **where):
@@ -140,20 +195,37 @@ def find(rows, **where):
                  and all(r[k] == v for k, v in where.items())), None)
 
 
-def growth_target(rows, settings, key, what):
-    """ddpgpt's `key` at the largest file within 10% of the smallest, at every rank count."""
-    small, large = settings["sizes"][0], settings["sizes"][-1]
+def within_target(rows, settings, key, base, case, target):
+    """ddpgpt's `key` in the `case` rows within 10% of the `base` rows (each a dict of the
+    fields that pick a row), at every rank count."""
     parts, met = [], True
     for ranks in settings["ranks"]:
-        a, b = (find(rows, loader="ddpgpt", size=size, ranks=ranks) for size in (small, large))
+        a, b = (find(rows, loader="ddpgpt", ranks=ranks, **where) for where in (base, case))
         met = met and a is not None and b is not None and b[key] / a[key] - 1 <= 0.10
         parts.append(f"{ranks} rank(s): " + (compare(key, a, b) if a and b else "not measured"))
-    return {"target": f"{what} at {report.size(large)} within 10% of {report.size(small)} "
-                      f"(ddpgpt)", "measured": "; ".join(parts), "met": met}
+    return {"target": target, "measured": "; ".join(parts), "met": met}
+
+
+def growth_target(rows, settings, key, what):
+    """ddpgpt's `key` at the largest file within 10% of the smallest."""
+    small, large = settings["sizes"][0], settings["sizes"][-1]
+    return within_target(rows, settings, key, {"size": small, "files": 1},
+                         {"size": large, "files": 1},
+                         f"{what} at {report.size(large)} within 10% of {report.size(small)} "
+                         f"(ddpgpt)")
+
+
+def shards_target(rows, settings, key, what):
+    """ddpgpt's `key` on the largest size as a shard set within 10% of it as one file."""
+    size, n = settings["sizes"][-1], settings["shards"]
+    return within_target(rows, settings, key, {"size": size, "files": 1},
+                         {"size": size, "files": n},
+                         f"{what} with {report.size(size)} in {n:,} shards within 10% of one "
+                         f"{report.size(size)} file (ddpgpt)")
 
 
 def compare(key, a, b):
-    """ddpgpt's `key` at the largest file (b) against the smallest (a)."""
+    """ddpgpt's `key` in row b (the larger file, or the shard set) against row a."""
     change = f"{b[key] / a[key] - 1:+.0%}"
     if key == "startup_s":  # and its part that touches the file
         return (f"{b[key]:.2f} s vs {a[key]:.2f} s ({change}; data setup {b['setup_s']:.3f} s "
@@ -164,7 +236,7 @@ def compare(key, a, b):
 def latency_target(rows, key):
     """ddpgpt's latency no worse than reference (a)'s, at every size and rank count."""
     pairs = [(r, find(rows, loader="nanogpt", size=r["size"], ranks=r["ranks"]))
-             for r in rows if r["loader"] == "ddpgpt"]
+             for r in rows if r["loader"] == "ddpgpt" and r["files"] == 1]
     ratios = [(r[key] / ref[key], r, ref) for r, ref in pairs if r["status"] == "ok" and ref]
     measured = "not measured"
     if ratios:
@@ -178,18 +250,21 @@ def latency_target(rows, key):
 
 def targets(rows, settings):
     after = f"after {settings['batches']:,} batches"
-    growth = [("startup_s", "start-up (process start to first batch, slowest rank)"),
-              ("rss_first", "RSS at the first batch"),
-              ("private_first", "private memory at the first batch"),
-              ("rss_after", f"RSS {after}"), ("private_after", f"private memory {after}")]
-    return [*(growth_target(rows, settings, key, what) for key, what in growth),
-            latency_target(rows, "p50_ms"), latency_target(rows, "p99_ms")]
+    what = {"startup_s": "start-up (process start to first batch, slowest rank)",
+            "rss_first": "RSS at the first batch",
+            "private_first": "private memory at the first batch",
+            "rss_after": f"RSS {after}", "private_after": f"private memory {after}"}
+    return [*(growth_target(rows, settings, key, text) for key, text in what.items()),
+            latency_target(rows, "p50_ms"), latency_target(rows, "p99_ms"),
+            *(shards_target(rows, settings, key, what[key])
+              for key in ("startup_s", "rss_first", "rss_after"))]
 
 
 def plot(result):
     return report.line_plot(
-        result, "Data path against the size of train.bin", ("size", "train.bin, MiB", MiB, "log"),
+        result, "Data path against the size of the train split",
+        ("size", "train split, MiB", MiB, "log"),
         [("startup_s", "start-up, s (slowest rank)", 1, "linear"),
          ("private_after", "private memory after the last batch, MiB", MiB, "linear"),
          ("rss_after", "RSS after the last batch, MiB", MiB, "linear"),
-         ("p50_ms", "p50 batch latency, ms", 1, "log")], series=("loader", "ranks"))
+         ("p50_ms", "p50 batch latency, ms", 1, "log")], series=("loader", "files", "ranks"))

@@ -5,7 +5,9 @@
 Measures the time from this process's start to its first batch of 12 x 1024 tokens and its
 memory then, reads BATCHES batches in all, timing each, measures its memory again and writes
 OUT.rank<r>.json. LOADER is what reads the batches: 'ddpgpt' is data.rank_batches, as train.py
-uses it; 'nanogpt' and 'seed' are references written for this comparison (see below).
+uses it, on DATA_DIR's train split (train.bin, or the shards its meta.json lists); 'nanogpt'
+and 'seed' are references written for this comparison (see below), which read train.bin.
+Each loader is (its batches, the number of files it reads), so the result says what was read.
 """
 import json
 import os
@@ -33,13 +35,16 @@ def ddpgpt(data_dir, rank, world):
                                                log=lambda *a: None)])
     return data.rank_batches(train, block_size=BLOCK, batch_size=BATCH, micro_steps=1,
                              rank=rank, world_size=world, seed=SEED, mode="epoch", start_step=0,
-                             device="cpu", vocab_size=VOCAB, prefetch=0)
+                             device="cpu", vocab_size=VOCAB, prefetch=0), len(train.splits[0].paths)
 
 
 def nanogpt(data_dir, rank, world):
     """Reference (a), nanoGPT's way: every batch maps the file afresh (nanoGPT does this so
     that the pages it touched are released) and draws its offsets with torch.randint."""
-    path = os.path.join(data_dir, "train.bin")
+    return nanogpt_batches(os.path.join(data_dir, "train.bin")), 1
+
+
+def nanogpt_batches(path):
     while True:
         tokens = np.memmap(path, dtype=np.uint16, mode="r")
         starts = torch.randint(len(tokens) - BLOCK, (BATCH,)).tolist()
@@ -69,7 +74,7 @@ def seed(data_dir, rank, world):
     sample index, as a Python list, in every rank, before the first batch."""
     dataset = EveryOffset(os.path.join(data_dir, "train.bin"))
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
-    return iter(DataLoader(dataset, batch_size=BATCH, sampler=sampler))
+    return iter(DataLoader(dataset, batch_size=BATCH, sampler=sampler)), 1
 
 
 LOADERS = {"ddpgpt": ddpgpt, "nanogpt": nanogpt, "seed": seed}
@@ -87,7 +92,7 @@ def main(loader, data_dir, out, n_batches):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")  # as train.py does, before it opens the data
     t_setup = time.perf_counter()
-    batches = LOADERS[loader](data_dir, rank, world)
+    batches, files = LOADERS[loader](data_dir, rank, world)
     x, _ = next(batches)
     t_first = time.time()
     setup_s = time.perf_counter() - t_setup
@@ -98,7 +103,7 @@ def main(loader, data_dir, out, n_batches):
         t = time.perf_counter()
         next(batches)
         latencies.append(time.perf_counter() - t)
-    result = {"rank": rank, "startup_s": t_first - psutil.Process().create_time(),
+    result = {"rank": rank, "files": files, "startup_s": t_first - psutil.Process().create_time(),
               "setup_s": setup_s, "first": at_first, "after": memory(),
               "batches": n_batches, "batches_per_s": len(latencies) / sum(latencies),
               "latency_ms": [t * 1000 for t in latencies]}

@@ -1,6 +1,8 @@
-"""prepare.py's throughput and peak memory against the size of the corpus, and those of a
-reference that tokenizes one document per call inside datasets.map (prepare_reference.py),
-both from the same JSON-lines file with the GPT-2 tokenizer on the same number of processes."""
+"""prepare.py's throughput and peak memory against the size of the corpus, and those of two
+references: one that tokenizes one document per call inside datasets.map (prepare_reference.py,
+nanoGPT's way) and llm.c's pipeline of one document per pool task, writing shards through a
+preallocated buffer (prepare_llmc_reference.py). All read the same JSON-lines file and use the
+GPT-2 tokenizer on the same number of processes; prepare.py and llm.c's both write shards."""
 import json
 import os
 import shutil
@@ -13,17 +15,20 @@ from bench import common, report
 from bench.common import MiB
 
 TITLE = "Prepare"
-FULL = {"copies": [1, 3], "documents": None}
-SMALL = {"copies": [1, 2], "documents": 100}  # the first 100 documents of the stdlib
+# shard_tokens: each corpus size makes two shards or more (x1 is 15M tokens in full, 0.8M small)
+FULL = {"copies": [1, 3, 9], "documents": None, "shard_tokens": 10_000_000}
+SMALL = {"copies": [1, 2], "documents": 100,  # the first 100 documents of the stdlib
+         "shard_tokens": 200_000}
 SHARED_VOCAB = os.path.join(common.ROOT, "..", "shared", "tokenizers", "r50k_base.tiktoken")
 TIME_CAP_S = 1800  # only stops a hung run
-IMPLS = ("ddpgpt", "reference")  # as text/prepare.md names them
+IMPLS = ("ddpgpt", "reference", "llmc")  # as text/prepare.md names them
 TABLES = {"table": [
     ("corpus", "pystdlib x{copies}"), ("documents", "{documents:,}"),
     ("size", "{corpus_bytes:size}"), ("pipeline", "{impl}"), ("tokens", "{tokens:,}"),
-    ("wall s", "{wall_s:.1f}"), ("tokens/s", "{tok_per_s:,.0f}"),
+    ("files", "{files}"), ("wall s", "{wall_s:.1f}"), ("tokens/s", "{tok_per_s:,.0f}"),
+    ("CPU s", "{cpu_s:.1f}"), ("tokens per CPU s", "{tok_per_cpu_s:,.0f}"),
     ("peak RSS", "{peak_rss:size}"), ("peak private", "{peak_private:size}"),
-    ("reference's phases (load / tokenize / write s)",
+    ("references' phases (load / tokenize / write s)",
      "{phases[load_s]:.1f} / {phases[tokenize_s]:.1f} / {phases[write_s]:.1f}"),
     ("load", "{load_1m}")]}
 
@@ -53,21 +58,41 @@ def write_corpus(path, documents, copies):
     return os.path.getsize(path)
 
 
-def measure(impl, corpus, out_dir, env):
+def command(impl, corpus, out_dir, settings):
     cores = str(os.cpu_count())
-    args = [sys.executable, "prepare.py", f"--dataset={corpus}", f"--out_dir={out_dir}",
-            "--tokenizer=gpt2", f"--num_proc={cores}"] if impl == "ddpgpt" else \
-        [sys.executable, "-m", "bench.prepare_reference", corpus, out_dir, cores]
-    finished = common.check(common.run_watched(args, env, TIME_CAP_S),
-                            f"the {impl} pipeline")
     if impl == "ddpgpt":
-        phases = {}
-        tokens = sum(s["tokens"] for s in tokenfile.read_meta(out_dir)["splits"].values())
-    else:
-        phases = json.loads(finished.output.strip().splitlines()[-1])
-        tokens = phases.pop("tokens")
-    return {"impl": impl, "tokens": tokens, "wall_s": finished.wall_s,
-            "tok_per_s": tokens / finished.wall_s, "peak_rss": finished.peak_rss,
+        return [sys.executable, "prepare.py", f"--dataset={corpus}", f"--out_dir={out_dir}",
+                "--tokenizer=gpt2", f"--num_proc={cores}",
+                f"--shard_tokens={settings['shard_tokens']}"]
+    if impl == "reference":
+        return [sys.executable, "-m", "bench.prepare_reference", corpus, out_dir, cores]
+    return [sys.executable, "-m", "bench.prepare_llmc_reference", corpus, out_dir, cores,
+            str(settings["shard_tokens"])]
+
+
+def written(impl, out_dir):
+    """(tokens, files) of what a pipeline wrote, read back from its output: prepare.py's
+    meta.json; the references' train.bin and val.bin, or llm.c's shards, through tokenfile,
+    which checks each shard against its header."""
+    if impl == "ddpgpt":
+        splits = tokenfile.read_meta(out_dir)["splits"].values()
+        return sum(s["tokens"] for s in splits), sum(len(s["shards"]) for s in splits)
+    splits = [tokenfile.open_split(out_dir, split, 1, log=lambda *a: None)
+              for split in tokenfile.SPLITS]
+    return sum(s.n_tokens for s in splits), sum(len(s.paths) for s in splits)
+
+
+def measure(impl, corpus, out_dir, env, settings):
+    finished = common.check(common.run_watched(command(impl, corpus, out_dir, settings), env,
+                                               TIME_CAP_S), f"the {impl} pipeline")
+    # the references print their phases as their last line
+    phases = {} if impl == "ddpgpt" else json.loads(finished.output.strip().splitlines()[-1])
+    tokens, files = written(impl, out_dir)
+    if phases and phases.pop("tokens") != tokens:
+        raise RuntimeError(f"the {impl} pipeline counted other tokens than it wrote")
+    return {"impl": impl, "tokens": tokens, "files": files, "wall_s": finished.wall_s,
+            "tok_per_s": tokens / finished.wall_s, "cpu_s": finished.cpu_s,
+            "tok_per_cpu_s": tokens / finished.cpu_s, "peak_rss": finished.peak_rss,
             "peak_private": finished.peak_private, "phases": phases,
             "load_1m": common.load_1m()}
 
@@ -85,22 +110,48 @@ def run(small, device, workdir):
             print(f"bench prepare: pystdlib x{copies}, {impl}", file=sys.stderr)
             out_dir = os.path.join(workdir, f"{impl}-x{copies}")
             rows.append({"copies": copies, "documents": len(documents) * copies,
-                         "corpus_bytes": corpus_bytes, **measure(impl, corpus, out_dir, env)})
+                         "corpus_bytes": corpus_bytes,
+                         **measure(impl, corpus, out_dir, env, settings)})
             shutil.rmtree(out_dir)
         os.remove(corpus)
     return {"settings": {**settings, "processes": os.cpu_count(), "tokenizer": "gpt2",
                          "vocabulary": vocab_note},
-            "results": rows, "targets": [target(rows)]}
+            "results": rows, "targets": targets(rows)}
 
 
-def target(rows):
+def targets(rows):
+    return [speed_target(rows, "reference", lambda ratio: ratio > 1,
+                         "prepare.py faster than the per-document datasets.map reference"),
+            speed_target(rows, "llmc", lambda ratio: ratio >= 2,
+                         "prepare.py at least 2x the tokens/s of llm.c's pipeline (a pool task "
+                         "per document, imap chunksize 16), at every corpus size"),
+            memory_target(rows)]
+
+
+def speed_target(rows, ref, met_at, target):
+    """prepare.py's tokens/s against `ref`'s at each corpus size; met_at(ratio) judges one."""
     parts, met = [], True
     for ours in (r for r in rows if r["impl"] == "ddpgpt"):
-        ref = next(r for r in rows if r["impl"] == "reference" and r["copies"] == ours["copies"])
-        met = met and ours["tok_per_s"] > ref["tok_per_s"]
-        parts.append(f"x{ours['copies']}: {ours['tok_per_s']:,.0f} vs {ref['tok_per_s']:,.0f} "
-                     f"tokens/s ({ours['tok_per_s'] / ref['tok_per_s']:.2f}x)")
-    return {"target": "prepare.py faster than the per-document datasets.map reference",
+        theirs = next(r for r in rows if r["impl"] == ref and r["copies"] == ours["copies"])
+        ratio = ours["tok_per_s"] / theirs["tok_per_s"]
+        met = met and met_at(ratio)
+        parts.append(f"x{ours['copies']}: {ours['tok_per_s']:,.0f} vs "
+                     f"{theirs['tok_per_s']:,.0f} tokens/s ({ratio:.2f}x)")
+    return {"target": target, "measured": "; ".join(parts), "met": met}
+
+
+def memory_target(rows):
+    """prepare.py's peak memory at the largest corpus within 10% of the smallest."""
+    ours = sorted((r for r in rows if r["impl"] == "ddpgpt"), key=lambda r: r["copies"])
+    small, large = ours[0], ours[-1]
+    parts, met = [], True
+    for key, what in (("peak_rss", "peak RSS"), ("peak_private", "peak private")):
+        change = large[key] / small[key] - 1
+        met = met and change <= 0.10
+        parts.append(f"{what} {report.size(large[key])} vs {report.size(small[key])} "
+                     f"({change:+.0%})")
+    return {"target": f"prepare.py's peak memory (RSS and private, all its processes) at "
+                      f"pystdlib x{large['copies']} within 10% of x{small['copies']}",
             "measured": "; ".join(parts), "met": met}
 
 
@@ -109,6 +160,7 @@ def plot(result):
         result, f"Prepare, GPT-2 tokenizer, {result['settings']['processes']} processes",
         ("corpus_bytes", "corpus, MB of JSON lines", 1e6, "linear"),
         [("tok_per_s", "million tokens/s", 1e6, "linear"),
+         ("tok_per_cpu_s", "million tokens per CPU second", 1e6, "linear"),
          ("peak_rss", "peak RSS, MiB (all processes)", MiB, "linear"),
          ("peak_private", "peak private memory, MiB (all processes)", MiB, "linear")],
         series=("impl",))

@@ -87,18 +87,24 @@ def document(parts, data_dir):
     return "\n\n".join(blocks + [section(*part) for part in parts]) + "\n"
 
 
+def colour(group):
+    """What a line's colour stands for: its series fields but the last (the marker's), or its
+    one field."""
+    return group[:-1] or group
+
 
 def line_plot(result, title, x, panels, series):
     """A figure of a panel per (key, label, unit, yscale) in `panels`, each with a line per
-    group of rows that share the `series` fields (colour by the first, marker by the last),
-    against x = (key, label, unit, xscale). Rows that did not run have no point."""
+    group of rows that share the `series` fields (colour by all of them but the last, marker
+    by the last), against x = (key, label, unit, xscale). Rows that did not run have no point."""
     from matplotlib.figure import Figure
 
     groups = {}
     for r in result["results"]:
         if r.get("status", "ok") == "ok":
             groups.setdefault(tuple(r[k] for k in series), []).append(r)
-    firsts, lasts = (list(dict.fromkeys(g[i] for g in groups)) for i in (0, -1))
+    colours = list(dict.fromkeys(colour(g) for g in groups))
+    lasts = list(dict.fromkeys(g[-1] for g in groups))
     nrows = 2 if len(panels) > 3 else 1
     ncols = -(-len(panels) // nrows)
     fig = Figure(figsize=(4.5 * ncols + 2, 4 * nrows + 0.5), layout="constrained")
@@ -106,7 +112,8 @@ def line_plot(result, title, x, panels, series):
     for ax, (key, label, unit, yscale) in zip(fig.subplots(nrows, ncols).flat, panels):
         for group, rows in groups.items():
             ax.plot([r[xkey] / xunit for r in rows], [r[key] / unit for r in rows],
-                    color=f"C{firsts.index(group[0])}", marker="os^vD"[lasts.index(group[-1])],
+                    color=f"C{colours.index(colour(group))}",
+                    marker="os^vD"[lasts.index(group[-1])],
                     label=", ".join(map(str, group)))
         ax.set(xscale=xscale, yscale=yscale, xlabel=xlabel, ylabel=label)
         if yscale == "linear":

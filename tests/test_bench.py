@@ -10,28 +10,35 @@ import os
 import shutil
 import sys
 
+import numpy as np
 import psutil
 import pytest
 import torch
 
-from bench import common, gpu, report
-from conftest import ROOT, python, run
+import tokenfile
+from bench import common, datapath, gpu, report
+from conftest import ROOT, python
 
 DOCS = os.path.join(ROOT, "docs")
 GROWTH_KEYS = ("startup_s", "rss_first", "private_first", "rss_after", "private_after")
+SHARD_KEYS = ("startup_s", "rss_first", "rss_after")
 
 
 def data_verdicts(result):
     """Each target's rule, restated: ddpgpt's start-up and memory at the largest file within
-    10% of the smallest at every rank count; its p50 and p99 latency no worse than (a)'s."""
-    rows = {(r["loader"], r["size"], r["ranks"]): r for r in result["results"]}
-    sizes, ranks = result["settings"]["sizes"], result["settings"]["ranks"]
-    ours = {(size, n): rows["ddpgpt", size, n] for size in sizes for n in ranks}
-    growth = [all(ours[sizes[-1], n][key] / ours[sizes[0], n][key] - 1 <= 0.10 for n in ranks)
+    10% of the smallest at every rank count; its p50 and p99 latency no worse than (a)'s; its
+    start-up and RSS on the largest size as a shard set within 10% of it as one file."""
+    rows = {(r["loader"], r["size"], r["files"], r["ranks"]): r for r in result["results"]}
+    s = result["settings"]
+    sizes, ranks, large = s["sizes"], s["ranks"], s["sizes"][-1]
+    ours = {(size, n): rows["ddpgpt", size, 1, n] for size in sizes for n in ranks}
+    growth = [all(ours[large, n][key] / ours[sizes[0], n][key] - 1 <= 0.10 for n in ranks)
               for key in GROWTH_KEYS]
-    latency = [all(r[key] <= rows["nanogpt", size, n][key] for (size, n), r in ours.items())
+    latency = [all(r[key] <= rows["nanogpt", size, 1, n][key] for (size, n), r in ours.items())
                for key in ("p50_ms", "p99_ms")]
-    return growth + latency
+    shards = [all(rows["ddpgpt", large, s["shards"], n][key] / ours[large, n][key] - 1 <= 0.10
+                  for n in ranks) for key in SHARD_KEYS]
+    return growth + latency + shards
 
 
 def training_verdicts(result):
@@ -43,10 +50,16 @@ def training_verdicts(result):
 
 
 def prepare_verdicts(result):
-    """prepare.py's tokens/s above the reference's at every corpus size."""
+    """prepare.py's tokens/s above the datasets.map reference's and at least twice llm.c's
+    at every corpus size; its peak RSS and private memory at the largest corpus within 10% of
+    the smallest."""
     rows = {(r["impl"], r["copies"]): r for r in result["results"]}
-    return [all(rows["ddpgpt", c]["tok_per_s"] > rows["reference", c]["tok_per_s"]
-                for c in result["settings"]["copies"])]
+    copies = result["settings"]["copies"]
+    ratios = {ref: [rows["ddpgpt", c]["tok_per_s"] / rows[ref, c]["tok_per_s"] for c in copies]
+              for ref in ("reference", "llmc")}
+    small, large = rows["ddpgpt", min(copies)], rows["ddpgpt", max(copies)]
+    return [all(r > 1 for r in ratios["reference"]), all(r >= 2 for r in ratios["llmc"]),
+            all(large[key] / small[key] - 1 <= 0.10 for key in ("peak_rss", "peak_private"))]
 
 
 def gpu_verdicts(result):
@@ -92,22 +105,27 @@ def bench_part(part, env, tmp_path, flag="--small"):
 def test_data_path(env, tmp_path):
     result, page = bench_part("data", env, tmp_path)
     s = result["settings"]
-    rows = {(r["size"], r["ranks"], r["loader"]): r for r in result["results"]}
-    assert set(rows) == {(size, ranks, loader) for size in s["sizes"] for ranks in s["ranks"]
-                         for loader in ("ddpgpt", "nanogpt", "seed")}
-    for (size, ranks, loader), r in rows.items():
+    rows = {(r["size"], r["files"], r["ranks"], r["loader"]): r for r in result["results"]}
+    assert len(rows) == len(result["results"])
+    large, n_shards = max(s["sizes"]), s["shards"]
+    assert set(rows) == {(size, 1, ranks, loader) for size in s["sizes"] for ranks in s["ranks"]
+                         for loader in ("ddpgpt", "nanogpt", "seed")} | \
+        {(large, n_shards, ranks, "ddpgpt") for ranks in s["ranks"]}
+    for (size, files, ranks, loader), r in rows.items():
         if loader == "seed" and size == max(s["sizes"]):
             # a sample index per token, permuted in every rank: past a cap at 64 MiB (memory,
             # or time on a loaded machine, whichever it reaches first)
             assert r["status"].startswith(("exceeded the memory cap", "exceeded the time cap")), r
             continue
         assert r["status"] == "ok", r
+        assert r["files_read"] == files  # the shard set was read as a shard set
         assert r["startup_s"] > r["setup_s"] > 0
         assert 0 < r["p50_ms"] <= r["p99_ms"] and r["batches_per_s"] > 0
         for when in ("first", "after"):
             assert 0 < r[f"private_{when}"] < r[f"rss_{when}"]
-    assert "| 2 | 64 MiB | seed | exceeded the " in page
-    assert len(result["targets"]) == 7
+    assert "| 2 | 64 MiB | 1 | seed | exceeded the " in page
+    assert "| 2 | 64 MiB | 1,000 | ddpgpt | " in page
+    assert len(result["targets"]) == 10
 
 
 def test_training(env, tmp_path):
@@ -125,16 +143,36 @@ def test_training(env, tmp_path):
 def test_prepare(env, tmp_path):
     result, _ = bench_part("prepare", env, tmp_path)
     rows = {(r["copies"], r["impl"]): r for r in result["results"]}
-    copies = result["settings"]["copies"]
-    assert set(rows) == {(c, impl) for c in copies for impl in ("ddpgpt", "reference")}
+    copies, shard_tokens = result["settings"]["copies"], result["settings"]["shard_tokens"]
+    impls = ("ddpgpt", "reference", "llmc")
+    assert set(rows) == {(c, impl) for c in copies for impl in impls}
     for c in copies:
         # the same documents through the same tokenizer: the same number of tokens
-        assert rows[c, "ddpgpt"]["tokens"] == rows[c, "reference"]["tokens"] > 0
-        assert rows[c, "ddpgpt"]["tokens"] == c * rows[copies[0], "ddpgpt"]["tokens"]
-        for impl in ("ddpgpt", "reference"):
-            assert rows[c, impl]["tok_per_s"] > 0 and rows[c, impl]["peak_rss"] > 0
-    assert set(rows[copies[0], "reference"]["phases"]) == {"documents", "load_s",
-                                                            "tokenize_s", "write_s"}
+        tokens = rows[c, "ddpgpt"]["tokens"]
+        assert tokens == rows[c, "reference"]["tokens"] == rows[c, "llmc"]["tokens"] > 0
+        assert tokens == c * rows[copies[0], "ddpgpt"]["tokens"]
+        for impl in impls:
+            r = rows[c, impl]
+            assert r["tok_per_s"] > 0 and r["peak_rss"] > 0
+            # the CPU time of the command and its workers, which no more cores can exceed
+            assert 0 < r["cpu_s"] <= r["wall_s"] * result["machine"]["cores"] + 0.5
+        # shards: llm.c's fill each one to shard_tokens; prepare.py's end at a document's end
+        assert rows[c, "llmc"]["files"] == -(-tokens // shard_tokens) >= 2
+        assert rows[c, "ddpgpt"]["files"] > 2 and rows[c, "reference"]["files"] == 2
+    phases = {"documents", "load_s", "tokenize_s", "write_s"}
+    assert set(rows[copies[0], "reference"]["phases"]) == phases
+    assert set(rows[copies[0], "llmc"]["phases"]) == phases | {"shards"}
+
+
+def test_shard_set_is_the_token_space_of_one_file(tmp_path):
+    # the data part's shard set against its single file: as many tokens, in shards of sizes
+    # that differ by one token at most, which the loader reads through meta.json
+    size, n_shards = 2 * 7003, 7
+    one = datapath.sparse_token_file(str(tmp_path / "one"), size)
+    many = datapath.sparse_shard_set(str(tmp_path / "many"), size, n_shards)
+    single, shards = (tokenfile.open_split(d, "train", 16) for d in (one, many))
+    assert single.n_tokens == shards.n_tokens == size // 2 and len(shards.paths) == n_shards
+    assert set(np.diff(shards.starts).tolist()) == {1000, 1001}
 
 
 def test_gpu_dry_run(env, tmp_path):
