@@ -70,10 +70,12 @@ def token_dtype(vocab_size):
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def sampled_fingerprint(paths, header_bytes=0):
+def sampled_fingerprint(paths, header_bytes=0, sizes=None):
     """A hash of the files' sizes and of 64 evenly spaced 4 KiB chunks of their data bytes,
-    taken as one run of bytes (a chunk that meets the end of a file stops there)."""
-    sizes = [os.path.getsize(p) - header_bytes for p in paths]
+    taken as one run of bytes (a chunk that meets the end of a file stops there). sizes: the
+    data bytes of each file, when the caller has read them already (10,000 stats cost)."""
+    if sizes is None:
+        sizes = [os.path.getsize(p) - header_bytes for p in paths]
     starts = np.cumsum([0, *sizes])
     h = hashlib.blake2b(",".join(map(str, sizes)).encode(), digest_size=16)
     chunk = min(FINGERPRINT_CHUNK_BYTES, int(starts[-1]))
@@ -231,7 +233,8 @@ def open_split(data_dir, split, block_size, vocab_size=None, log=print):
     token_split = TokenSplit(tuple(paths), dtype, header, np.cumsum([0, *counts]))
     what = paths[0] if len(paths) == 1 else f"the {len(paths)} {split} shards in {data_dir}"
     expected = (meta or {}).get("splits", {}).get(split, {}).get("fingerprint")
-    if expected is not None and expected != sampled_fingerprint(paths, header):
+    sizes = [n * dtype.itemsize for n in counts]
+    if expected is not None and expected != sampled_fingerprint(paths, header, sizes):
         raise UserError(
             f"{what} {'does' if len(paths) == 1 else 'do'} not match the fingerprint in "
             f"{META_NAME}: the content changed after prepare.py wrote it (a different file of "
