@@ -81,6 +81,7 @@ class Watchdog:
         self.folder = os.path.join(out_dir, "hang")
         self.rank, self.world_size, self.hang_timeout_s = rank, world_size, hang_timeout_s
         self.started = time.time()  # reports written before this are from an earlier run
+        self.found = {}  # {rank: its report}, as they come in
         self.steps, self.step_times = 0, deque(maxlen=STEP_WINDOW)
         self.iter_num, self.limit = None, startup_timeout_s or None
         self.last = time.monotonic()
@@ -122,16 +123,14 @@ class Watchdog:
         os._exit(EXIT_CODE)
 
     def report(self, idle):
+        in_thread(sys.stdout.flush, 1)  # the log's last lines before the report
         self.say(f"no progress for {idle:.0f} s (limit {self.limit:.0f} s) in {self.at()}; the "
                  f"Python stacks of this rank's threads, most recent call first:")
         self.say(stacks())
         where = where_now(threading.get_ident(), self.world_size)
         self.say(f"where: {where}")
-        # the files may be on the mount that hangs: share them from a thread of their own,
-        # and exit whether or not it finishes
-        sharing = threading.Thread(target=self.share, args=(where,), daemon=True)
-        sharing.start()
-        sharing.join(REPORT_WAIT_S + 5)
+        # the files may be on the mount that hangs: exit whether or not this finishes
+        in_thread(lambda: self.share(where), REPORT_WAIT_S + 5)
 
     def say(self, text):
         """Each line on its own, prefixed with the rank: ranks that share a log write at the
@@ -152,8 +151,8 @@ class Watchdog:
             self.say(f"could not share its report in {self.folder}: {e}")
 
     def summarise(self):
-        self.wait_for(lambda: len(self.reports()) == self.world_size)
-        lines = summary(self.reports(), self.world_size)
+        self.wait_for(self.gather)
+        lines = summary(self.found, self.world_size)
         path = os.path.join(self.folder, "summary.txt")
         self.say("\n".join([f"where the ranks are (also in {path}):",
                              *(f"  {line}" for line in lines)]))
@@ -164,14 +163,13 @@ class Watchdog:
         while not done() and time.monotonic() < deadline:
             time.sleep(POLL_S / 4)
 
-    def reports(self):
-        """{rank: report} of the fresh reports of this run's ranks."""
-        found = {}
-        for rank in range(self.world_size):
+    def gather(self):
+        """Take in the ranks' fresh reports that have come; True once every rank's has."""
+        for rank in set(range(self.world_size)) - set(self.found):
             report = self.fresh(f"rank{rank}.txt")
             if report is not None:
-                found[rank] = report
-        return found
+                self.found[rank] = report
+        return len(self.found) == self.world_size
 
     def fresh(self, name):
         """The file's line if written by this run, else None."""
@@ -181,6 +179,14 @@ class Watchdog:
         except (OSError, ValueError):
             return None
         return line if line.get("time", 0) >= self.started else None
+
+
+def in_thread(function, timeout_s):
+    """Run function, giving up on it after timeout_s: a write to a full pipe or to a dead
+    mount would block for ever."""
+    thread = threading.Thread(target=function, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
 
 
 def stacks():
