@@ -1,5 +1,6 @@
 """The hang watchdog (watchdog.py) on real torchrun jobs, gloo on CPU: a stopped rank, a rank
-whose data read blocks, the watchdog turned off, a healthy run; the numbers it works with."""
+whose data read blocks, the watchdog turned off, a healthy run; a process that holds the GIL;
+the numbers it works with."""
 import json
 import os
 import re
@@ -121,6 +122,20 @@ def test_hang_timeout_0_turns_it_off(env, corpus, tmp_path, hang_timeout_s):
     else:
         assert p.returncode == 0 and "hang" not in p.stderr, p.stderr
         assert not (out / "hang").exists()
+
+
+def test_a_rank_stuck_where_python_cannot_run_still_dumps_its_stacks_and_exits(env, tmp_path):
+    """A regular expression that backtracks for hours holds the GIL, so the watchdog's thread
+    cannot run: faulthandler's own thread dumps the stacks and exits 1 (its margin made short
+    here)."""
+    script = ("import re, watchdog; watchdog.BACKSTOP_S = 2; "
+              f"watchdog.start({str(tmp_path)!r}, 0, 1, 0, 1); "
+              "re.match(r'(a+)+$', 'a' * 40 + 'b')")
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 1 and p.stderr.startswith("Timeout (0:00:03)!"), p.stderr
+    assert 'File "<string>", line 1 in <module>' in p.stderr
+    assert "train.py: hang" not in p.stderr
 
 
 def test_a_healthy_run_with_evaluations_and_saves_never_fires(env, corpus, tmp_path):
