@@ -40,6 +40,7 @@ import data
 import fileio
 import hf
 import tokenfile
+import watchdog
 from errors import UserError
 from model import GPT, GPTConfig
 
@@ -100,6 +101,10 @@ class TrainConfig:
     dtype: Dtype = "auto"  # 'auto': bfloat16 on CUDA that has it, else float16; float32 on CPU
     compile: bool = False
     dist_timeout_s: int = 600  # how long a collective may wait before the run fails
+    # no step for max(hang_timeout_s, 10 x the median step): each rank's stacks, then exit;
+    # startup_timeout_s until the first step completes. 0: off. (watchdog.py)
+    hang_timeout_s: int = 300
+    startup_timeout_s: int = 1800
     seed: int = 1337
 
 
@@ -111,7 +116,7 @@ AT_LEAST = {**dict.fromkeys(("batch_size", "block_size", "gradient_accumulation_
                              "n_layer", "n_head", "n_embd", "dist_timeout_s"), 1),
             **dict.fromkeys(("learning_rate", "min_lr", "weight_decay", "grad_clip",
                              "max_iters", "warmup_iters", "lr_decay_iters", "vocab_size",
-                             "seed"), 0)}
+                             "seed", "hang_timeout_s", "startup_timeout_s"), 0)}
 BELOW_ONE = ("dropout", "beta1", "beta2")  # and at least 0
 SPIKE_WINDOW, SPIKE_WARMUP = 100, 20  # steps a spike is judged against; fewer: no judging
 # Dense bf16 tensor peak of one GPU, for MFU, by a part of its name; the first that matches
@@ -711,6 +716,7 @@ def log_straggler(log, row):
 
 def save_checkpoint(cfg, model, optimizer, scaler, args, meta, iter_num, samples, best_val,
                     identity):
+    watchdog.beat(iter_num)  # the save gets a whole limit of its own
     return checkpoint.save(cfg.out_dir, {
         "model": model.state_dict(), "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(), "model_args": args, "iter_num": iter_num,
@@ -772,6 +778,7 @@ def main(argv):
     cfg, given = configurator.parse_given(TrainConfig, argv)
     check_config(cfg)
     rank, local_rank, world_size = distributed_env()
+    watchdog.start(cfg.out_dir, rank, world_size, cfg.hang_timeout_s, cfg.startup_timeout_s)
     log = print if rank == 0 else (lambda *a, **k: None)
     device = pick_device(cfg.device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     init_distributed(cfg, device, world_size)
@@ -848,6 +855,7 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
                                        samples, best_val, identity)
                 log(f"saved {path} ({time.perf_counter() - t_save:.2f} s)")
             t_last = time.perf_counter()
+            watchdog.beat(iter_num)
         if cfg.eval_only or iter_num >= cfg.max_iters:
             break
 
@@ -891,6 +899,7 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
         record(metrics, wandb, row)
         iter_num += 1
         samples += global_batch
+        watchdog.beat(iter_num, step_s=dt)
         if stop:
             log(f"stopping at iter {iter_num}: signal received, saving a checkpoint")
             if master:
@@ -901,6 +910,7 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
                 log(f"interrupted at iter {iter_num}; resume with --init_from=resume")
             break
     # ---------------------------------------------------------------- TRAINING LOOP END
+    watchdog.stop()
 
     if metrics is not None:
         metrics.close()

@@ -16,6 +16,8 @@
 #   LAUNCH_ENV      a file to source first, e.g. launch/env/efa.sh (it reaches every rank)
 #   PYTHON          the interpreter that has torch (default python3 from PATH)
 #   TRAIN_SCRIPT    the script to run (default train.py beside this folder)
+#   TORCH_FR_BUFFER_SIZE, TORCH_NCCL_DUMP_ON_TIMEOUT, TORCH_FR_DUMP_TEMP_FILE  NCCL's flight
+#                   recorder, on by default (below); set any of them to override it
 #
 # The ranks run with SIGUSR1 and SIGTERM ignored until train.py catches them, and
 # torchrun itself ignores both: a signal for the step (srun forwards USR1; slurm sends TERM
@@ -67,6 +69,17 @@ esac
 
 echo "srun.sh: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $n_nodes node(s) x" \
      "$nproc rank(s), $LAUNCHER, rendezvous $head_node:$port"
+
+# NCCL's flight recorder: each rank keeps its last collectives in memory and writes them to
+# <prefix><rank> when a collective times out (dist_timeout_s), for torch's analyser
+# (launch/README.md). torch 2.13 reads TORCH_FR_*; the TORCH_NCCL_* names it replaced still
+# work, with a deprecation warning, so a value given under either name wins.
+export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+fr_default=$PWD/flight_recorder/$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}/rank_
+export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$fr_default}}
+echo "srun.sh: NCCL flight recorder: the last $TORCH_FR_BUFFER_SIZE collectives of each rank," \
+     "written on a collective timeout to ${TORCH_FR_DUMP_TEMP_FILE}<rank>"
 # the ranks must take their ranks from torchrun or srun, never from a stray shell variable
 unset RANK LOCAL_RANK WORLD_SIZE GROUP_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT
 
@@ -81,6 +94,7 @@ case $LAUNCHER in
     # shellcheck disable=SC2016  # the inner script's variables expand on each node
     exec "${step[@]}" --ntasks="$n_nodes" --ntasks-per-node=1 bash -c '
       trap "" USR1 TERM
+      mkdir -p "$(dirname "$TORCH_FR_DUMP_TEMP_FILE")"
       [ "$SLURMD_NODENAME" = "$1" ] && is_host=1 || is_host=0
       exec "$2" -m torch.distributed.run --nnodes="$3" --nproc-per-node="$4" \
         --rdzv-backend=c10d --rdzv-endpoint="$1:$5" --rdzv-id="$SLURM_JOB_ID" \
@@ -90,7 +104,9 @@ case $LAUNCHER in
       "$TRAIN_SCRIPT" "$@" ;;
   srun)
     export MASTER_ADDR=$head_node MASTER_PORT=$port
+    # shellcheck disable=SC2016  # the inner script's variables expand in each task
     exec "${step[@]}" --ntasks="$((n_nodes * nproc))" --ntasks-per-node="$nproc" \
-      bash -c 'trap "" USR1 TERM; exec "$@"' bash "$PYTHON" "$TRAIN_SCRIPT" "$@" ;;
+      bash -c 'trap "" USR1 TERM; mkdir -p "$(dirname "$TORCH_FR_DUMP_TEMP_FILE")"; exec "$@"' \
+      bash "$PYTHON" "$TRAIN_SCRIPT" "$@" ;;
   *) die "LAUNCHER=$LAUNCHER: use torchrun or srun" ;;
 esac

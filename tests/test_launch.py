@@ -3,7 +3,7 @@ slurmd posing as nodes n1 and n2 (8 fake GPUs each) on this host, for this modul
 down.sh stops exactly those. The jobs are the real launch/slurm.sbatch with 2 nodes x 2 ranks
 (NPROC_PER_NODE=2, gloo, a tiny model on the CPU): training to the end, a USR1 that stops,
 requeues and resumes the job on the same batches, a SIGTERM, a failing rank, and one srun
-task per rank."""
+task per rank, and the flight recorder settings each rank gets."""
 import os
 import random
 import re
@@ -76,7 +76,9 @@ def slurm(tiktoken_cache):
                    PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
                    PYTHON=sys.executable, NPROC_PER_NODE="2", TIKTOKEN_CACHE_DIR=tiktoken_cache,
                    OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="offline",
-                   PYTHONPATH=ROOT)
+                   PYTHONPATH=ROOT,
+                   # not the default folder in the checkout, which the jobs would fill
+                   TORCH_FR_DUMP_TEMP_FILE=os.path.join(base, "flight_recorder", "rank_"))
         yield env
     finally:
         subprocess.run(["bash", os.path.join(SLURM_SCRIPTS, "down.sh")], env=cluster,
@@ -268,6 +270,33 @@ def test_one_srun_task_per_rank(slurm, corpus, tmp_path):
     assert "2 node(s) x 2 rank(s), srun" in text and "world size 4," in text
     assert checkpoints(out) == ["ckpt_0000010.pt"]
     assert sorted(steps(out)) == list(range(10))
+
+
+FLIGHT_RECORDER = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE")
+
+
+def test_every_rank_gets_the_flight_recorder_settings(slurm, tmp_path):
+    """On by default, dumps in flight_recorder/<job>-<restart>/ where the job was submitted;
+    a setting of the user's wins."""
+    log = str(tmp_path / "job.log")
+    env = {k: v for k, v in slurm.items() if k not in FLIGHT_RECORDER}
+    job_id = sbatch(env, log, *FLIGHT_RECORDER, TORCH_FR_BUFFER_SIZE="4000",
+                    TRAIN_SCRIPT=os.path.join(ROOT, "tests", "print_rank_env.py"))
+    folder = os.path.join(ROOT, "flight_recorder", f"{job_id}-0")
+    try:
+        info = wait_done(slurm, job_id, log)
+        text = read(log)
+        assert info["JobState"] == "COMPLETED", (info, text)
+        assert (f"srun.sh: NCCL flight recorder: the last 4000 collectives of each rank, written "
+                f"on a collective timeout to {folder}/rank_<rank>") in text, text
+        seen = sorted(re.findall(r"^rank (\d+): (.*)$", text, re.MULTILINE))
+        assert seen == [(str(r), f"TORCH_FR_BUFFER_SIZE=4000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 "
+                                 f"TORCH_FR_DUMP_TEMP_FILE={folder}/rank_") for r in range(4)]
+        assert os.path.isdir(folder)  # made on each node: torch writes into it, it makes none
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        if os.path.isdir(os.path.dirname(folder)) and not os.listdir(os.path.dirname(folder)):
+            os.rmdir(os.path.dirname(folder))
 
 
 def test_srun_sh_outside_an_allocation(tmp_path):

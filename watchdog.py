@@ -1,0 +1,294 @@
+"""The hang watchdog: a run that stops making progress says where each rank is, then ends.
+
+train.py starts it first thing and beats it at each completed step, after each evaluation and
+before each checkpoint save. When no beat comes within the limit, every rank whose Python can
+still run writes the stacks of all its threads to its log (stderr), headed with its rank and
+iter, and a one-line report to out_dir/hang/rank<r>.txt; rank 0 gathers the reports, prints
+where the ranks are, grouped, and which did not report, and writes that to
+out_dir/hang/summary.txt. Then each rank exits with EXIT_CODE, so that torchrun or SLURM ends
+the run (and can restart it) instead of leaving it hung until a collective times out.
+
+  the limit   until the first step completes: startup_timeout_s (rendezvous, data checks,
+              compiling, the first evaluation and step); then max(hang_timeout_s, 10 x the
+              median step time after warm-up). 0 turns either off.
+
+The ranks cannot share their reports through collectives, which are what hang, so they share
+them through files: on several nodes that needs out_dir on a file system that all of them see.
+Each rank decides on its own clock; the step's all-reduce keeps the ranks within a step of each
+other, so they fire within a second or two of each other. A rank stuck where Python cannot run
+(a C call that holds the GIL) is caught by faulthandler's own thread instead, a little later:
+it dumps that rank's stacks and exits 1.
+"""
+import faulthandler
+import json
+import linecache
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import deque
+
+EXIT_CODE = 124  # as coreutils' timeout: the run timed out
+WARMUP_STEPS = 5  # compiling, allocator and autotuning make the first steps slow
+STEP_WINDOW = 100  # the median of the last 100 steps follows a run whose step time changes
+SLOWER_THAN_MEDIAN = 10
+POLL_S = 1.0
+REPORT_WAIT_S = 15  # how long rank 0 waits for the other ranks' reports
+# faulthandler's exit comes this long after the watchdog's own would have, so that it only
+# acts when the watchdog thread could not run
+BACKSTOP_S = REPORT_WAIT_S + 30
+OURS = os.path.dirname(os.path.abspath(__file__))
+
+_watchdog = None
+
+
+def start(out_dir, rank, world_size, hang_timeout_s, startup_timeout_s):
+    """Watch this process (one rank); 0 for both timeouts watches nothing."""
+    global _watchdog
+    if hang_timeout_s or startup_timeout_s:
+        _watchdog = Watchdog(out_dir, rank, world_size, hang_timeout_s, startup_timeout_s)
+
+
+def beat(iter_num, step_s=None):
+    """Progress: a step of step_s seconds completed (this rank is now at iter_num), or, with
+    no step_s, an evaluation or a save begins or ends."""
+    if _watchdog is not None:
+        _watchdog.beat(iter_num, step_s)
+
+
+def stop():
+    """The training loop is over: what follows (closing logs, wandb) is not watched."""
+    global _watchdog
+    if _watchdog is not None:
+        _watchdog.stopped.set()
+        faulthandler.cancel_dump_traceback_later()
+        _watchdog = None
+
+
+def limit_s(hang_timeout_s, step_times):
+    """The training limit: hang_timeout_s, or 10 x the median step if that is longer; None if
+    off."""
+    if not hang_timeout_s:
+        return None
+    return max(hang_timeout_s, SLOWER_THAN_MEDIAN * statistics.median(step_times or [0]))
+
+
+class Watchdog:
+    def __init__(self, out_dir, rank, world_size, hang_timeout_s, startup_timeout_s):
+        self.folder = os.path.join(out_dir, "hang")
+        self.rank, self.world_size, self.hang_timeout_s = rank, world_size, hang_timeout_s
+        self.started = time.time()  # reports written before this are from an earlier run
+        self.found = {}  # {rank: its report}, as they come in
+        self.steps, self.step_times = 0, deque(maxlen=STEP_WINDOW)
+        self.iter_num, self.limit = None, startup_timeout_s or None
+        self.last = time.monotonic()
+        self.stopped = threading.Event()
+        self.arm_backstop()
+        threading.Thread(target=self.watch, name="hang-watchdog", daemon=True).start()
+
+    def beat(self, iter_num, step_s):
+        self.iter_num, self.last = iter_num, time.monotonic()
+        if step_s is not None:
+            self.steps += 1
+            if self.steps > WARMUP_STEPS:
+                self.step_times.append(step_s)
+            self.limit = limit_s(self.hang_timeout_s, self.step_times)
+        self.arm_backstop()
+
+    def arm_backstop(self):
+        if self.limit is None:
+            faulthandler.cancel_dump_traceback_later()
+        else:
+            faulthandler.dump_traceback_later(self.limit + BACKSTOP_S, exit=True)
+
+    def watch(self):
+        while not self.stopped.wait(POLL_S):
+            idle = time.monotonic() - self.last
+            if self.limit is not None and idle > self.limit:
+                self.fire(idle)
+
+    def at(self):
+        return "start-up" if self.steps == 0 else f"iter {self.iter_num}"
+
+    def fire(self, idle):
+        try:
+            self.report(idle)
+        except Exception:  # a bug in the report must not leave the run hung
+            traceback.print_exc()
+        self.say(f"exiting with code {EXIT_CODE}, so that torchrun or SLURM ends the run (and "
+                 f"can restart it)")
+        os._exit(EXIT_CODE)
+
+    def report(self, idle):
+        in_thread(sys.stdout.flush, 1)  # the log's last lines before the report
+        self.say(f"no progress for {idle:.0f} s (limit {self.limit:.0f} s) in {self.at()}; the "
+                 f"Python stacks of this rank's threads, most recent call first:")
+        self.say(stacks())
+        where = where_now(threading.get_ident(), self.world_size)
+        self.say(f"where: {where}")
+        # the files may be on the mount that hangs: exit whether or not this finishes
+        in_thread(lambda: self.share(where), REPORT_WAIT_S + 5)
+
+    def say(self, text):
+        """Each line on its own, prefixed with the rank: ranks that share a log write at the
+        same moment, and a line written whole is not cut into another rank's."""
+        for line in text.splitlines():
+            os.write(sys.stderr.fileno(), f"train.py: hang (rank {self.rank}): {line}\n".encode())
+
+    def share(self, where):
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            write_line(os.path.join(self.folder, f"rank{self.rank}.txt"),
+                       {"rank": self.rank, "at": self.at(), "where": where})
+            if self.rank == 0:
+                self.summarise()
+            else:  # a launcher that sees this rank exit could stop rank 0 while it gathers
+                self.wait_for(lambda: self.fresh("summary.txt") is not None)
+        except OSError as e:
+            self.say(f"could not share its report in {self.folder}: {e}")
+
+    def summarise(self):
+        self.wait_for(self.gather)
+        lines = summary(self.found, self.world_size)
+        path = os.path.join(self.folder, "summary.txt")
+        self.say("\n".join([f"where the ranks are (also in {path}):",
+                             *(f"  {line}" for line in lines)]))
+        write_line(path, {"summary": lines})
+
+    def wait_for(self, done):
+        deadline = time.monotonic() + REPORT_WAIT_S
+        while not done() and time.monotonic() < deadline:
+            time.sleep(POLL_S / 4)
+
+    def gather(self):
+        """Take in the ranks' fresh reports that have come; True once every rank's has."""
+        for rank in set(range(self.world_size)) - set(self.found):
+            report = self.fresh(f"rank{rank}.txt")
+            if report is not None:
+                self.found[rank] = report
+        return len(self.found) == self.world_size
+
+    def fresh(self, name):
+        """The file's line if written by this run, else None."""
+        try:
+            with open(os.path.join(self.folder, name)) as f:
+                line = json.loads(f.read())
+        except (OSError, ValueError):
+            return None
+        return line if line.get("time", 0) >= self.started else None
+
+
+def in_thread(function, timeout_s):
+    """Run function, giving up on it after timeout_s: a write to a full pipe or to a dead
+    mount would block for ever."""
+    thread = threading.Thread(target=function, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+
+
+def stacks():
+    """faulthandler's dump of every thread, as text: it writes only to a file descriptor."""
+    with tempfile.TemporaryFile("w+") as f:
+        faulthandler.dump_traceback(f, all_threads=True)
+        f.seek(0)
+        return f.read()
+
+
+def write_line(path, fields):
+    """One JSON line, stamped with the time, under its final name only when complete."""
+    with open(path + ".tmp", "w") as f:
+        f.write(json.dumps({**fields, "time": time.time()}) + "\n")
+    os.replace(path + ".tmp", path)
+
+
+def summary(reports, world_size):
+    """Where the ranks are, ranks in the same place on one line, the odd ones out first; and
+    the ranks that did not report."""
+    places = {}
+    for rank, report in sorted(reports.items()):
+        places.setdefault((report["at"], report["where"]), []).append(rank)
+    lines = [f"{ranks_text(ranks)} ({at}) in {where}" for (at, where), ranks
+             in sorted(places.items(), key=lambda item: (len(item[1]), item[1]))]
+    missing = [r for r in range(world_size) if r not in reports]
+    if missing:
+        lines.append(f"{ranks_text(missing)}: no report (stopped, gone, or stuck where Python "
+                     f"cannot run; a rank's log may still hold its stacks)")
+    return lines
+
+
+def ranks_text(ranks):
+    """'rank 3', 'ranks 0, 2-7'"""
+    spans = []
+    for r in ranks:
+        if spans and spans[-1][1] == r - 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
+
+
+# ---- where a rank is, from its threads' stacks ----
+
+def where_now(watchdog_ident, world_size):
+    """Where this process's main thread is, and its batch reader's while it waits for data."""
+    frames = sys._current_frames()
+    main = threading.main_thread().ident
+    ours, beyond = place(frames[main])
+    if beyond == "_engine_run_backward" and world_size > 1:
+        # DDP all-reduces the gradients inside backward, out of Python's sight; a backward
+        # slower than the limit is waiting there for another rank
+        beyond = "backward (DDP's gradient all_reduce)"
+    if ours != "data.rank_batches":
+        return " -> ".join(filter(None, (ours, beyond)))
+    # the main thread waits for the reader thread's future; the one other thread that runs
+    # our code is that reader
+    readers = [" -> ".join(filter(None, place(f))) for ident, f in frames.items()
+               if ident not in (main, watchdog_ident) and any(map(is_ours, stack(f)))]
+    return "data.rank_batches, waiting for its next batch" + "".join(
+        f" (reader thread in {r})" for r in readers)
+
+
+def stack(frame):
+    """The frames of a thread, innermost first."""
+    return [f for f, _ in traceback.walk_stack(frame)]
+
+
+def place(frame):
+    """(the innermost frame of ours, the innermost beyond it), e.g. ('train.share_step_results',
+    'all_reduce') or ('tokenfile.read_file', 'os.pread'): a C function has no frame of its
+    own, so the call that our frame is in names it. '' for either that is not there."""
+    frames = stack(frame)
+    ours = next((f for f in frames if is_ours(f)), None)
+    beyond = calling(frames[0]) if is_ours(frames[0]) else qualname(frames[0])
+    if ours is None:
+        return "", beyond
+    return f"{os.path.basename(ours.f_code.co_filename)[:-3]}.{qualname(ours)}", beyond
+
+
+def is_ours(frame):
+    path = os.path.abspath(frame.f_code.co_filename)
+    return os.path.dirname(path) == OURS and os.path.basename(path) != "watchdog.py"
+
+
+def qualname(frame):
+    """The function's name with its class or enclosing function: rank_batches.load, not the
+    <locals> and <listcomp> parts of Python's own name."""
+    name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)  # Python 3.10: no class
+    return ".".join(p for p in name.split(".") if not p.startswith("<"))
+
+
+def calling(frame):
+    """The callee of the call the frame is in, e.g. 'os.pread': the text before '(' of the
+    call expression whose position Python (3.11 and later) records; '' where it cannot tell."""
+    if not hasattr(frame.f_code, "co_positions"):
+        return ""
+    line, end_line, col, end_col = list(frame.f_code.co_positions())[frame.f_lasti // 2]
+    if line is None or col is None:
+        return ""
+    text = linecache.getline(frame.f_code.co_filename, line).encode()  # offsets are in bytes
+    call = text[col:end_col if end_line == line else None].decode(errors="replace")
+    return call.split("(", 1)[0].strip() if "(" in call else ""
