@@ -24,7 +24,7 @@ TINY_LIGHTNING = [a for a in TINY if a[2:].split("=")[0] in
 
 def sparse_folder(tmp_path, name, size):
     """A data folder whose train.bin of `size` bytes takes no disk space (it reads as zeros)."""
-    return os.path.dirname(sparse_token_file(str(tmp_path / name), size))
+    return sparse_token_file(str(tmp_path / name), size)
 
 
 def first_batches(env, out, *runs):
