@@ -46,7 +46,19 @@ def prepare_verdicts(result):
                 for c in result["settings"]["copies"])]
 
 
-VERDICTS = {"data": data_verdicts, "training": training_verdicts, "prepare": prepare_verdicts}
+def eval_verdicts(result):
+    """For each model run on 1 and 2 ranks: the same counts on both; 2 ranks faster."""
+    done = {(r["name"], r["ranks"]): r for r in result["results"] if r["status"] == "ok"}
+    pairs = [(done[name, 1], done[name, 2]) for name, ranks in done
+             if ranks == 1 and (name, 2) in done]
+    return [all((one["acc_norm_right"], one["acc_right"]) == (two["acc_norm_right"],
+                                                              two["acc_right"])
+                for one, two in pairs),
+            all(two["examples_per_s"] > one["examples_per_s"] for one, two in pairs)]
+
+
+VERDICTS = {"data": data_verdicts, "training": training_verdicts, "prepare": prepare_verdicts,
+            "eval": eval_verdicts}
 
 
 def bench_part(part, env, tmp_path):
@@ -111,6 +123,17 @@ def test_prepare(env, tmp_path):
             assert rows[c, impl]["tok_per_s"] > 0 and rows[c, impl]["peak_rss"] > 0
     assert set(rows[copies[0], "reference"]["phases"]) == {"documents", "load_s",
                                                             "tokenize_s", "write_s"}
+
+
+def test_eval(env, tmp_path):
+    result, page = bench_part("eval", env, tmp_path)
+    one, two, gpu = result["results"]
+    assert (one["status"], two["status"], one["ranks"], two["ranks"]) == ("ok", "ok", 1, 2)
+    assert (one["acc_norm_right"], one["acc_right"]) == (two["acc_norm_right"], two["acc_right"])
+    for r in (one, two):
+        assert r["seconds"] > 0 and r["examples_per_s"] > 0 and r["tokens_per_example"] > 8
+        assert f"`{r['command']}`" in page
+    assert gpu["status"].startswith("not run: no GPU")
 
 
 @pytest.mark.parametrize("part", VERDICTS)
