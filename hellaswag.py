@@ -78,6 +78,8 @@ def locate(path, log):
                             f"in {cache_dir()}, downloaded the first time.")
         return path
     cached = os.path.join(cache_dir(), FILE_NAME)
+    if os.path.exists(cached):  # a cache folder that is read-only is fine once it holds the file
+        return cached
     try:
         os.makedirs(cache_dir(), exist_ok=True)
         with open(cached + ".lock", "w") as lock:
