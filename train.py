@@ -498,7 +498,7 @@ def evaluate(model, splits, cfg, rank, world_size, autocast, device, vocab_size,
     for split, mix in splits.items():
         results = [split_loss(model, t, cfg, rank, world_size, autocast, device, vocab_size,
                               token_bytes) for t in mix.splits]
-        for k, what in enumerate(("loss", "bpb")[:1 if token_bytes is None else 2]):
+        for k, what in enumerate(("loss",) if token_bytes is None else ("loss", "bpb")):
             values = [r[k] for r in results]
             out[f"{split}_{what}"] = sum(w * v for w, v in zip(mix.weights, values))
             if len(values) > 1:
