@@ -5,6 +5,7 @@ tokens); HellaSwag and val_bpb in train.py's metrics; and clear errors for bad i
 import json
 import math
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -13,7 +14,9 @@ import torch.nn.functional as F
 
 import checkpoint
 import data
+import hellaswag
 import tokenfile
+from errors import UserError
 from conftest import TINY, evals, fails, python, torchrun
 from model import GPT, GPTConfig
 
@@ -173,6 +176,21 @@ def test_a_mixture_reports_bits_per_byte_per_source(corpus, tmp_path, env):
         0.7 * row[f"val_bpb/{os.path.basename(corpus)}"] + 0.3 * row["val_bpb/other"])
 
 
+def test_without_the_data_tokenizer_bits_per_byte_are_left_out_and_hellaswag_refused(tmp_path,
+                                                                                     env):
+    folder, out = str(tmp_path / "data"), f"--out_dir={tmp_path / 'out'}"
+    tokenfile.write_token_files(folder, {s: np.random.default_rng(0).integers(0, 300, 5_000)
+                                         for s in tokenfile.SPLITS},
+                                tokenizer="test", vocab_size=300, eot_token=299)
+    args = [f"--data_dir={folder}", *TINY, "--gradient_accumulation_steps=1", "--max_iters=0"]
+    p = python("train.py", *args, out, env=env)
+    assert "note: the evaluations leave bits per byte out: unknown tokenizer 'test'" in p.stdout
+    (row,) = evals(tmp_path / "out")
+    assert "val_loss" in row and "val_bpb" not in row
+    p = fails("train.py", *args, out, "--hellaswag_interval=1", env=env)
+    assert "hellaswag_interval=1 needs the data's tokenizer: unknown tokenizer 'test'" in p.stderr
+
+
 # ---- GPT-2's tokens: a Hugging Face folder, and bits per byte of text with multi-byte characters
 
 @pytest.fixture(scope="module")
@@ -261,7 +279,23 @@ def test_a_missing_file_and_nothing_to_evaluate(byte_run, tmp_path, env):
     assert f"{tmp_path} holds no loadable checkpoint" in p.stderr
 
 
-def test_offline_without_the_file_says_how_to_get_it(byte_run, tmp_path, env):
+def test_fetched_once_into_the_cache_whole_or_not_at_all(swag_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("DDPGPT_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({**GOOD, "label": 9}) + "\n")
+    monkeypatch.setattr(hellaswag, "URL", bad.as_uri())  # what urllib fetches, with no network
+    with pytest.raises(UserError, match="the label 9 is not one of 0 to 3"):
+        hellaswag.locate("", log=print)
+    assert not [f for f in os.listdir(tmp_path / "cache") if f.endswith((".jsonl", ".tmp"))]
+    monkeypatch.setattr(hellaswag, "URL", f"file://{swag_file}")
+    cached = hellaswag.locate("", log=print)
+    assert cached == str(tmp_path / "cache" / "hellaswag_val.jsonl")
+    assert open(cached, "rb").read() == open(swag_file, "rb").read()
+    monkeypatch.setattr(hellaswag, "URL", "file:///no/such/file")  # the copy is read from now on
+    assert hellaswag.locate("", log=print) == cached
+
+
+def test_offline_without_the_file_says_how_to_get_it(byte_run, swag_file, tmp_path, env):
     # a proxy that refuses every connection: offline, at once
     env.update(DDPGPT_CACHE=str(tmp_path / "cache"), HTTPS_PROXY="http://127.0.0.1:9",
                https_proxy="http://127.0.0.1:9", NO_PROXY="", no_proxy="")
@@ -273,6 +307,10 @@ def test_offline_without_the_file_says_how_to_get_it(byte_run, tmp_path, env):
                               f"hellaswag_val.jsonl"), p.stderr
     assert "curl -L -o hellaswag_val.jsonl" in message and "--hellaswag_path=" in message
     assert not [f for f in os.listdir(tmp_path / "cache") if f.endswith((".jsonl", ".tmp"))]
+    # with the file in the cache, as the README says to put it, the same command works offline
+    shutil.copy(swag_file, tmp_path / "cache" / "hellaswag_val.jsonl")
+    p = python("eval.py", f"--out_dir={byte_run}", "--device=cpu", env=env)
+    assert last_json(p.stdout)["hellaswag_n"] == len(EXAMPLES)
 
 
 def test_train_stops_before_the_first_step_on_a_bad_file(corpus, tmp_path, env):
