@@ -65,12 +65,13 @@ def get_tokenizer(name):
 
 
 def byte_lengths(tok, n_ids):
-    """How many bytes of text each of n_ids token ids stands for, as an int64 array: what bits
-    per byte divide by. End-of-text counts as one byte, the boundary between two documents, so
-    that on byte-tokenized data bits per byte is exactly the loss in bits. Ids the tokenizer
-    does not have (a model's vocabulary padding, gaps in a tiktoken vocabulary) count none."""
+    """How many bytes of text each of a model's n_ids token ids (at least the tokenizer's) stands
+    for, as an int64 array: what bits per byte divide by. End-of-text counts as one byte, the
+    boundary between two documents, so that on byte-tokenized data bits per byte is exactly the
+    loss in bits. Ids the tokenizer does not have (a model's vocabulary padding, gaps in a
+    tiktoken vocabulary) count none."""
     lengths = np.zeros(n_ids, dtype=np.int64)
-    for i in range(min(n_ids, tok.vocab_size)):
+    for i in range(tok.vocab_size):
         try:
             lengths[i] = len(tok.decode_bytes([i]))
         except KeyError:

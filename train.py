@@ -36,9 +36,10 @@ import data
 import hellaswag
 import hf
 import tokenfile
+import weights
 from errors import UserError
 from model import GPT, GPTConfig
-from tokenizer import byte_lengths, get_tokenizer
+from tokenizer import byte_lengths
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -386,9 +387,10 @@ def start_up(cfg, given, world_size, log):
 def open_scoring(cfg, meta, vocab_size, log):
     """(the bytes each token id stands for, for bits per byte, or None; HellaSwag prepared, or
     None). Both need the data's tokenizer (GPT-2's for nanoGPT's raw files, as sample.py
-    assumes). Without it the evaluations have no bits per byte, and HellaSwag is an error."""
+    assumes), with no more ids than the model has. Without it the evaluations have no bits per
+    byte, and HellaSwag is an error."""
     try:
-        tok = get_tokenizer((meta or {}).get("tokenizer") or "gpt2")
+        tok = weights.tokenizer_of((meta or {}).get("tokenizer") or "gpt2", vocab_size)
     except UserError as e:
         if cfg.hellaswag_interval:
             raise UserError(f"hellaswag_interval={cfg.hellaswag_interval} needs the data's "
