@@ -12,9 +12,10 @@ import time
 
 import torch
 
-from bench import common, datapath, gpu, preparing, report, training
+from bench import common, datapath, evaluating, gpu, preparing, report, training
 
-PARTS = {"data": datapath, "training": training, "prepare": preparing, "gpu": gpu}
+PARTS = {"data": datapath, "training": training, "prepare": preparing, "eval": evaluating,
+         "gpu": gpu}
 DOCS_DATA = os.path.join(common.ROOT, "docs", "bench")
 DOCS_REPORT = os.path.join(common.ROOT, "docs", "benchmarks.md")
 
@@ -33,7 +34,8 @@ def parse_args(argv):
     p.add_argument("--report", help="the markdown page (default: docs/benchmarks.md for "
                                     "docs/bench, else <out_dir>/benchmarks.md)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="cuda adds GPT-2 124M in bf16 with torch.compile to the training part")
+                   help="cuda adds GPT-2 124M in bf16 to the training part (with "
+                                        "torch.compile) and to the eval part")
     p.add_argument("--report_only", action="store_true",
                    help="run nothing: rewrite the page from the JSON already in out_dir")
     args = p.parse_args(argv)

@@ -18,28 +18,12 @@ import sys
 
 import checkpoint
 import hf
+import weights
 from errors import UserError
 from fileio import publish_folder
-from sample import tokenizer_name
-from tokenizer import get_tokenizer
 
 LM_EVAL = ("lm_eval --model hf --model_args pretrained={} --tasks hellaswag --device cuda:0 "
            "--batch_size 16")
-
-
-def load_checkpoint(source):
-    """(state, path) of a checkpoint file, or of the newest loadable one in an out_dir."""
-    if os.path.isfile(source):
-        state, problem = checkpoint.read(source)
-        if state is None:
-            raise UserError(f"{source} {problem}: give a checkpoint file or a run's out_dir.")
-        return state, source
-    state, path = checkpoint.load_latest(source)
-    if state is None:
-        what = ("holds no loadable checkpoint (ckpt_*.pt or nanoGPT's ckpt.pt)"
-                if os.path.isdir(source) else "does not exist")
-        raise UserError(f"{source} {what}: give the out_dir of a run, or one checkpoint file.")
-    return state, path
 
 
 def tokenizer_note(tok, dest):
@@ -112,12 +96,10 @@ def main(argv):
     if os.path.lexists(dest):
         raise UserError(f"{dest} exists: export.py writes a new folder and never over an "
                         f"existing one. Remove it, or give another DEST.")
-    state, path = load_checkpoint(cli.source)
-    name, where = tokenizer_name(state)
-    tok, vocab_size = get_tokenizer(name), state["model_args"]["vocab_size"]
-    if tok.vocab_size > vocab_size:
-        raise UserError(f"the model has {vocab_size} token ids, fewer than {name!r}'s "
-                        f"{tok.vocab_size}: put its data's meta.json in the data_dir it names.")
+    state, path = weights.checkpoint_at(
+        cli.source, "give the out_dir of a run, or one checkpoint file.")
+    name, where = weights.tokenizer_name(state)
+    tok = weights.tokenizer_of(name, state["model_args"]["vocab_size"])
     print(f"export.py: {path} (iter {state['iter_num']}), tokenizer {name!r} from {where}")
     write(dest, state, path, tok)
     print(f"export.py: wrote {dest}")

@@ -1,5 +1,5 @@
-"""Sample from the newest checkpoint in out_dir (train.py's, or nanoGPT's ckpt.pt), or from
-GPT-2's weights (a name or a Hugging Face folder, hf.py):
+"""Sample from the newest checkpoint in out_dir (train.py's, or nanoGPT's ckpt.pt; or out_dir is
+one checkpoint file), or from GPT-2's weights (a name or a Hugging Face folder; weights.py):
   python sample.py --out_dir=out-quickstart --start="def " --num_samples=3 --max_new_tokens=200
   python sample.py --init_from=gpt2 --start="The meaning of life is"
 
@@ -7,26 +7,25 @@ Keys as in SampleConfig, set by config files and --key=value (configurator.py). 
 to stdout, what was loaded to stderr, so `python sample.py ... > samples.txt` keeps the text only.
 """
 import functools
-import os
 import sys
 from dataclasses import dataclass
 
 import torch
 
-import checkpoint
 import configurator
 import hf
-import tokenfile
+import weights
 from errors import UserError
 from model import GPT, GPTConfig
-from tokenizer import get_tokenizer
 from train import Dtype, pick_device, pick_dtype
+
+NO_CHECKPOINT = "set --out_dir to where train.py saved, or train a model."
 
 
 @dataclass
 class SampleConfig:
     init_from: str = "resume"  # resume: out_dir's newest checkpoint; or gpt2... or an HF folder
-    out_dir: str = "out"
+    out_dir: str = "out"  # a run's out_dir, or one checkpoint file
     start: str = "\n"  # the prompt, or FILE:path to read it from a UTF-8 text file
     num_samples: int = 3
     max_new_tokens: int = 500
@@ -36,39 +35,6 @@ class SampleConfig:
     device: str = "auto"  # 'auto': cuda when it is there, else cpu; as in train.py
     dtype: Dtype = "auto"  # as in train.py
     compile: bool = False
-
-
-def tokenizer_name(state):
-    """(name, where it came from). train.py keeps the data's meta.json in the checkpoint; older
-    checkpoints (nanoGPT's, raw .bin data) have none: read the data's, else assume GPT-2's."""
-    meta, where = state.get("data_meta"), "the checkpoint's data_meta"
-    data_dir = (state.get("config") or {}).get("data_dir")
-    if meta is None and data_dir:
-        meta, where = tokenfile.read_meta(data_dir), os.path.join(data_dir, tokenfile.META_NAME)
-    if meta and meta.get("tokenizer"):
-        return meta["tokenizer"], where
-    return "gpt2", "nanoGPT's default, as the checkpoint names none"
-
-
-def load_weights(cfg, log):
-    """(model_args, weights, tokenizer name) of out_dir's newest checkpoint or of GPT-2's
-    weights, which read GPT-2's tokens."""
-    if cfg.init_from != "resume":
-        weights, args = hf.load(cfg.init_from, log=log)
-        gpt2_ids = get_tokenizer("gpt2").vocab_size
-        if args["vocab_size"] < gpt2_ids:
-            raise UserError(
-                f"{cfg.init_from} has {args['vocab_size']} token ids, fewer than the {gpt2_ids} "
-                f"of GPT-2's tokenizer, with which sample.py reads Hugging Face weights: sample "
-                f"the checkpoint they were exported from, with --out_dir.")
-        return args, weights, "gpt2"
-    state, path = checkpoint.load_latest(cfg.out_dir, log=log)
-    if state is None:
-        raise UserError(f"{cfg.out_dir} holds no loadable checkpoint (ckpt_*.pt or nanoGPT's "
-                          f"ckpt.pt): set --out_dir to where train.py saved, or train a model.")
-    name, where = tokenizer_name(state)
-    log(f"sample.py: {path} (iter {state['iter_num']}), tokenizer {name!r} from {where}")
-    return state["model_args"], checkpoint.model_state(state), name
 
 
 def main(argv):
@@ -91,19 +57,17 @@ def main(argv):
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"cannot read the prompt file {prompt[5:]!r} ({e}): give --start="
                               f"FILE:<a UTF-8 text file>, or the prompt itself as --start=<text>.")
-    args, weights, name = load_weights(cfg, log)
-    tok, vocab_size = get_tokenizer(name), args["vocab_size"]
-    if tok.vocab_size > vocab_size:
-        raise UserError(f"the model has {vocab_size} token ids, fewer than {name!r}'s "
-                          f"{tok.vocab_size}: put its data's meta.json in the data_dir it names.")
+    loaded = weights.load(cfg.init_from, cfg.out_dir, NO_CHECKPOINT, log)
+    log(f"sample.py: {loaded.source}")
+    tok, vocab_size = loaded.tokenizer, loaded.args["vocab_size"]
     ids = tok.encode(prompt)
     if not ids:
         raise UserError(f"the prompt {cfg.start!r} is empty, but the model needs at least one "
                           f"token to continue: give --start some text (the default is a newline).")
 
     dtype = pick_dtype(cfg, torch.device(device).type)
-    model = GPT(GPTConfig(**args))
-    model.load_state_dict(weights)
+    model = GPT(GPTConfig(**loaded.args))
+    model.load_state_dict(loaded.weights)
     model.eval().to(device)
     if tok.vocab_size < vocab_size:
         # train.py pads the vocabulary to a multiple of 64 for speed; the padding ids are no

@@ -19,16 +19,20 @@ class Tokenizer(NamedTuple):
     eot: int  # the end-of-text id, appended after every document
     encode: Callable[[str], list]  # ordinary text: special-token strings are plain text
     decode: Callable[[list], str]
+    decode_bytes: Callable[[list], bytes]  # the raw bytes, also of a split UTF-8 character
 
 
 def _byte_tokenizer():
     def encode(text):
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).tolist()
 
-    def decode(ids):
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+    def decode_bytes(ids):
+        return bytes(i for i in ids if i < 256)
 
-    return Tokenizer("byte", 257, 256, encode, decode)
+    def decode(ids):
+        return decode_bytes(ids).decode("utf-8", errors="replace")
+
+    return Tokenizer("byte", 257, 256, encode, decode, decode_bytes)
 
 
 # tiktoken's 'gpt2' reads two files (vocab.bpe, encoder.json) that hold the same ranks, pattern
@@ -52,11 +56,28 @@ def _tiktoken_tokenizer(name):
             ".tiktoken file in a folder with tokenizer.install_tiktoken_file(file, folder) and "
             "set TIKTOKEN_CACHE_DIR to that folder, or use --tokenizer=byte, which needs no "
             "download.") from e
-    return Tokenizer(name, enc.n_vocab, enc.eot_token, enc.encode_ordinary, enc.decode)
+    return Tokenizer(name, enc.n_vocab, enc.eot_token, enc.encode_ordinary, enc.decode,
+                     enc.decode_bytes)
 
 
 def get_tokenizer(name):
     return _byte_tokenizer() if name == "byte" else _tiktoken_tokenizer(name)
+
+
+def byte_lengths(tok, n_ids):
+    """How many bytes of text each of a model's n_ids token ids (at least the tokenizer's) stands
+    for, as an int64 array: what bits per byte divide by. End-of-text counts as one byte, the
+    boundary between two documents, so that on byte-tokenized data bits per byte is exactly the
+    loss in bits. Ids the tokenizer does not have (a model's vocabulary padding, gaps in a
+    tiktoken vocabulary) count none."""
+    lengths = np.zeros(n_ids, dtype=np.int64)
+    for i in range(tok.vocab_size):
+        try:
+            lengths[i] = len(tok.decode_bytes([i]))
+        except KeyError:
+            pass
+    lengths[tok.eot] = 1
+    return lengths
 
 
 def install_tiktoken_file(vocab_file, cache_dir, encoding="r50k_base"):

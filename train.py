@@ -38,11 +38,14 @@ import checkpoint
 import configurator
 import data
 import fileio
+import hellaswag
 import hf
 import tokenfile
 import watchdog
+import weights
 from errors import UserError
 from model import GPT, GPTConfig
+from tokenizer import byte_lengths
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -60,6 +63,9 @@ class TrainConfig:
     # gpt2-medium, gpt2-large, gpt2-xl or a Hugging Face GPT-2 folder (hf.py)
     init_from: str = "scratch"
     keep_checkpoints: int = 3
+    # HellaSwag at the evaluations whose iter is a multiple of this (0: never), on all ranks
+    hellaswag_interval: int = 0
+    hellaswag_path: str = ""  # its validation file; '' for the cached copy, downloaded once
     # wandb
     wandb_log: bool = False
     wandb_project: str = "ddpgpt"
@@ -115,8 +121,8 @@ AT_LEAST = {**dict.fromkeys(("batch_size", "block_size", "gradient_accumulation_
                              "eval_iters", "eval_interval", "log_interval", "keep_checkpoints",
                              "n_layer", "n_head", "n_embd", "dist_timeout_s"), 1),
             **dict.fromkeys(("learning_rate", "min_lr", "weight_decay", "grad_clip",
-                             "max_iters", "warmup_iters", "lr_decay_iters", "vocab_size",
-                             "seed", "hang_timeout_s", "startup_timeout_s"), 0)}
+                             "max_iters", "warmup_iters", "lr_decay_iters", "vocab_size", "seed",
+                             "hang_timeout_s", "startup_timeout_s", "hellaswag_interval"), 0)}
 BELOW_ONE = ("dropout", "beta1", "beta2")  # and at least 0
 SPIKE_WINDOW, SPIKE_WARMUP = 100, 20  # steps a spike is judged against; fewer: no judging
 # Dense bf16 tensor peak of one GPU, for MFU, by a part of its name; the first that matches
@@ -467,6 +473,25 @@ def start_up(cfg, given, world_size, log):
     return resume, meta, args, splits, model
 
 
+def open_scoring(cfg, meta, vocab_size, log):
+    """(the bytes each token id stands for, for bits per byte, or None; HellaSwag prepared, or
+    None). Both need the data's tokenizer (GPT-2's for nanoGPT's raw files, as sample.py
+    assumes), with no more ids than the model has. Without it the evaluations have no bits per
+    byte, and HellaSwag is an error."""
+    try:
+        tok = weights.tokenizer_of((meta or {}).get("tokenizer") or "gpt2", vocab_size)
+    except UserError as e:
+        if cfg.hellaswag_interval:
+            raise UserError(f"hellaswag_interval={cfg.hellaswag_interval} needs the data's "
+                            f"tokenizer: {e}") from e
+        log(f"note: the evaluations leave bits per byte out: {e}")
+        return None, None
+    if not cfg.hellaswag_interval:
+        return byte_lengths(tok, vocab_size), None
+    return byte_lengths(tok, vocab_size), hellaswag.prepare(
+        cfg.hellaswag_path, tok, cfg.block_size, cfg.batch_size * cfg.block_size, log)
+
+
 def restore(cfg, model, resume, device_type, global_batch):
     """(optimizer, scaler, iter_num, samples, best_val) of a fresh run, or as a checkpoint
     left them. iter_num counts optimizer steps (the learning rate follows it); samples counts
@@ -565,38 +590,52 @@ def lr_at(cfg, it):
 
 
 @torch.no_grad()
-def evaluate(model, splits, cfg, rank, world_size, autocast, device, vocab_size):
+def evaluate(model, splits, cfg, rank, world_size, autocast, device, vocab_size,
+             token_bytes=None):
     """{'train_loss': ..., 'val_loss': ...}: the mean loss over the fixed evaluation windows of
-    each split, shared out over the ranks; for a mixture, each source's too ('val_loss/web'),
-    and the split's loss is their average by weight."""
+    each split, shared out over the ranks, and with token_bytes the bits per byte ('val_bpb');
+    for a mixture, each source's too ('val_loss/web', 'val_bpb/web'), and the split's value is
+    their average by weight. cfg: anything with block_size, batch_size and eval_iters."""
     model.eval()
     out = {}
     for split, mix in splits.items():
-        losses = [split_loss(model, t, cfg, rank, world_size, autocast, device, vocab_size)
-                  for t in mix.splits]
-        out[f"{split}_loss"] = sum(w * loss for w, loss in zip(mix.weights, losses))
-        if len(losses) > 1:
-            out.update({f"{split}_loss/{n}": loss for n, loss in zip(mix.names, losses)})
+        results = [split_loss(model, t, cfg, rank, world_size, autocast, device, vocab_size,
+                              token_bytes) for t in mix.splits]
+        for k, what in enumerate(("loss",) if token_bytes is None else ("loss", "bpb")):
+            values = [r[k] for r in results]
+            out[f"{split}_{what}"] = sum(w * v for w, v in zip(mix.weights, values))
+            if len(values) > 1:
+                out.update({f"{split}_{what}/{n}": v for n, v in zip(mix.names, values)})
     model.train()
     return out
 
 
-def split_loss(model, token_split, cfg, rank, world_size, autocast, device, vocab_size):
-    """The losses stay on the device until the one transfer at the end."""
+def split_loss(model, token_split, cfg, rank, world_size, autocast, device, vocab_size,
+               token_bytes=None):
+    """(mean loss, bits per byte or None without token_bytes). Bits per byte are the summed
+    cross-entropy of every target token scored, in bits, over the bytes of text those same
+    tokens stand for (token_bytes[id], tokenizer.byte_lengths): comparable across tokenizers.
+    The losses stay on the device until the one transfer at the end."""
     offsets = data.eval_offsets(token_split.starts, cfg.block_size,
                                 cfg.eval_iters * cfg.batch_size)[rank::world_size]
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    n_bytes = 0
     for i in range(0, len(offsets), cfg.batch_size):
         chunk = offsets[i:i + cfg.batch_size]
         x, y = data.read_xy(token_split, chunk, cfg.block_size, vocab_size)
         with autocast:
             _, loss = model(x.to(device), y.to(device))
         loss_sum += loss.double() * len(chunk)
-    total = torch.stack([loss_sum, torch.full_like(loss_sum, len(offsets))])
+        if token_bytes is not None:
+            n_bytes += int(token_bytes[y.numpy()].sum())
+    total = torch.stack([loss_sum, torch.full_like(loss_sum, len(offsets)),
+                         torch.full_like(loss_sum, n_bytes)])
     if world_size > 1:
         dist.all_reduce(total)
-    loss_sum, n = total.tolist()
-    return loss_sum / n
+    loss_sum, n, n_bytes = total.tolist()
+    # every window's loss is the mean over its block_size targets: times block_size, the sum
+    bpb = None if token_bytes is None else loss_sum * cfg.block_size / math.log(2) / n_bytes
+    return loss_sum / n, bpb
 
 
 # ---- one optimizer step ----
@@ -737,8 +776,12 @@ def record(metrics, wandb, row):
 def log_evaluation(log, iter_num, losses):
     sources = ", ".join(f"{k.removeprefix('val_loss/')} {v:.4f}" for k, v in losses.items()
                         if k.startswith("val_loss/"))
+    bpb = f", {losses['val_bpb']:.4f} bits per byte" if "val_bpb" in losses else ""
+    swag = "" if "hellaswag_n" not in losses else (
+        f", HellaSwag acc_norm {losses['hellaswag_acc_norm']:.4f} (acc "
+        f"{losses['hellaswag_acc']:.4f}, {losses['hellaswag_n']} examples)")
     log(f"iter {iter_num}: train loss {losses['train_loss']:.4f}, val loss "
-        f"{losses['val_loss']:.4f}{f' ({sources})' if sources else ''}")
+        f"{losses['val_loss']:.4f}{f' ({sources})' if sources else ''}{bpb}{swag}")
 
 
 def log_step(log, row, peak):
@@ -784,6 +827,7 @@ def main(argv):
     init_distributed(cfg, device, world_size)
     try:
         resume, meta, args, splits, model = start_up(cfg, given, world_size, log)
+        scoring = open_scoring(cfg, meta, args["vocab_size"], log)
         error = None
     except UserError as e:
         error = str(e)
@@ -791,13 +835,15 @@ def main(argv):
             not same_data_on_all_ranks(splits, cfg.data_dir, rank, world_size):
         return 1
     log(f"configuration:\n{configurator.describe(cfg)}")
-    train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, splits, model)
+    train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, splits, model,
+          scoring)
     if world_size > 1:
         dist.destroy_process_group()
     return 0
 
 
-def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, splits, model):
+def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, splits, model,
+          scoring):
     master, device_type = rank == 0, torch.device(device).type
     dtype = pick_dtype(cfg, device_type)
     autocast = autocast_for(dtype, device_type)
@@ -839,8 +885,12 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
     while True:
         # evaluate, and save if this is a checkpoint to keep (not the one just resumed from)
         if iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters or cfg.eval_only:
+            token_bytes, swag = scoring
             losses = evaluate(forward, splits, cfg, rank, world_size, autocast, device,
-                              args["vocab_size"])
+                              args["vocab_size"], token_bytes)
+            if swag is not None and iter_num % cfg.hellaswag_interval == 0:
+                # the uncompiled model: a compiled one would compile again for each new shape
+                losses.update(hellaswag.evaluate(model, swag, rank, world_size, autocast, device))
             log_evaluation(log, iter_num, losses)
             record(metrics, wandb, {"iter": iter_num, **losses})
             improved = losses["val_loss"] < best_val

@@ -82,6 +82,21 @@ def gpu_verdicts(result):
     return [ceiling_met, mfu, recompiles, resume, every]
 
 
+def eval_verdicts(result):
+    """For each model run on 1 and 2 ranks: the same counts on both; 2 ranks faster."""
+    done = {(r["name"], r["ranks"]): r for r in result["results"] if r["status"] == "ok"}
+    pairs = [(done[name, 1], done[name, 2]) for name, ranks in done
+             if ranks == 1 and (name, 2) in done]
+    return [all((one["acc_norm_right"], one["acc_right"]) == (two["acc_norm_right"],
+                                                              two["acc_right"])
+                for one, two in pairs),
+            all(two["examples_per_s"] > one["examples_per_s"] for one, two in pairs)]
+
+
+VERDICTS = {"data": data_verdicts, "training": training_verdicts, "prepare": prepare_verdicts,
+            "gpu": gpu_verdicts, "eval": eval_verdicts}
+
+
 VERDICTS = {"data": data_verdicts, "training": training_verdicts, "prepare": prepare_verdicts,
             "gpu": gpu_verdicts}
 
@@ -277,6 +292,17 @@ def test_compile_events_before_and_after_the_first_step():
         "iter 1: loss 5.0000, lr 1.00e-04, 10.0 ms, 100 tok/s, data wait 0.1%"])
     assert gpu.compile_events(output) == (1, 1, 1)
     assert gpu.compile_events("iter 0: loss 1.0") == (0, 0, 0)
+
+
+def test_eval(env, tmp_path):
+    result, page = bench_part("eval", env, tmp_path)
+    one, two, gpu = result["results"]
+    assert (one["status"], two["status"], one["ranks"], two["ranks"]) == ("ok", "ok", 1, 2)
+    assert (one["acc_norm_right"], one["acc_right"]) == (two["acc_norm_right"], two["acc_right"])
+    for r in (one, two):
+        assert r["seconds"] > 0 and r["examples_per_s"] > 0 and r["tokens_per_example"] > 8
+        assert f"`{r['command']}`" in page
+    assert gpu["status"].startswith("not run: no GPU")
 
 
 @pytest.mark.parametrize("part", VERDICTS)
