@@ -33,6 +33,7 @@ import data
 import hellaswag
 import hf
 import tokenfile
+import startup
 import train
 import weights
 from errors import UserError
@@ -53,7 +54,7 @@ class EvalConfig:
     hellaswag: bool = True
     hellaswag_path: str = ""  # HellaSwag's validation file; '' for the cached copy, fetched once
     device: str = "auto"  # 'auto' and 'cuda': cuda:<local rank> when CUDA is there, else cpu
-    dtype: train.Dtype = "auto"  # 'auto': bfloat16 on CUDA that has it; float32 on CPU
+    dtype: startup.Dtype = "auto"  # 'auto': bfloat16 on CUDA that has it; float32 on CPU
     backend: Literal["", "nccl", "gloo"] = ""  # '' picks nccl on CUDA, gloo on CPU
     dist_timeout_s: int = 600
 
@@ -101,7 +102,7 @@ def open_val(cfg, tok, vocab_size, log):
 def evaluate(cfg, model, vocab_size, val, token_bytes, swag, rank, world_size, device):
     """{'val_loss', 'val_bpb', 'hellaswag_...'}: what was asked for, on every rank."""
     device_type = torch.device(device).type
-    autocast = train.autocast_for(train.pick_dtype(cfg, device_type), device_type)
+    autocast = train.autocast_for(startup.pick_dtype(cfg, device_type), device_type)
     model.to(device)
     results = {}
     if val is not None:
@@ -134,15 +135,15 @@ def summary(cfg, results, source, swag):
 def main(argv):
     cfg = configurator.parse(EvalConfig, argv)
     check_config(cfg)
-    rank, local_rank, world_size = train.distributed_env()
+    rank, local_rank, world_size = startup.distributed_env()
     log = functools.partial(print, file=sys.stderr) if rank == 0 else (lambda *a, **k: None)
     model, loaded = load_model(cfg, log)
     vocab_size = loaded.args["vocab_size"]
     val = open_val(cfg, loaded.tokenizer, vocab_size, log) if cfg.data_dir else None
     swag = hellaswag.prepare(cfg.hellaswag_path, loaded.tokenizer, cfg.block_size,
                              cfg.batch_size * cfg.block_size, log) if cfg.hellaswag else None
-    device = train.pick_device(cfg, local_rank)
-    train.init_distributed(cfg, device, world_size)
+    device = startup.pick_device(cfg.device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    startup.init_distributed(cfg, device, world_size)
     results = evaluate(cfg, model, vocab_size, val, byte_lengths(loaded.tokenizer, vocab_size),
                        swag, rank, world_size, device)
     if rank == 0:

@@ -17,7 +17,7 @@ import hf
 import weights
 from errors import UserError
 from model import GPT, GPTConfig
-from train import Dtype, pick_device, pick_dtype
+from startup import Dtype, pick_device, pick_dtype
 
 NO_CHECKPOINT = "set --out_dir to where train.py saved, or train a model."
 

@@ -8,9 +8,10 @@ Every key, its default and its type is in TrainConfig below; config files and --
 arguments override them (configurator.py). The data position is a number of global samples
 (data.py), so a run resumes exactly, also on another world size with the same global batch.
 
-The file reads top to bottom: the configuration, the distributed set-up, start-up (everything
-that can fail on bad input, checked on every rank before the first step), evaluation, one
-optimizer step, and main() with the training loop.
+The file reads top to bottom: the configuration; the learning rate and evaluation; one
+optimizer step; what a run reports (metrics.jsonl, wandb, checkpoints); then main(), which
+starts the run (startup.py: the device, the checkpoint or weights, the data, all checked on
+every rank before any step), and the training loop.
 """
 import dataclasses
 import json
@@ -18,18 +19,14 @@ import math
 import os
 import resource
 import secrets
-import shutil
-import signal
 import statistics
 import sys
 import time
 from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Literal
+from typing import Any, Callable, Iterator, Literal
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -39,16 +36,10 @@ import configurator
 import data
 import fileio
 import hellaswag
+import startup
 import hf
-import tokenfile
 import watchdog
-import weights
 from errors import UserError
-from model import GPT, GPTConfig
-from tokenizer import byte_lengths
-
-Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-
 
 @dataclass
 class TrainConfig:
@@ -104,7 +95,7 @@ class TrainConfig:
     # system
     backend: Literal["", "nccl", "gloo"] = ""  # '' picks nccl on CUDA, gloo on CPU
     device: str = "auto"  # 'auto' and 'cuda': cuda:<local rank> when CUDA is there, else cpu
-    dtype: Dtype = "auto"  # 'auto': bfloat16 on CUDA that has it, else float16; float32 on CPU
+    dtype: startup.Dtype = "auto"  # auto: bfloat16 on CUDA that has it, else float16; CPU: float32
     compile: bool = False
     dist_timeout_s: int = 600  # how long a collective may wait before the run fails
     # no step for max(hang_timeout_s, 10 x the median step): each rank's stacks, then exit;
@@ -114,8 +105,6 @@ class TrainConfig:
     seed: int = 1337
 
 
-INIT_FROM = ("scratch", "resume", "auto")  # else GPT-2's weights
-ARCHITECTURE = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
 # the ranges the types cannot say (the configurator checks the types and the choices)
 AT_LEAST = {**dict.fromkeys(("batch_size", "block_size", "gradient_accumulation_steps",
                              "eval_iters", "eval_interval", "log_interval", "keep_checkpoints",
@@ -161,412 +150,15 @@ def check_config(cfg):
         raise UserError(f"spike_zscore={cfg.spike_zscore!r} must be above 0")
     if cfg.n_embd % cfg.n_head:
         raise UserError(f"n_embd={cfg.n_embd} must be a multiple of n_head={cfg.n_head}")
-    hf.check_init_from(cfg.init_from, INIT_FROM)
+    hf.check_init_from(cfg.init_from, startup.INIT_FROM)
 
 
-# ---- the distributed set-up ----
-
-def distributed_env():
-    """(rank, local_rank, world_size): torchrun's variables, else one srun task per process."""
-    env = os.environ
-    if "RANK" in env:
-        return int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"])
-    if int(env.get("SLURM_NTASKS", 1)) > 1 and "SLURM_PROCID" in env:
-        for key in ("MASTER_ADDR", "MASTER_PORT"):
-            if key not in env:
-                raise UserError(
-                    f"{key} is not set: with one srun task per GPU, train.py needs MASTER_ADDR "
-                    f"and MASTER_PORT; launch through launch/srun.sh, which sets them.")
-        rank, local_rank = int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"])
-        world_size = int(env["SLURM_NTASKS"])
-        # init_process_group's env:// rendezvous reads RANK and WORLD_SIZE: set them as
-        # torchrun would (srun sets only the SLURM_* variables)
-        env.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size))
-        return rank, local_rank, world_size
-    return 0, 0, 1
 
 
-def pick_device(device, local_rank, ranks_here=1):
-    """'auto' is this rank's GPU when torch sees one, else the CPU; 'cuda' is this rank's GPU,
-    cuda:<local rank>, since a launcher starts one process per GPU. ranks_here: the ranks on
-    this node, which one cuda:N would all put on one GPU."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        chosen = torch.device(device)
-    except RuntimeError:
-        raise UserError(f"device={device!r} is not a device: use auto, cpu, cuda (this rank's "
-                        f"GPU) or cuda:N.") from None
-    if chosen.type != "cuda":
-        return device
-    if not torch.cuda.is_available():
-        raise UserError(f"device={device!r}, but torch {torch.__version__} sees no CUDA device "
-                        f"(built for CUDA {torch.version.cuda or 'none: a CPU build'}): use "
-                        f"--device=cpu, or install torch's CUDA build.")
-    if chosen.index is not None and ranks_here > 1:
-        raise UserError(f"device={device!r} puts all {ranks_here} ranks of this node on one GPU: "
-                        f"use --device=cuda, which gives each rank its own, cuda:<local rank>.")
-    index = local_rank if chosen.index is None else chosen.index
-    if index >= torch.cuda.device_count():
-        raise UserError(f"this rank needs GPU cuda:{index}, but torch sees "
-                        f"{torch.cuda.device_count()}: start at most that many ranks per node.")
-    return f"cuda:{index}"
 
 
-def pick_dtype(cfg, device_type):
-    if cfg.dtype != "auto":
-        return cfg.dtype
-    if device_type == "cuda":  # emulated bf16 (V100, T4) is slow: float16 + GradScaler there
-        native = torch.cuda.is_bf16_supported(including_emulation=False)
-        return "bfloat16" if native else "float16"
-    return "float32"
 
 
-def init_distributed(cfg, device, world_size):
-    if torch.device(device).type == "cuda":
-        torch.cuda.set_device(device)
-        # float32 matmuls in TF32 where the tensor cores have it, as nanoGPT: float32 runs
-        # (and autocast's float32 parts) go several times faster at a precision loss that
-        # training does not notice
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    if world_size > 1:
-        backend = cfg.backend or ("nccl" if torch.device(device).type == "cuda" else "gloo")
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout_s),
-                                device_id=torch.device(device) if backend == "nccl" else None)
-
-
-def catch_stop_signals():
-    """Record SIGUSR1 (SLURM's warning before a time limit), SIGTERM (scancel, preemption) and
-    SIGINT (Ctrl-C) instead of dying: the ranks then agree on a step to stop at, and rank 0
-    saves. A second Ctrl-C stops at once, unsaved. Caught from the start, so that a signal
-    that comes while the model is built is not lost."""
-    received = []
-
-    def on_signal(signum, frame):
-        if signum == signal.SIGINT and signal.SIGINT in received:
-            print("train.py: interrupted again: stopping now, without saving", file=sys.stderr)
-            os._exit(130)
-        received.append(signum)
-
-    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    return received
-
-
-# ---- start-up: everything that can fail on bad input, before any rank takes a step ----
-
-def model_args(cfg, meta):
-    """GPTConfig's arguments for a model trained from scratch on data described by meta."""
-    vocab_size = cfg.vocab_size
-    if not vocab_size:  # a multiple of 64 runs faster on GPUs; 50304 is GPT-2's, as nanoGPT
-        vocab_size = 50304 if meta is None else -(-meta["vocab_size"] // 64) * 64
-    return dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
-                block_size=cfg.block_size, bias=cfg.bias, dropout=cfg.dropout,
-                vocab_size=vocab_size)
-
-
-def take_architecture(cfg, given, args, weights_args, source):
-    """The model arguments of existing weights (all but dropout, which is the run's), as in
-    nanoGPT. An architecture key the user set to another value is an error, not a silent
-    override; the configuration then says what is trained, so its log and checkpoints do not
-    lie."""
-    conflicts = [f"{k}={getattr(cfg, k)!r} ({weights_args[k]!r} there)" for k in ARCHITECTURE
-                 if k in given and k in weights_args and getattr(cfg, k) != weights_args[k]]
-    if conflicts:
-        raise UserError(f"{', '.join(conflicts)}: the architecture comes from {source}. Leave "
-                        f"these keys out (or set them to the values there), or train from "
-                        f"scratch in another out_dir.")
-    args = {**args, **{k: v for k, v in weights_args.items() if k != "dropout"}}
-    for key in ARCHITECTURE:
-        setattr(cfg, key, args[key])
-    return args
-
-
-def load_resume_state(cfg, log):
-    """The checkpoint to resume from, or None to start fresh. GPT-2's weights are a fresh
-    start as auto sees it: in an out_dir with a checkpoint the run resumes, so that a restarted
-    or requeued fine-tune goes on from its last checkpoint instead of from iter 0 again."""
-    if cfg.init_from == "scratch":
-        return None
-    state, path = checkpoint.load_latest(cfg.out_dir, log=log)
-    if state is None and cfg.init_from == "resume":
-        raise UserError(f"init_from='resume' but {cfg.out_dir} holds no loadable checkpoint "
-                        f"(ckpt_*.pt): train from scratch with --init_from=scratch, or use "
-                        f"--init_from=auto.")
-    if state is not None:
-        log(f"resuming from {path} (iter {state['iter_num']})")
-    return state
-
-
-def check_pretrained_data(cfg, meta, weights_args, source):
-    """The data must be in the weights' tokens: OpenAI's read GPT-2's; a folder's must at least
-    have an embedding for every token id."""
-    tokens = (meta or {}).get("tokenizer")
-    if cfg.init_from in hf.NAMES and tokens not in (None, *hf.GPT2_TOKENIZERS) or \
-            meta is not None and meta["vocab_size"] > weights_args["vocab_size"]:
-        raise UserError(
-            f"{cfg.data_dir} holds {tokens!r} tokens ({meta['vocab_size']} ids), which "
-            f"{source} ({weights_args['vocab_size']} token ids) cannot read: prepare the data "
-            f"with the tokenizer those weights were trained with (--tokenizer=gpt2 for "
-            f"OpenAI's GPT-2).")
-
-
-def take_pretrained(cfg, given, args, meta, log):
-    """(weights, model_args) of GPT-2's weights (hf.py). As in nanoGPT the architecture is
-    theirs, but a smaller block_size crops the position table (the first positions are the
-    same)."""
-    weights, weights_args = hf.load(cfg.init_from, log=log)
-    source, positions = f"the weights of {cfg.init_from}", weights_args["block_size"]
-    check_pretrained_data(cfg, meta, weights_args, source)
-    if "block_size" in given and cfg.block_size > positions:
-        raise UserError(f"block_size={cfg.block_size} is more than the {positions} positions "
-                        f"of {source}: use block_size <= {positions} (a smaller one crops them).")
-    if "block_size" in given:
-        weights_args["block_size"] = cfg.block_size
-        weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"][:cfg.block_size]
-    return weights, take_architecture(cfg, given, args, weights_args, source)
-
-
-def samples_consumed(resume, global_batch):
-    """A checkpoint's data position; nanoGPT's checkpoints have none, but took whole steps."""
-    return resume.get("samples_consumed", resume["iter_num"] * global_batch)
-
-
-def check_resume(cfg, resume, meta, world_size, log):
-    if cfg.gradient_accumulation_steps % world_size:
-        micro = cfg.gradient_accumulation_steps
-        raise UserError(
-            f"gradient_accumulation_steps={micro} is the global number of micro-steps and must "
-            f"be a multiple of the world size {world_size}: use "
-            f"{max(1, micro // world_size) * world_size}.")
-    if resume is None:
-        return
-    used = (resume.get("data_meta") or {}).get("tokenizer")
-    if meta is not None and used is not None and used != meta.get("tokenizer"):
-        raise UserError(
-            f"the checkpoint was trained on {used!r} tokens but {cfg.data_dir} holds "
-            f"{meta.get('tokenizer')!r} tokens: set data_dir to data made with {used!r}.")
-    global_batch = cfg.batch_size * cfg.gradient_accumulation_steps
-    old_mix = (resume.get("config") or {}).get("data_mix", "")
-    if old_mix != cfg.data_mix and (old_mix or len(data_sources(cfg, set())) > 1):
-        log(f"note: data_mix was {old_mix!r} and is now {cfg.data_mix!r}: the run goes on "
-            f"from the same global sample, but which source each sample comes from differs "
-            f"from here on from what the old mixture would have read.")
-    if samples_consumed(resume, global_batch) % global_batch:
-        raise UserError(
-            f"the checkpoint consumed {samples_consumed(resume, global_batch)} samples, not a "
-            f"whole number of global batches of {global_batch} (batch_size x "
-            f"gradient_accumulation_steps): resume with a global batch that divides it.")
-
-
-def check_same_data_as_resumed(cfg, resume, identity, log):
-    """Resuming "at the exact data position" of other data would be a silent lie: refuse it,
-    unless the user says the change is meant."""
-    before = (resume or {}).get("data_identity")
-    if before is None or before == identity:
-        return
-    what = f"data_mix={cfg.data_mix!r}" if cfg.data_mix else f"data_dir={cfg.data_dir!r}"
-    if not cfg.allow_data_change:
-        raise UserError(
-            f"{what} is not the data the checkpoint in {cfg.out_dir} was trained on (tokens "
-            f"and fingerprint per split: {before} then, {identity} now): point it at that data "
-            f"again, or pass --allow_data_change=True to go on from the same sample index "
-            f"in this data.")
-    log(f"warning: {what} is not the data the checkpoint was trained on; going on from the "
-        f"same sample index in it, as allow_data_change=True asks")
-
-
-def check_out_dir(out_dir, n_params):
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, f".write_test_{os.getpid()}")
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as e:
-        raise UserError(f"out_dir {out_dir} cannot be written ({e.strerror or e}): set "
-                        f"--out_dir to a folder you can write to.") from e
-    need = n_params * 4 * 3 * 1.1  # fp32 weights and two AdamW moments
-    free = shutil.disk_usage(out_dir).free
-    if free < need:
-        raise UserError(f"out_dir {out_dir} has {free / 2**20:.0f} MiB free, less than one "
-                        f"checkpoint needs (about {need / 2**20:.0f} MiB): free space or move "
-                        f"out_dir.")
-
-
-def data_sources(cfg, given):
-    """(folder, weight, name in metrics) of each data source: data_mix's, else data_dir."""
-    if not cfg.data_mix:
-        return [(cfg.data_dir, 1.0, "")]
-    if "data_dir" in given:
-        raise UserError(f"data_dir={cfg.data_dir!r} and data_mix={cfg.data_mix!r} are both set: "
-                        f"keep data_mix (each source and its weight) to train on the mixture, "
-                        f"or drop it to train on data_dir alone.")
-    sources, names = [], []
-    for part in cfg.data_mix.split(","):
-        folder, has_weight, weight = part.strip().rpartition("=")
-        if not has_weight:  # a source without a weight weighs 1
-            folder, weight = weight, "1"
-        try:
-            weight = float(weight)
-        except ValueError:
-            weight = None
-        if weight is None or not 0 < weight < math.inf:
-            raise UserError(f"data_mix source {part.strip()!r}: the weight must be a number "
-                            f"above 0, as in data_mix='data/web=0.7,data/code=0.3'.")
-        if not os.path.isdir(folder):
-            raise UserError(f"data_mix source {folder!r} is not a folder: give each source as "
-                            f"<data folder>=<weight>, separated by commas.")
-        name = os.path.basename(os.path.normpath(folder))
-        names.append(name if name not in names else f"{name}-{names.count(name) + 1}")
-        sources.append((folder, weight, names[-1]))
-    return sources if len(sources) > 1 else [(sources[0][0], 1.0, "")]
-
-
-def check_same_tokenizer(sources, metas):
-    kinds = {(m or {}).get("tokenizer"): folder for (folder, _, _), m in zip(sources, metas)}
-    sizes = {(m or {}).get("vocab_size") for m in metas}
-    if len(kinds) > 1 or len(sizes) > 1:
-        detail = ", ".join(f"{folder}: {m and m.get('tokenizer')!r}, {m and m.get('vocab_size')} "
-                           f"ids" for (folder, _, _), m in zip(sources, metas))
-        raise UserError(f"the data_mix sources were not made with one tokenizer ({detail}): "
-                        f"prepare them all with the same --tokenizer.")
-
-
-def open_data(cfg, sources, vocab_size, log):
-    """{split: the Mixture of the sources' token files}; the split's mixture has one source in
-    the plain case."""
-    return {split: data.mixture([tokenfile.open_split(folder, split, cfg.block_size, vocab_size,
-                                                      log=log) for folder, _, _ in sources],
-                                [w for _, w, _ in sources], [n for _, _, n in sources])
-            for split in tokenfile.SPLITS}
-
-
-def start_up(cfg, given, world_size, log):
-    """(checkpoint to resume or None, the data's meta.json, model_args, {split: Mixture},
-    the model on the CPU). Raises UserError for anything the user must fix."""
-    resume = load_resume_state(cfg, log)
-    sources = data_sources(cfg, given)
-    metas = [tokenfile.read_meta(folder) for folder, _, _ in sources]
-    check_same_tokenizer(sources, metas)
-    meta = metas[0]
-    args = model_args(cfg, meta)
-    cfg.vocab_size = args["vocab_size"]  # what 0 meant, so that the configuration says it
-    if resume is not None:
-        args = take_architecture(cfg, given, args, resume["model_args"],
-                                 f"the checkpoint in {cfg.out_dir}")
-    pretrained = None
-    if cfg.init_from not in INIT_FROM and resume is None:
-        pretrained, args = take_pretrained(cfg, given, args, meta, log)
-    splits = open_data(cfg, sources, args["vocab_size"], log)
-    check_resume(cfg, resume, meta, world_size, log)
-    check_same_data_as_resumed(cfg, resume, data_identity(splits), log)
-    if cfg.eval_only and resume is None and cfg.init_from == "resume":
-        raise UserError(f"eval_only with init_from='resume' needs a checkpoint in {cfg.out_dir}")
-    torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(**args))
-    if resume is not None:
-        model.load_state_dict(checkpoint.model_state(resume))
-    if pretrained is not None:
-        model.load_state_dict(pretrained)
-    check_out_dir(cfg.out_dir, sum(p.numel() for p in model.parameters()))
-    return resume, meta, args, splits, model
-
-
-def open_scoring(cfg, meta, vocab_size, log):
-    """(the bytes each token id stands for, for bits per byte, or None; HellaSwag prepared, or
-    None). Both need the data's tokenizer (GPT-2's for nanoGPT's raw files, as sample.py
-    assumes), with no more ids than the model has. Without it the evaluations have no bits per
-    byte, and HellaSwag is an error."""
-    try:
-        tok = weights.tokenizer_of((meta or {}).get("tokenizer") or "gpt2", vocab_size)
-    except UserError as e:
-        if cfg.hellaswag_interval:
-            raise UserError(f"hellaswag_interval={cfg.hellaswag_interval} needs the data's "
-                            f"tokenizer: {e}") from e
-        log(f"note: the evaluations leave bits per byte out: {e}")
-        return None, None
-    if not cfg.hellaswag_interval:
-        return byte_lengths(tok, vocab_size), None
-    return byte_lengths(tok, vocab_size), hellaswag.prepare(
-        cfg.hellaswag_path, tok, cfg.block_size, cfg.batch_size * cfg.block_size, log)
-
-
-def restore(cfg, model, resume, device_type, global_batch):
-    """(optimizer, scaler, iter_num, samples, best_val) of a fresh run, or as a checkpoint
-    left them. iter_num counts optimizer steps (the learning rate follows it); samples counts
-    the global samples read (the data position). They part when a run resumes with another
-    global batch, which is why the batch index is always samples // global_batch."""
-    scaler = torch.amp.GradScaler(device_type, enabled=pick_dtype(cfg, device_type) == "float16")
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate,
-                                           (cfg.beta1, cfg.beta2), device_type)
-    if resume is None:
-        return optimizer, scaler, 0, 0, float("inf")
-    optimizer.load_state_dict(resume["optimizer"])
-    if "scaler" in resume:
-        scaler.load_state_dict(resume["scaler"])
-    return (optimizer, scaler, resume["iter_num"], samples_consumed(resume, global_batch),
-            resume.get("best_val_loss", float("inf")))
-
-
-def autocast_for(dtype, device_type):
-    if dtype == "float32":
-        return nullcontext()
-    return torch.autocast(device_type, dtype={"bfloat16": torch.bfloat16,
-                                              "float16": torch.float16}[dtype])
-
-
-def log_mixture(log, mix, samples, block_size):
-    """Each source's share of the samples (not of the tokens on disk), and so how many epochs
-    of it max_iters reads."""
-    for name, weight, token_split in zip(mix.names, mix.weights, mix.splits):
-        blocks = int(data.blocks_per_epoch(np.diff(token_split.starts), block_size).sum())
-        log(f"data: {name} ({os.path.dirname(token_split.paths[0])}): {weight:.2%} of the "
-            f"samples, {samples * weight / blocks:,.2f} epochs of its {blocks:,} blocks by "
-            f"max_iters")
-
-
-def agree(error, rank, world_size):
-    """Share each rank's start-up error so that all ranks stop together and rank 0 reports
-    every distinct problem once; no rank is left waiting in a later collective."""
-    errors = [error]
-    if world_size > 1:
-        errors = [None] * world_size
-        dist.all_gather_object(errors, error)
-    problems = {}
-    for r, e in enumerate(errors):
-        if e is not None:
-            problems.setdefault(e, []).append(r)
-    if problems and rank == 0:
-        for message, ranks in problems.items():
-            where = "" if world_size == 1 else \
-                f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
-            print(f"train.py: error{where}: {message}", file=sys.stderr)
-    return not problems
-
-
-def data_identity(splits):
-    """{split: [tokens, fingerprint] of each source, sorted}: what the data is, whatever its
-    folder is called or its sources are weighed."""
-    return {split: sorted([t.n_tokens, tokenfile.sampled_fingerprint(t.paths, t.header_bytes)]
-                          for t in mix.splits) for split, mix in splits.items()}
-
-
-def same_data_on_all_ranks(splits, data_dir, rank, world_size):
-    """Every node must read the same token files, or the global batches are not one batch."""
-    if world_size == 1:
-        return True
-    mine = data_identity(splits)
-    identities = [None] * world_size
-    dist.all_gather_object(identities, mine)
-    if all(i == identities[0] for i in identities):
-        return True
-    if rank == 0:
-        detail = "; ".join(f"rank {r}: {i}" for r, i in enumerate(identities))
-        print(f"train.py: error: the ranks do not see the same data in {data_dir} (tokens, "
-              f"fingerprint per split: {detail}): every node must hold the same files.",
-              file=sys.stderr)
-    return False
 
 
 # ---- evaluation and the learning rate ----
@@ -721,6 +313,8 @@ def skip_or_stop(cfg, log, problem, iter_num, loss, batch_fp):
     log(f"warning: {what}: step skipped (nan_policy='skip')")
 
 
+# ---- what a run reports: metrics, the console, checkpoints ----
+
 def rank_telemetry(alone_s, data_wait_s, device, world_size):
     """Each rank's seconds alone in the step (before the gradients' all-reduce), seconds
     waiting for data, and peak memory (CUDA's allocated, else the process's RSS), gathered on
@@ -750,8 +344,6 @@ def log_straggler(log, row):
             f"the step against a median of {median:.1f} ms, {row['rank_data_wait_ms'][slowest]:.1f}"
             f" ms of it waiting for data")
 
-
-# ---- checkpoints and metrics ----
 
 def save_checkpoint(cfg, model, optimizer, scaler, args, meta, iter_num, samples, best_val,
                     identity):
@@ -816,48 +408,71 @@ def wandb_run_id(out_dir):
         return f.read().strip()
 
 
-def main(argv):
-    stop_signals = catch_stop_signals()
-    cfg, given = configurator.parse_given(TrainConfig, argv)
-    check_config(cfg)
-    rank, local_rank, world_size = distributed_env()
-    watchdog.start(cfg.out_dir, rank, world_size, cfg.hang_timeout_s, cfg.startup_timeout_s)
-    log = print if rank == 0 else (lambda *a, **k: None)
-    device = pick_device(cfg.device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    init_distributed(cfg, device, world_size)
-    try:
-        resume, meta, args, splits, model = start_up(cfg, given, world_size, log)
-        scoring = open_scoring(cfg, meta, args["vocab_size"], log)
-        error = None
-    except UserError as e:
-        error = str(e)
-    if not agree(error, rank, world_size) or \
-            not same_data_on_all_ranks(splits, cfg.data_dir, rank, world_size):
-        return 1
-    log(f"configuration:\n{configurator.describe(cfg)}")
-    train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, splits, model,
-          scoring)
-    if world_size > 1:
-        dist.destroy_process_group()
-    return 0
+# ---- the run: its parts, then the loop ----
 
-
-def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, splits, model,
-          scoring):
-    master, device_type = rank == 0, torch.device(device).type
-    dtype = pick_dtype(cfg, device_type)
-    autocast = autocast_for(dtype, device_type)
+def restore(cfg, model, resume, device_type):
+    """(optimizer, scaler, iter_num, samples, best_val) of a fresh run, or as a checkpoint
+    left them. iter_num counts optimizer steps (the learning rate follows it); samples counts
+    the global samples read (the data position). They part when a run resumes with another
+    global batch, which is why the batch index is always samples // global_batch."""
+    float16 = startup.pick_dtype(cfg, device_type) == "float16"
+    scaler = torch.amp.GradScaler(device_type, enabled=float16)
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate,
+                                           (cfg.beta1, cfg.beta2), device_type)
+    if resume is None:
+        return optimizer, scaler, 0, 0, float("inf")
+    optimizer.load_state_dict(resume["optimizer"])
+    if "scaler" in resume:
+        scaler.load_state_dict(resume["scaler"])
     global_batch = cfg.batch_size * cfg.gradient_accumulation_steps
-    micro_steps = cfg.gradient_accumulation_steps // world_size
-    model.to(device)
-    optimizer, scaler, iter_num, samples, best_val = restore(cfg, model, resume, device_type,
-                                                             global_batch)
-    start_iter, resume = iter_num, None  # free the checkpoint's tensors
-    history = deque(maxlen=SPIKE_WINDOW)  # (loss, gradient norm) of the last applied steps
+    return (optimizer, scaler, resume["iter_num"], startup.samples_consumed(resume, global_batch),
+            resume.get("best_val_loss", float("inf")))
+
+
+def autocast_for(dtype, device_type):
+    if dtype == "float32":
+        return nullcontext()
+    return torch.autocast(device_type, dtype={"bfloat16": torch.bfloat16,
+                                              "float16": torch.float16}[dtype])
+
+
+@dataclass
+class Run:
+    """What the training loop works with, made once by prepare_run()."""
+    cfg: TrainConfig
+    rank: int
+    world_size: int
+    device: str
+    log: Callable
     # One set of weights, three handles: `model` owns them (checkpoints, clipping, the
     # optimizer); `forward` is what evaluation calls, beneath DDP, which averages gradients
     # that evaluation does not make, so ranks may run different numbers of evaluation batches;
     # `trained` is what the steps call, and in DDP it all-reduces the gradients in backward.
+    model: torch.nn.Module
+    forward: Callable
+    trained: Callable
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    autocast: Any
+    meta: dict  # the data's meta.json, kept in checkpoints
+    args: dict  # the model's arguments
+    splits: dict  # {split: data.Mixture}
+    identity: dict  # what the data is, kept in checkpoints (startup.data_identity)
+    scoring: tuple  # (bytes per token id or None, HellaSwag or None)
+    batches: Iterator  # this rank's micro-batches, from the data position on
+    metrics: Any  # metrics.jsonl, open on rank 0
+    wandb: Any  # the wandb module, initialised on rank 0 when wandb_log
+    global_batch: int
+    micro_steps: int
+    flops_per_step: int  # of the model on the global batch, forward and backward
+    peak: float  # the device's peak FLOP/s, for MFU; None when unknown
+
+
+def prepare_run(cfg, rank, world_size, device, log, model, optimizer, scaler, meta, args,
+                splits, scoring, samples):
+    device_type = torch.device(device).type
+    dtype = startup.pick_dtype(cfg, device_type)
+    autocast = autocast_for(dtype, device_type)
     forward = torch.compile(model) if cfg.compile else model
     trained = forward
     if world_size > 1:
@@ -865,107 +480,169 @@ def train(cfg, rank, world_size, device, log, stop_signals, resume, meta, args, 
                       if device_type == "cuda" else None)
         settle_gradient_buckets(trained, cfg, device, autocast)
         optimizer.zero_grad(set_to_none=True)
+    global_batch = cfg.batch_size * cfg.gradient_accumulation_steps
+    micro_steps = cfg.gradient_accumulation_steps // world_size
     log(f"world size {world_size}, device {device}, dtype {dtype}, "
         f"{model.get_num_params() / 1e6:.2f}M parameters, global batch {global_batch} x "
         f"{cfg.block_size} tokens ({micro_steps} micro-steps of {cfg.batch_size} per rank)")
     if len(splits["train"].splits) > 1:
-        log_mixture(log, splits["train"], cfg.max_iters * global_batch, cfg.block_size)
-    metrics, wandb = open_metrics(cfg, master)
-    identity = data_identity(splits)
+        startup.log_mixture(log, splits["train"], cfg.max_iters * global_batch, cfg.block_size)
     batches = data.rank_batches(
         splits["train"], block_size=cfg.block_size, batch_size=cfg.batch_size,
         micro_steps=micro_steps, rank=rank, world_size=world_size, seed=cfg.seed,
         mode=cfg.sampling, start_step=samples // global_batch, device=device,
         vocab_size=args["vocab_size"])
-    peak = peak_flops(device)
-    flops_per_step = model.flops_per_token() * global_batch * cfg.block_size
+    return Run(cfg, rank, world_size, device, log, model, forward, trained, optimizer, scaler,
+               autocast, meta, args, splits, startup.data_identity(splits), scoring, batches,
+               *open_metrics(cfg, rank == 0), global_batch, micro_steps,
+               model.flops_per_token() * global_batch * cfg.block_size, peak_flops(device))
 
+
+def train(run, stop_signals, iter_num, samples, best_val):
+    """Evaluate (and save) every eval_interval steps and at the end; between, one optimizer
+    step per iteration. A signal stops the run at one step, agreed by all ranks, and saves."""
+    cfg, start_iter = run.cfg, iter_num
+    history = deque(maxlen=SPIKE_WINDOW)  # (loss, gradient norm) of the last applied steps
     # ---------------------------------------------------------------- TRAINING LOOP BEGIN
     t_last = time.perf_counter()
     while True:
-        # evaluate, and save if this is a checkpoint to keep (not the one just resumed from)
         if iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters or cfg.eval_only:
-            token_bytes, swag = scoring
-            losses = evaluate(forward, splits, cfg, rank, world_size, autocast, device,
-                              args["vocab_size"], token_bytes)
-            if swag is not None and iter_num % cfg.hellaswag_interval == 0:
-                # the uncompiled model: a compiled one would compile again for each new shape
-                losses.update(hellaswag.evaluate(model, swag, rank, world_size, autocast, device))
-            log_evaluation(log, iter_num, losses)
-            record(metrics, wandb, {"iter": iter_num, **losses})
-            improved = losses["val_loss"] < best_val
-            best_val = min(best_val, losses["val_loss"])
-            if not all(map(math.isfinite, losses.values())):
-                log(f"warning: non-finite evaluation loss at iter {iter_num}: no checkpoint "
-                    f"written, the previous ones are kept")
-            elif master and iter_num > start_iter and (
-                    improved or cfg.always_save_checkpoint or iter_num >= cfg.max_iters):
-                t_save = time.perf_counter()
-                path = save_checkpoint(cfg, model, optimizer, scaler, args, meta, iter_num,
-                                       samples, best_val, identity)
-                log(f"saved {path} ({time.perf_counter() - t_save:.2f} s)")
+            best_val = evaluate_and_save(run, iter_num, samples, best_val,
+                                         may_save=iter_num > start_iter)
             t_last = time.perf_counter()
             watchdog.beat(iter_num)
         if cfg.eval_only or iter_num >= cfg.max_iters:
             break
-
-        # one optimizer step over the global batch
-        lr = lr_at(cfg, iter_num)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        torch.manual_seed(cfg.seed + 7919 * rank + 104729 * iter_num)  # dropout resumes exactly
-        loss_sum, data_wait, alone = forward_backward(trained, batches, micro_steps, autocast,
-                                                      scaler, world_size)
-        scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
-        loss, grad_norm, stop = share_step_results(loss_sum, grad_norm, stop_signals, world_size)
-        problem = step_problem(cfg, loss, grad_norm, history, scaler.is_enabled())
-        if problem is None:
-            scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-
-        # everything below is diagnostics, done while the device runs the optimizer step
-        batch_fp = data.global_batch_fingerprint(samples // global_batch, global_batch,
-                                                 splits["train"], cfg.block_size,
-                                                 cfg.seed, cfg.sampling)
-        if problem is None and math.isfinite(loss):
-            history.append((loss, grad_norm))
-        elif problem is not None:
-            skip_or_stop(cfg, log, problem, iter_num, loss, batch_fp)
+        row, stop, alone, data_wait = train_step(run, iter_num, samples, history, stop_signals)
         t_now = time.perf_counter()
         dt, t_last = t_now - t_last, t_now
-        row = {"iter": iter_num, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-               "batch_fp": batch_fp, "ms": dt * 1000,
-               "tok_per_s": global_batch * cfg.block_size / dt, "data_wait": data_wait / dt,
-               **({"skipped": problem} if problem else {}),
-               **({"mfu": flops_per_step / dt / (peak * world_size)} if peak else {})}
-        if device_type == "cuda":  # the allocator's own count, read with no synchronisation
-            row["peak_mem"] = torch.cuda.max_memory_allocated(device)
-        if iter_num % cfg.log_interval == 0:
-            row.update(rank_telemetry(alone, data_wait, device, world_size))
-            log_step(log, row, peak)
-            log_straggler(log, row)
-        record(metrics, wandb, row)
+        report_step(run, row, dt, alone, data_wait)
         iter_num += 1
-        samples += global_batch
+        samples += run.global_batch
         watchdog.beat(iter_num, step_s=dt)
         if stop:
-            log(f"stopping at iter {iter_num}: signal received, saving a checkpoint")
-            if master:
-                t_save = time.perf_counter()
-                path = save_checkpoint(cfg, model, optimizer, scaler, args, meta, iter_num,
-                                       samples, best_val, identity)
-                log(f"saved {path} ({time.perf_counter() - t_save:.2f} s)")
-                log(f"interrupted at iter {iter_num}; resume with --init_from=resume")
+            run.log(f"stopping at iter {iter_num}: signal received, saving a checkpoint")
+            if run.rank == 0:
+                save(run, iter_num, samples, best_val)
+                run.log(f"interrupted at iter {iter_num}; resume with --init_from=resume")
             break
     # ---------------------------------------------------------------- TRAINING LOOP END
     watchdog.stop()
+    if run.metrics is not None:
+        run.metrics.close()
+    if run.wandb is not None:
+        run.wandb.finish()
 
-    if metrics is not None:
-        metrics.close()
-    if wandb is not None:
-        wandb.finish()
+
+def evaluate_and_save(run, iter_num, samples, best_val, may_save):
+    """The evaluation of iter_num, logged and recorded, and on rank 0 a checkpoint when it is
+    one to keep (not the one just resumed from); the best val loss so far."""
+    cfg = run.cfg
+    token_bytes, swag = run.scoring
+    losses = evaluate(run.forward, run.splits, cfg, run.rank, run.world_size, run.autocast,
+                      run.device, run.args["vocab_size"], token_bytes)
+    if swag is not None and iter_num % cfg.hellaswag_interval == 0:
+        # the uncompiled model: a compiled one would compile again for each new shape
+        losses.update(hellaswag.evaluate(run.model, swag, run.rank, run.world_size,
+                                         run.autocast, run.device))
+    log_evaluation(run.log, iter_num, losses)
+    record(run.metrics, run.wandb, {"iter": iter_num, **losses})
+    improved = losses["val_loss"] < best_val
+    if not all(map(math.isfinite, losses.values())):
+        run.log(f"warning: non-finite evaluation loss at iter {iter_num}: no checkpoint "
+                f"written, the previous ones are kept")
+    elif run.rank == 0 and may_save and (
+            improved or cfg.always_save_checkpoint or iter_num >= cfg.max_iters):
+        save(run, iter_num, samples, min(best_val, losses["val_loss"]))
+    return min(best_val, losses["val_loss"])
+
+
+def train_step(run, iter_num, samples, history, stop_signals):
+    """One optimizer step over the global batch: (its row for metrics.jsonl, whether a rank was
+    signalled to stop, this rank's seconds alone in it, its seconds waiting for data)."""
+    cfg, model, optimizer, scaler = run.cfg, run.model, run.optimizer, run.scaler
+    lr = lr_at(cfg, iter_num)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    torch.manual_seed(cfg.seed + 7919 * run.rank + 104729 * iter_num)  # dropout resumes exactly
+    loss_sum, data_wait, alone = forward_backward(run.trained, run.batches, run.micro_steps,
+                                                  run.autocast, scaler, run.world_size)
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+    loss, grad_norm, stop = share_step_results(loss_sum, grad_norm, stop_signals,
+                                               run.world_size)
+    problem = step_problem(cfg, loss, grad_norm, history, scaler.is_enabled())
+    if problem is None:
+        scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+    # everything below is diagnostics, done while the device runs the optimizer step
+    batch_fp = data.global_batch_fingerprint(samples // run.global_batch, run.global_batch,
+                                             run.splits["train"], cfg.block_size, cfg.seed,
+                                             cfg.sampling)
+    if problem is None and math.isfinite(loss):
+        history.append((loss, grad_norm))
+    elif problem is not None:
+        skip_or_stop(cfg, run.log, problem, iter_num, loss, batch_fp)
+    row = {"iter": iter_num, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+           "batch_fp": batch_fp, **({"skipped": problem} if problem else {})}
+    return row, stop, alone, data_wait
+
+
+def report_step(run, row, dt, alone, data_wait):
+    """A step's timings added to its row, on the console every log_interval steps with every
+    rank's numbers, and the row in metrics.jsonl (and wandb)."""
+    row.update(ms=dt * 1000, tok_per_s=run.global_batch * run.cfg.block_size / dt,
+               data_wait=data_wait / dt)
+    if run.peak:
+        row["mfu"] = run.flops_per_step / dt / (run.peak * run.world_size)
+    if torch.device(run.device).type == "cuda":  # the allocator's own count: no synchronising
+        row["peak_mem"] = torch.cuda.max_memory_allocated(run.device)
+    if row["iter"] % run.cfg.log_interval == 0:
+        row.update(rank_telemetry(alone, data_wait, run.device, run.world_size))
+        log_step(run.log, row, run.peak)
+        log_straggler(run.log, row)
+    record(run.metrics, run.wandb, row)
+
+
+def save(run, iter_num, samples, best_val):
+    t = time.perf_counter()
+    path = save_checkpoint(run.cfg, run.model, run.optimizer, run.scaler, run.args, run.meta,
+                           iter_num, samples, best_val, run.identity)
+    run.log(f"saved {path} ({time.perf_counter() - t:.2f} s)")
+
+
+def main(argv):
+    stop_signals = startup.catch_stop_signals()
+    cfg, given = configurator.parse_given(TrainConfig, argv)
+    check_config(cfg)
+    rank, local_rank, world_size = startup.distributed_env()
+    watchdog.start(cfg.out_dir, rank, world_size, cfg.hang_timeout_s, cfg.startup_timeout_s)
+    log = print if rank == 0 else (lambda *a, **k: None)
+    device = startup.pick_device(cfg.device, local_rank,
+                                 int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    startup.init_distributed(cfg, device, world_size)
+    try:
+        resume, meta, args, splits, model = startup.start_up(cfg, given, world_size, log)
+        scoring = startup.open_scoring(cfg, meta, args["vocab_size"], log)
+        error = None
+    except UserError as e:
+        error = str(e)
+    if not startup.agree(error, rank, world_size) or \
+            not startup.same_data_on_all_ranks(splits, cfg.data_dir, rank, world_size):
+        return 1
+    log(f"configuration:\n{configurator.describe(cfg)}")
+    model.to(device)
+    optimizer, scaler, iter_num, samples, best_val = restore(cfg, model, resume,
+                                                             torch.device(device).type)
+    resume = None  # free the checkpoint's tensors
+    run = prepare_run(cfg, rank, world_size, device, log, model, optimizer, scaler, meta, args,
+                      splits, scoring, samples)
+    train(run, stop_signals, iter_num, samples, best_val)
+    if world_size > 1:
+        dist.destroy_process_group()
+    return 0
 
 
 def run_cli(argv):

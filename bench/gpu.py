@@ -25,6 +25,7 @@ import torch
 import checkpoint
 import configurator
 import tokenfile
+import startup
 import train
 from bench import common, report
 from model import GPT, GPTConfig
@@ -171,7 +172,7 @@ def step_rows(out_dir):
 
 def flops_per_token(cfg, data_dir):
     with torch.device("meta"):  # the model train.py builds, with no weights allocated
-        model = GPT(GPTConfig(**train.model_args(cfg, tokenfile.read_meta(data_dir))))
+        model = GPT(GPTConfig(**startup.model_args(cfg, tokenfile.read_meta(data_dir))))
     return model.flops_per_token()
 
 

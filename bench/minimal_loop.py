@@ -13,26 +13,27 @@ import torch
 
 import configurator
 import tokenfile
+import startup
 import train
 from model import GPT, GPTConfig
 
 
 def main(argv):
     cfg = configurator.parse(train.TrainConfig, argv)
-    device = train.pick_device(cfg.device, local_rank=0)
+    device = startup.pick_device(cfg.device, local_rank=0)
     device_type = torch.device(device).type
     sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
     if device_type == "cuda":  # as train.py and nanoGPT set them
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(**train.model_args(cfg, tokenfile.read_meta(cfg.data_dir))))
+    model = GPT(GPTConfig(**startup.model_args(cfg, tokenfile.read_meta(cfg.data_dir))))
     model.to(device)
     # the same AdamW as train.py's (fused on CUDA) with the same parameter groups
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate,
                                            (cfg.beta1, cfg.beta2), device_type)
     trained = torch.compile(model) if cfg.compile else model
-    autocast = train.autocast_for(train.pick_dtype(cfg, device_type), device_type)
+    autocast = train.autocast_for(startup.pick_dtype(cfg, device_type), device_type)
     micro_steps, shape = cfg.gradient_accumulation_steps, (cfg.batch_size, cfg.block_size)
     batches = [(torch.randint(model.config.vocab_size, shape, device=device),
                 torch.randint(model.config.vocab_size, shape, device=device))

@@ -11,6 +11,7 @@ import torch
 
 import configurator
 import tokenfile
+import startup
 import train
 from bench import common
 from model import GPT, GPTConfig
@@ -98,12 +99,12 @@ def measure(spec, workdir, out_dir):
     counted = launch(spec, args, out_dir)
     cfg = configurator.parse(train.TrainConfig, args)
     with torch.device("meta"):  # the model train.py built, with no weights allocated
-        model = GPT(GPTConfig(**train.model_args(cfg, tokenfile.read_meta(data_dir))))
+        model = GPT(GPTConfig(**startup.model_args(cfg, tokenfile.read_meta(data_dir))))
     ms = np.array([row["ms"] for row in counted])
     tok_per_s = float(np.median([row["tok_per_s"] for row in counted]))
     mfu = [row["mfu"] for row in counted if "mfu" in row]
     return {"status": "ok", "device": cfg.device,
-            "dtype": train.pick_dtype(cfg, torch.device(cfg.device).type),
+            "dtype": startup.pick_dtype(cfg, torch.device(cfg.device).type),
             "compile": cfg.compile, "params": model.get_num_params(),
             "tokens_per_step": cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size,
             "steps_counted": len(counted), "ms_per_step": float(np.median(ms)),

@@ -36,7 +36,7 @@ import data
 import tokenfile
 from errors import UserError
 from model import GPT, GPTConfig
-from train import model_args
+from startup import model_args
 
 
 @dataclass

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import tokenfile
 from bench.datapath_rank import BATCH, BLOCK, EveryOffset
 from lightning_datamodule import BlockDataModule, GPTModule, LightningConfig
-from train import model_args
+from startup import model_args
 
 
 class Timed:

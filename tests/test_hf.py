@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel  # noqa: E40
 import checkpoint
 import configurator
 import hf
+import startup
 import train
 from conftest import ROOT, TINY, fails, python, run, steps
 from model import GPT, GPTConfig
@@ -94,7 +95,7 @@ def test_a_folder_loads_with_transformers_logits(hf_folder, gpt2_data, tmp_path)
     cfg, given = configurator.parse_given(train.TrainConfig, [
         f"--init_from={hf_folder}", f"--data_dir={gpt2_data}", f"--out_dir={tmp_path}", *RUN])
     train.check_config(cfg)
-    _, _, args, _, model = train.start_up(cfg, given, 1, log=lambda *a: None)
+    _, _, args, _, model = startup.start_up(cfg, given, 1, log=lambda *a: None)
     assert (cfg.n_layer, cfg.n_embd, cfg.block_size, cfg.bias) == (2, 32, 32, True)
     assert args["block_size"] == 32 and model.transformer.wpe.weight.shape == (32, 32)
     assert max_logit_difference(model.eval(), theirs, ids[:, :32].contiguous()) < 1e-4

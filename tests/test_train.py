@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+import startup
 import train
 from conftest import TINY, evals, fails, metrics, python, steps, torchrun
 
@@ -145,14 +146,14 @@ def test_resume_with_another_architecture_is_an_error(env, corpus, tmp_path):
 def test_cuda_means_each_ranks_own_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    assert train.pick_device("cuda", local_rank=3, ranks_here=8) == "cuda:3"
-    assert train.pick_device("auto", local_rank=5, ranks_here=8) == "cuda:5"
-    assert train.pick_device("cuda:1", local_rank=0, ranks_here=1) == "cuda:1"
-    assert train.pick_device("cpu", local_rank=5, ranks_here=8) == "cpu"
+    assert startup.pick_device("cuda", local_rank=3, ranks_here=8) == "cuda:3"
+    assert startup.pick_device("auto", local_rank=5, ranks_here=8) == "cuda:5"
+    assert startup.pick_device("cuda:1", local_rank=0, ranks_here=1) == "cuda:1"
+    assert startup.pick_device("cpu", local_rank=5, ranks_here=8) == "cpu"
     with pytest.raises(train.UserError, match="puts all 8 ranks of this node on one GPU"):
-        train.pick_device("cuda:0", local_rank=2, ranks_here=8)
+        startup.pick_device("cuda:0", local_rank=2, ranks_here=8)
     with pytest.raises(train.UserError, match="needs GPU cuda:9, but torch sees 8"):
-        train.pick_device("cuda", local_rank=9, ranks_here=10)
+        startup.pick_device("cuda", local_rank=9, ranks_here=10)
 
 
 @pytest.mark.parametrize("name, peak", [
