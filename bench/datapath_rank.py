@@ -5,7 +5,8 @@
 Measures the time from this process's start to its first batch of 12 x 1024 tokens and its
 memory then, reads BATCHES batches in all, timing each, measures its memory again and writes
 OUT.rank<r>.json. LOADER is what reads the batches: 'ddpgpt' is data.rank_batches, as train.py
-uses it, on DATA_DIR's train split (train.bin, or the shards its meta.json lists); 'nanogpt'
+uses it, on DATA_DIR's train split (train.bin, or the shards its meta.json lists), or on a
+mixture when DATA_DIR is written as train.py's data_mix ('folder=0.3,folder=0.2,...'); 'nanogpt'
 and 'seed' are references written for this comparison (see below), which read train.bin.
 Each loader is (its batches, the number of files it reads), so the result says what was read.
 """
@@ -26,16 +27,28 @@ import tokenfile
 BATCH, BLOCK, VOCAB, SEED = 12, 1024, 50304, 1337
 
 
+def sources(data_dir):
+    """(folder, weight) of each source: one folder weighs 1; a data_mix string, as train.py
+    reads it, lists them. A parser of its own, not startup.py's: importing startup.py (the
+    model, HellaSwag, Hugging Face) would add its imports to every start-up measured here."""
+    pairs = [part.rpartition("=") for part in data_dir.split(",")]
+    return [(folder, float(weight)) if folder else (weight, 1.0) for folder, _, weight in pairs]
+
+
 def ddpgpt(data_dir, rank, world):
     """train.py's loader without its background thread (prefetch=0), so that a next() times
     making one batch, as it does for (a). With the thread, as in training, a loop that does
     nothing between batches would time two threads passing the interpreter lock back and
-    forth; the training part measures what the thread is for, a step's wait for data."""
-    train = data.mixture([tokenfile.open_split(data_dir, "train", BLOCK, VOCAB,
-                                               log=lambda *a: None)])
+    forth; the training part measures what the thread is for, a step's wait for data. The
+    data is opened as startup.open_data opens it: a Mixture of each source's train split."""
+    folders, weights = zip(*sources(data_dir))
+    train = data.mixture([tokenfile.open_split(folder, "train", BLOCK, VOCAB, log=lambda *a: None)
+                          for folder in folders], weights,
+                         [os.path.basename(folder) for folder in folders])
     return data.rank_batches(train, block_size=BLOCK, batch_size=BATCH, micro_steps=1,
                              rank=rank, world_size=world, seed=SEED, mode="epoch", start_step=0,
-                             device="cpu", vocab_size=VOCAB, prefetch=0), len(train.splits[0].paths)
+                             device="cpu", vocab_size=VOCAB, prefetch=0), \
+        sum(len(split.paths) for split in train.splits)
 
 
 def nanogpt(data_dir, rank, world):
