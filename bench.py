@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from bench import common, datapath, evaluating, gpu, preparing, report, training
+from bench import common, datapath, evaluating, gpu, mixing, preparing, report, training
 
-PARTS = {"data": datapath, "training": training, "prepare": preparing, "eval": evaluating,
-         "gpu": gpu}
+PARTS = {"data": datapath, "mix": mixing, "training": training, "prepare": preparing,
+         "eval": evaluating, "gpu": gpu}
 DOCS_DATA = os.path.join(common.ROOT, "docs", "bench")
 DOCS_REPORT = os.path.join(common.ROOT, "docs", "benchmarks.md")
 

@@ -41,6 +41,15 @@ def data_verdicts(result):
     return growth + latency + shards
 
 
+def mix_verdicts(result):
+    """Start-up with the mixture's sources within 10% of one source's, and p50 latency within
+    1.5x of it, at every rank count."""
+    rows = {(r["sources"], r["ranks"]): r for r in result["results"]}
+    n, ranks = result["settings"]["sources"], result["settings"]["ranks"]
+    return [all(rows[n, k]["startup_s"] / rows[1, k]["startup_s"] - 1 <= 0.10 for k in ranks),
+            all(rows[n, k]["p50_ms"] <= 1.5 * rows[1, k]["p50_ms"] for k in ranks)]
+
+
 def training_verdicts(result):
     """Data wait under 1% in every run; MFU is judged only on a GPU with a known peak."""
     done = [r for r in result["results"] if r["status"] == "ok"]
@@ -93,12 +102,12 @@ def eval_verdicts(result):
             all(two["examples_per_s"] > one["examples_per_s"] for one, two in pairs)]
 
 
-VERDICTS = {"data": data_verdicts, "training": training_verdicts, "prepare": prepare_verdicts,
-            "gpu": gpu_verdicts, "eval": eval_verdicts}
+VERDICTS = {"data": data_verdicts, "mix": mix_verdicts, "training": training_verdicts,
+            "prepare": prepare_verdicts, "gpu": gpu_verdicts, "eval": eval_verdicts}
 
 
-VERDICTS = {"data": data_verdicts, "training": training_verdicts, "prepare": prepare_verdicts,
-            "gpu": gpu_verdicts}
+VERDICTS = {"data": data_verdicts, "mix": mix_verdicts, "training": training_verdicts,
+            "prepare": prepare_verdicts, "gpu": gpu_verdicts}
 
 
 def bench_part(part, env, tmp_path, flag="--small"):
@@ -141,6 +150,22 @@ def test_data_path(env, tmp_path):
     assert "| 2 | 64 MiB | 1 | seed | exceeded the " in page
     assert "| 2 | 64 MiB | 1,000 | ddpgpt | " in page
     assert len(result["targets"]) == 10
+
+
+def test_mix(env, tmp_path):
+    result, page = bench_part("mix", env, tmp_path)
+    s = result["settings"]
+    rows = {(r["sources"], r["ranks"]): r for r in result["results"]}
+    assert len(rows) == len(result["results"]) == 2 * len(s["ranks"])
+    assert set(rows) == {(n, k) for n in (1, s["sources"]) for k in s["ranks"]}
+    assert s["sources"] == len(s["weights"]) == 8
+    for (n, ranks), r in rows.items():
+        assert r["status"] == "ok", r
+        assert r["files_read"] == n and r["size"] == s["size"]  # every source was opened
+        assert r["startup_s"] > r["setup_s"] > 0
+        assert 0 < r["p50_ms"] <= r["p99_ms"] and r["batches_per_s"] > 0
+    assert "| 2 | 8 | 8 | " in page
+    assert len(result["targets"]) == 2
 
 
 def test_training(env, tmp_path):
