@@ -106,10 +106,6 @@ VERDICTS = {"data": data_verdicts, "mix": mix_verdicts, "training": training_ver
             "prepare": prepare_verdicts, "gpu": gpu_verdicts, "eval": eval_verdicts}
 
 
-VERDICTS = {"data": data_verdicts, "mix": mix_verdicts, "training": training_verdicts,
-            "prepare": prepare_verdicts, "gpu": gpu_verdicts}
-
-
 def bench_part(part, env, tmp_path, flag="--small"):
     out = tmp_path / "bench"
     python("bench.py", part, flag, f"--out_dir={out}", env=env)
@@ -270,7 +266,8 @@ def load_bench_cli():
 def test_every_part_is_all_but_gpu_without_a_gpu():
     # so that a CPU run of every part never replaces a GPU run's results with "not run"
     cli = load_bench_cli()
-    every = list(cli.PARTS) if torch.cuda.is_available() else ["data", "training", "prepare"]
+    every = list(cli.PARTS) if torch.cuda.is_available() else ["data", "mix", "training",
+                                                                "prepare", "eval"]
     assert cli.parse_args([]).parts == every
     assert cli.parse_args(["--small"]).parts == list(cli.PARTS)
     assert cli.parse_args(["gpu"]).parts == ["gpu"]
