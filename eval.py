@@ -30,10 +30,11 @@ import torch.distributed as dist
 
 import configurator
 import data
+import errors
 import hellaswag
 import hf
-import tokenfile
 import startup
+import tokenfile
 import train
 import weights
 from errors import UserError
@@ -154,15 +155,5 @@ def main(argv):
     return 0
 
 
-def run_cli(argv):
-    """main(), with a UserError printed as one paragraph and exit status 1."""
-    try:
-        return main(argv)
-    except UserError as e:
-        where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
-        print(f"eval.py: error{where}: {e}", file=sys.stderr)
-        return 1
-
-
 if __name__ == "__main__":
-    sys.exit(run_cli(sys.argv[1:]))
+    sys.exit(errors.run(main, "eval.py", sys.argv[1:]))

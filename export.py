@@ -17,6 +17,7 @@ import shutil
 import sys
 
 import checkpoint
+import errors
 import hf
 import weights
 from errors import UserError
@@ -107,8 +108,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except UserError as e:
-        print(f"export.py: error: {e}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(errors.run(main, "export.py", sys.argv[1:]))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 import configurator
+import errors
 import hf
 import weights
 from errors import UserError
@@ -89,8 +90,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except UserError as e:
-        print(f"sample.py: error: {e}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(errors.run(main, "sample.py", sys.argv[1:]))

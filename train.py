@@ -34,12 +34,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 import configurator
 import data
+import errors
 import fileio
 import hellaswag
-import startup
 import hf
+import startup
 import watchdog
 from errors import UserError
+
 
 @dataclass
 class TrainConfig:
@@ -646,16 +648,7 @@ def main(argv):
 
 
 def run_cli(argv):
-    """main(), with a UserError printed as one paragraph and exit status 1. The message is
-    printed before any teardown of the process group: since PyTorch 2.6 destroying it waits
-    for collectives that the other ranks may never join, so this rank exits without it and
-    torchrun (or srun --kill-on-bad-exit) ends the others."""
-    try:
-        return main(argv)
-    except UserError as e:
-        where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
-        print(f"train.py: error{where}: {e}", file=sys.stderr)
-        return 1
+    return errors.run(main, "train.py", argv)
 
 
 if __name__ == "__main__":

@@ -130,6 +130,18 @@ def decoded(out_dir, tok):
     return docs
 
 
+def prepare_fails(tmp_path, *args, env):
+    """prepare.py run in tmp_path on bad input: its one-line message, checked to be one, and
+    that nothing it writes (final or temporary) is left anywhere in tmp_path."""
+    p = fails("prepare.py", *args, env=env, cwd=tmp_path)
+    message = p.stderr.strip().splitlines()[-1]
+    assert message.startswith("prepare.py: error: "), p.stderr
+    left = [f for f in glob.glob(f"{tmp_path}/**/*", recursive=True)
+            if f.endswith(OUTPUTS + (".tmp",))]
+    assert not left
+    return message
+
+
 def metrics(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
