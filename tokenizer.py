@@ -2,6 +2,11 @@
 
 'byte' is UTF-8 bytes as ids 0..255 plus an end-of-text id 256: it needs no download,
 so a machine with no network can prepare, train and sample.
+
+Every tokenizer encodes every Python str. A str can hold lone surrogates (U+D800..U+DFFF),
+which UTF-8 cannot encode: JSON's "\\ud800" escapes make them, and so does a command-line
+argument that is not UTF-8. Each becomes U+FFFD, the replacement character: tiktoken's
+encode_ordinary does that itself, and _any_str does it for ours.
 """
 import hashlib
 import os
@@ -21,6 +26,18 @@ class Tokenizer(NamedTuple):
     decode: Callable[[list], str]
 
 
+def _any_str(encode):
+    """encode, with lone surrogates replaced by U+FFFD; text without them costs nothing more."""
+    def encode_any(text):
+        try:
+            return encode(text)
+        except UnicodeEncodeError:
+            # a valid surrogate pair passes through UTF-16 whole; a lone one is replaced
+            return encode(text.encode("utf-16", "surrogatepass").decode("utf-16", "replace"))
+
+    return encode_any
+
+
 def _byte_tokenizer():
     def encode(text):
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).tolist()
@@ -28,7 +45,7 @@ def _byte_tokenizer():
     def decode(ids):
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-    return Tokenizer("byte", 257, 256, encode, decode)
+    return Tokenizer("byte", 257, 256, _any_str(encode), decode)
 
 
 # tiktoken's 'gpt2' reads two files (vocab.bpe, encoder.json) that hold the same ranks, pattern

@@ -54,6 +54,22 @@ def test_round_trip(tokenizer, env, tmp_path, monkeypatch):
     assert meta["skipped_empty_documents"] == 2 and meta["seed"] == 7
 
 
+@pytest.mark.parametrize("tokenizer", ["gpt2", "byte"])
+def test_lone_surrogates_in_json_become_replacement_characters(tokenizer, env, tmp_path,
+                                                                monkeypatch):
+    """JSON can escape a lone surrogate ("\\ud800"), which UTF-8 cannot encode: every tokenizer
+    encodes it as U+FFFD, tiktoken by itself and the byte tokenizer as tiktoken does."""
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", env["TIKTOKEN_CACHE_DIR"])
+    odd = {"lone \ud800 high": "lone \ufffd high", "\udfff": "\ufffd",
+           "a pair, escaped: \ud83c\udf89": "a pair, escaped: \U0001f389"}
+    write_jsonl(tmp_path / "docs.jsonl", [*odd, *NON_EMPTY])  # json.dumps writes \ud800
+    assert "\\ud800" in (tmp_path / "docs.jsonl").read_text()
+    python("prepare.py", "--dataset", tmp_path / "docs.jsonl", f"--tokenizer={tokenizer}",
+           "--out_dir", tmp_path / "out", "--val_docs=2", "--num_proc=2", env=env)
+    docs = decoded(tmp_path / "out", get_tokenizer(tokenizer))
+    assert Counter(docs["train"] + docs["val"]) == Counter([*odd.values(), *NON_EMPTY])
+
+
 def txt_glob(d):
     for i, doc in enumerate(DOCS):
         (d / f"{i:02d}.txt").write_text(doc, newline="")
