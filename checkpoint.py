@@ -8,6 +8,7 @@ Loading never runs code from the file (weights_only=True).
 import errno
 import glob
 import os
+import pickle
 import re
 import shutil
 
@@ -64,13 +65,26 @@ def model_state(state):
             if not k.endswith(".attn.bias") or v.dim() != 4}
 
 
+def refused(error):
+    """What to say of a file that torch.load(weights_only=True) refused because unpickling it
+    would import and call something (its pickle names a global); None for other errors. Not
+    torch's own message: that advises loading with weights_only=False, which runs the code."""
+    if not (isinstance(error, pickle.UnpicklingError) and "Weights only load" in str(error)):
+        return None
+    named = re.search(r"GLOBAL ([\w.]+)", str(error))
+    return (f"was refused: loading it would execute code (its pickle calls "
+            f"{named.group(1) if named else 'a function'}; a checkpoint holds only tensors and "
+            f"plain values), and ddpgpt never loads such a file. Use checkpoints from a source "
+            f"you trust")
+
+
 def read(path):
     """(state, None) for a checkpoint file that loads, else (None, what is wrong with it)."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated zip, a pickle with code in it...
-        return None, (f"cannot be loaded ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0][:200] if str(e) else ''})")
+        return None, refused(e) or (f"cannot be loaded ({type(e).__name__}: "
+                                    f"{str(e).splitlines()[0][:200] if str(e) else ''})")
     missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
         return None, f"is not a checkpoint (it has no {', '.join(missing)})"
