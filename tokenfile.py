@@ -229,26 +229,40 @@ def open_split(data_dir, split, block_size, vocab_size=None, log=print):
     counts = [file_tokens(p, dtype, header, None if listed is None else listed[k], hint)
               for k, p in enumerate(paths)]
     token_split = TokenSplit(tuple(paths), dtype, header, np.cumsum([0, *counts]))
-    what = paths[0] if len(paths) == 1 else f"the {len(paths)} {split} shards in {data_dir}"
     expected = (meta or {}).get("splits", {}).get(split, {}).get("fingerprint")
     if expected is not None and expected != sampled_fingerprint(paths, header):
         raise UserError(
-            f"{what} {'does' if len(paths) == 1 else 'do'} not match the fingerprint in "
-            f"{META_NAME}: the content changed after prepare.py wrote it (a different file of "
-            f"the same size?). Run `{hint}` again.")
-    longest = max(counts)
-    if longest < block_size + 1:
-        holds = f"{longest} tokens" if len(paths) == 1 else f"at most {longest} tokens a shard"
-        raise UserError(
-            f"{what} holds {holds}, fewer than one block of block_size={block_size} plus the "
-            f"shifted target: set block_size to at most {max(longest - 1, 0)} or prepare more "
-            f"data for the {split} split.")
+            f"{describe(token_split)} {'does' if len(paths) == 1 else 'do'} not match the "
+            f"fingerprint in {META_NAME}: the content changed after prepare.py wrote it (a "
+            f"different file of the same size?). Run `{hint}` again.")
+    check_block_size(token_split, block_size)
     if vocab_size is not None and meta is not None and meta["vocab_size"] > vocab_size:
         raise UserError(
             f"{data_dir} was tokenized with {meta.get('tokenizer')!r}, whose {meta['vocab_size']} "
             f"ids do not fit the model's vocab_size={vocab_size}: use a model with vocab_size "
             f">= {meta['vocab_size']} or data prepared with a smaller vocabulary.")
     return token_split
+
+
+def describe(token_split):
+    """The split's file, or its shards, as a message names them."""
+    first, last = token_split.paths[0], token_split.paths[-1]
+    return first if len(token_split.paths) == 1 else \
+        f"the {len(token_split.paths)} shards {os.path.basename(first)} to " \
+        f"{os.path.basename(last)} in {os.path.dirname(first)}"
+
+
+def check_block_size(token_split, block_size):
+    """A window (a block and its shifted target, block_size + 1 tokens) lies inside one file:
+    at least one file must hold one, or sampling has nothing to draw from."""
+    longest = int(np.diff(token_split.starts).max())
+    if longest < block_size + 1:
+        holds = f"{longest} tokens" if len(token_split.paths) == 1 else \
+            f"at most {longest} tokens a shard"
+        raise UserError(
+            f"{describe(token_split)} holds {holds}, fewer than one block of "
+            f"block_size={block_size} plus the shifted target: set block_size to at most "
+            f"{max(longest - 1, 0)} or prepare more data.")
 
 
 def read(token_split, offsets, length):
