@@ -5,17 +5,15 @@ config) plus scaler, samples_consumed (the data position) and data_meta (the dat
 which names the tokenizer). A nanoGPT ckpt.pt in out_dir is found too, as the oldest.
 Loading never runs code from the file (weights_only=True).
 """
-import errno
 import glob
 import os
 import pickle
 import re
-import shutil
 
 import torch
 
 from errors import UserError
-from fileio import publish
+from fileio import disk_full, publish
 
 _NAME = re.compile(r"ckpt_(\d+)\.pt$")
 REQUIRED_KEYS = ("model", "model_args", "iter_num")
@@ -43,11 +41,9 @@ def save(out_dir, state, keep):
         torch.save(state, tmp)
         publish(tmp, path)
     except (OSError, RuntimeError) as e:  # torch.save reports a short write as RuntimeError
-        free = shutil.disk_usage(out_dir).free
+        why = disk_full(e, out_dir) or str(e).strip()  # before the .tmp's space is freed
         if os.path.exists(tmp):
             os.remove(tmp)
-        full = getattr(e, "errno", None) == errno.ENOSPC or free < 64 * 2**20
-        why = f"the disk is full ({free / 2**20:.1f} MiB free)" if full else str(e).strip()
         raise UserError(
             f"could not write checkpoint {path}: {why}. The previous checkpoints in "
             f"{out_dir} are intact; free space or set out_dir elsewhere, then resume with "

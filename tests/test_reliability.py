@@ -172,18 +172,6 @@ def test_refusing_a_checkpoint_that_would_run_code_never_suggests_loading_it(env
     assert not marker.exists() and not (tmp_path / "exported").exists()
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB file system: room for two checkpoints of the TINY model, not for three."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
-    yield str(mount)
-    subprocess.run(["umount", str(mount)], check=True)
-
-
 def test_a_full_disk_during_a_save_is_a_clear_error_and_keeps_the_previous_checkpoint(
         env, corpus, small_disk):
     out = os.path.join(small_disk, "out")
