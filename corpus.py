@@ -367,7 +367,7 @@ def count_archive(path):
 def count_archives(archives, num_proc):
     """count_documents for OpenWebText, one archive per process: decompressing is the work."""
     counts = Counter()
-    with Pool(min(num_proc, len(archives)), ignore_sigint) as pool, \
+    with Pool(min(num_proc, len(archives)), worker_signals) as pool, \
             tqdm(total=len(archives), desc="counting documents", unit=" archives") as bar:
         for n in pool.imap(count_archive, archives):  # in order: the first damaged one is named
             counts.update(n)
@@ -390,5 +390,10 @@ def report_openwebtext_total(total, archives):
               f"the README's expected numbers do not apply.", file=sys.stderr)
 
 
-def ignore_sigint():
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the main process to handle
+def worker_signals():
+    """A worker process leaves stopping to the main process (prepare.py's Interrupted), which
+    terminates it: it ignores Ctrl-C and a closed terminal, which reach the whole process
+    group, and dies of SIGTERM quietly, without the handler it inherited."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)

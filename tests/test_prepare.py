@@ -3,11 +3,7 @@ to the documents, meta.json must describe them, and bad input must fail with one
 import glob
 import json
 import os
-import signal
-import subprocess
-import sys
 import sysconfig
-import time
 import tokenize
 from collections import Counter
 
@@ -18,7 +14,7 @@ import pytest
 
 import data
 import tokenfile
-from conftest import OUTPUTS, ROOT, decoded, python
+from conftest import OUTPUTS, decoded, python
 from tokenizer import get_tokenizer
 
 DOCS = ["Hello, world!\n", "ünïcödé — 日本語 🎉\r\nsecond line", "", "   \n\t",
@@ -155,23 +151,6 @@ def test_same_seed_same_bytes(env, tmp_path):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
     meta = json.loads((tmp_path / "one" / tokenfile.META_NAME).read_text())
     assert meta["splits"]["val"]["documents"] == round(len(NON_EMPTY) * 3 * 0.1)
-
-
-def test_interrupted_run_publishes_nothing(env, tmp_path):
-    """Ctrl-C while tokenizing: the .tmp files go, and no final-named file appears."""
-    out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "prepare.py"), "--dataset=pystdlib",
-                          "--tokenizer=byte", "--num_proc=1", "--out_dir", out], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not (out / "train.bin.tmp").exists() or (out / "train.bin.tmp").stat().st_size == 0:
-        assert p.poll() is None and time.time() < deadline, p.communicate()
-        time.sleep(0.05)
-    p.send_signal(signal.SIGINT)
-    _, stderr = p.communicate(timeout=60)
-    assert p.returncode == 1 and "Traceback" not in stderr, stderr
-    assert "interrupted" in stderr.strip().splitlines()[-1]
-    assert os.listdir(out) == []
 
 
 def bad_input(tmp_path, env):
