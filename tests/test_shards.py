@@ -195,8 +195,8 @@ def test_a_stopped_sharded_prepare_resumes_and_writes_the_same_bytes(stop, env, 
         kept = sum(map(len, progress["splits"].values()))
         assert stderr.strip().splitlines()[-1] == (
             f"prepare.py: interrupted (SIGTERM); this run's temporary files were removed, and "
-            f"the {kept} complete shard(s) in {out} that prepare.progress.json records are kept: the "
-            f"same command resumes after them."), stderr
+            f"the {kept} complete shard(s) in {out} that prepare.progress.json records are "
+            f"kept: the same command resumes after them."), stderr
         assert sorted(f for f in os.listdir(out) if not f.endswith(".bin")) == \
             ["prepare.progress.json"]
     p = prepare_shards(env, tmp_path / "docs.jsonl", out, *shard)
