@@ -12,6 +12,7 @@ and the padding rows belong to no token. DEST must not exist; it is written unde
 name and renamed when complete.
 """
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -20,8 +21,7 @@ import checkpoint
 import hf
 from errors import UserError
 from fileio import publish_folder
-from sample import tokenizer_name
-from tokenizer import get_tokenizer
+from sample import data_tokenizer
 
 LM_EVAL = ("lm_eval --model hf --model_args pretrained={} --tasks hellaswag --device cuda:0 "
            "--batch_size 16")
@@ -51,6 +51,11 @@ def tokenizer_note(tok, dest):
                 f"(`split_special_tokens=True` encodes the string as text). Evaluate with "
                 f"lm-evaluation-harness (`pip install \"lm_eval[hf]\"`):\n\n"
                 f"    {LM_EVAL.format(dest)}")
+    if tok.name == "char":
+        return ("nanoGPT's character-level vocabulary, which transformers does not have, so "
+                "there are no tokenizer files: id i is the i-th character of this JSON string, "
+                "and there is no end-of-text:\n\n    " +
+                json.dumps(tok.decode(range(tok.vocab_size))))
     if tok.name == "byte":
         return ("ddpgpt's byte tokenizer, which transformers does not have, so there are no "
                 "tokenizer files: a text's ids are its UTF-8 bytes (0..255), and 256 is "
@@ -113,12 +118,12 @@ def main(argv):
         raise UserError(f"{dest} exists: export.py writes a new folder and never over an "
                         f"existing one. Remove it, or give another DEST.")
     state, path = load_checkpoint(cli.source)
-    name, where = tokenizer_name(state)
-    tok, vocab_size = get_tokenizer(name), state["model_args"]["vocab_size"]
+    tok, where = data_tokenizer(state)
+    vocab_size = state["model_args"]["vocab_size"]
     if tok.vocab_size > vocab_size:
-        raise UserError(f"the model has {vocab_size} token ids, fewer than {name!r}'s "
+        raise UserError(f"the model has {vocab_size} token ids, fewer than {tok.name!r}'s "
                         f"{tok.vocab_size}: put its data's meta.json in the data_dir it names.")
-    print(f"export.py: {path} (iter {state['iter_num']}), tokenizer {name!r} from {where}")
+    print(f"export.py: {path} (iter {state['iter_num']}), tokenizer {tok.name!r} from {where}")
     write(dest, state, path, tok)
     print(f"export.py: wrote {dest}")
     return 0

@@ -17,9 +17,9 @@ import checkpoint
 import configurator
 import hf
 import tokenfile
+import tokenizer
 from errors import UserError
 from model import GPT, GPTConfig
-from tokenizer import get_tokenizer
 from train import Dtype, pick_device, pick_dtype
 
 
@@ -38,37 +38,40 @@ class SampleConfig:
     compile: bool = False
 
 
-def tokenizer_name(state):
-    """(name, where it came from). train.py keeps the data's meta.json in the checkpoint; older
-    checkpoints (nanoGPT's, raw .bin data) have none: read the data's, else assume GPT-2's."""
+def data_tokenizer(state):
+    """(tokenizer, where it came from). train.py keeps the data's meta.json (or what nanoGPT's
+    meta.pkl holds) in the checkpoint; older checkpoints have none: read their data folder's
+    (data_dir, or as nanoGPT's sample.py data/<dataset>), else assume GPT-2's tokens."""
     meta, where = state.get("data_meta"), "the checkpoint's data_meta"
-    data_dir = (state.get("config") or {}).get("data_dir")
+    config = state.get("config") or {}
+    data_dir = config.get("data_dir") or (config.get("dataset") and
+                                          os.path.join("data", config["dataset"]))
     if meta is None and data_dir:
-        meta, where = tokenfile.read_meta(data_dir), os.path.join(data_dir, tokenfile.META_NAME)
+        meta, where = tokenfile.read_meta(data_dir), tokenfile.meta_path(data_dir)
     if meta and meta.get("tokenizer"):
-        return meta["tokenizer"], where
-    return "gpt2", "nanoGPT's default, as the checkpoint names none"
+        return tokenizer.for_data(meta), where
+    return tokenizer.get_tokenizer("gpt2"), "nanoGPT's default, as the checkpoint names none"
 
 
 def load_weights(cfg, log):
-    """(model_args, weights, tokenizer name) of out_dir's newest checkpoint or of GPT-2's
-    weights, which read GPT-2's tokens."""
+    """(model_args, weights, tokenizer) of out_dir's newest checkpoint or of GPT-2's weights,
+    which read GPT-2's tokens."""
     if cfg.init_from != "resume":
         weights, args = hf.load(cfg.init_from, log=log)
-        gpt2_ids = get_tokenizer("gpt2").vocab_size
-        if args["vocab_size"] < gpt2_ids:
+        gpt2 = tokenizer.get_tokenizer("gpt2")
+        if args["vocab_size"] < gpt2.vocab_size:
             raise UserError(
-                f"{cfg.init_from} has {args['vocab_size']} token ids, fewer than the {gpt2_ids} "
-                f"of GPT-2's tokenizer, with which sample.py reads Hugging Face weights: sample "
-                f"the checkpoint they were exported from, with --out_dir.")
-        return args, weights, "gpt2"
+                f"{cfg.init_from} has {args['vocab_size']} token ids, fewer than the "
+                f"{gpt2.vocab_size} of GPT-2's tokenizer, with which sample.py reads Hugging Face "
+                f"weights: sample the checkpoint they were exported from, with --out_dir.")
+        return args, weights, gpt2
     state, path = checkpoint.load_latest(cfg.out_dir, log=log)
     if state is None:
         raise UserError(f"{cfg.out_dir} holds no loadable checkpoint (ckpt_*.pt or nanoGPT's "
                           f"ckpt.pt): set --out_dir to where train.py saved, or train a model.")
-    name, where = tokenizer_name(state)
-    log(f"sample.py: {path} (iter {state['iter_num']}), tokenizer {name!r} from {where}")
-    return state["model_args"], checkpoint.model_state(state), name
+    tok, where = data_tokenizer(state)
+    log(f"sample.py: {path} (iter {state['iter_num']}), tokenizer {tok.name!r} from {where}")
+    return state["model_args"], checkpoint.model_state(state), tok
 
 
 def main(argv):
@@ -92,10 +95,10 @@ def main(argv):
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"cannot read the prompt file {prompt[5:]!r} ({e}): give --start="
                               f"FILE:<a UTF-8 text file>, or the prompt itself as --start=<text>.")
-    args, weights, name = load_weights(cfg, log)
-    tok, vocab_size = get_tokenizer(name), args["vocab_size"]
+    args, weights, tok = load_weights(cfg, log)
+    vocab_size = args["vocab_size"]
     if tok.vocab_size > vocab_size:
-        raise UserError(f"the model has {vocab_size} token ids, fewer than {name!r}'s "
+        raise UserError(f"the model has {vocab_size} token ids, fewer than {tok.name!r}'s "
                           f"{tok.vocab_size}: put its data's meta.json in the data_dir it names.")
     ids = tok.encode(prompt)
     if not ids:

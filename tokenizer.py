@@ -1,9 +1,11 @@
-"""Tokenizers by name: any tiktoken encoding ('gpt2' by default), or 'byte'.
+"""Tokenizers by name: any tiktoken encoding ('gpt2' by default), or 'byte'; and 'char',
+nanoGPT's character-level vocabulary, which comes with its data (for_data).
 
 'byte' is UTF-8 bytes as ids 0..255 plus an end-of-text id 256: it needs no download,
 so a machine with no network can prepare, train and sample.
 
-Every tokenizer encodes every Python str. A str can hold lone surrogates (U+D800..U+DFFF),
+The tokenizers by name encode every Python str ('char' encodes its own characters, and names
+any others in a UserError). A str can hold lone surrogates (U+D800..U+DFFF),
 which UTF-8 cannot encode: JSON's "\\ud800" escapes make them, and so does a command-line
 argument that is not UTF-8. Each becomes U+FFFD, the replacement character: tiktoken's
 encode_ordinary does that itself, and _any_str does it for ours.
@@ -21,7 +23,7 @@ from errors import UserError
 class Tokenizer(NamedTuple):
     name: str
     vocab_size: int  # ids are 0 .. vocab_size - 1, end-of-text included
-    eot: int  # the end-of-text id, appended after every document
+    eot: int  # the end-of-text id, appended after every document ('char' has none: None)
     encode: Callable[[str], list]  # ordinary text: special-token strings are plain text
     decode: Callable[[list], str]
 
@@ -70,6 +72,31 @@ def _tiktoken_tokenizer(name):
             "set TIKTOKEN_CACHE_DIR to that folder, or use --tokenizer=byte, which needs no "
             "download.") from e
     return Tokenizer(name, enc.n_vocab, enc.eot_token, enc.encode_ordinary, enc.decode)
+
+
+def _char_tokenizer(stoi, itos):
+    """nanoGPT's character-level vocabulary: character itos[i] is id i. It has no end-of-text
+    (eot None): nanoGPT's character data is one text."""
+    def encode(text):
+        missing = sorted(set(text) - stoi.keys())
+        if missing:
+            raise UserError(f"the text holds characters that the character-level vocabulary of "
+                            f"its data (nanoGPT's meta.pkl, {len(itos)} characters) does not: "
+                            f"{''.join(missing)!r}. Use only its characters.")
+        return [stoi[c] for c in text]
+
+    def decode(ids):
+        return "".join(itos[i] for i in ids if i < len(itos))
+
+    return Tokenizer("char", len(itos), None, encode, decode)
+
+
+def for_data(meta):
+    """The tokenizer of data described by meta (tokenfile.read_meta): its character table, or
+    the tokenizer it names."""
+    if meta["tokenizer"] == "char":
+        return _char_tokenizer(meta["stoi"], meta["itos"])
+    return get_tokenizer(meta["tokenizer"])
 
 
 def get_tokenizer(name):
