@@ -45,7 +45,6 @@ from errors import UserError
 from tokenizer import get_tokenizer
 
 CHUNK_CHARS = 1 << 20  # text sent to a worker at a time: big enough to amortise the pickling
-PROGRESS_NAME = "prepare.progress.json"
 
 
 def validation_size(args, n_docs, source):
@@ -225,7 +224,7 @@ def output_settings(args):
 def read_progress(out_dir, args):
     """The progress of an interrupted run with the same settings whose shards are all still
     there, else None (and what such a run left is removed: it would be overwritten anyway)."""
-    path = os.path.join(out_dir, PROGRESS_NAME)
+    path = os.path.join(out_dir, tokenfile.PROGRESS_NAME)
     if not os.path.exists(path):
         return None
     try:
@@ -251,7 +250,7 @@ def read_progress(out_dir, args):
 
 
 def save_progress(out_dir, args, counts, writers):
-    fileio.write_json(os.path.join(out_dir, PROGRESS_NAME), {
+    fileio.write_json(os.path.join(out_dir, tokenfile.PROGRESS_NAME), {
         "settings": output_settings(args), "counts": counts,
         "header_bytes": writers["train"].header_bytes,
         "splits": {split: w.shards for split, w in writers.items()}})
@@ -285,6 +284,12 @@ def prepare(args):
     name, source, documents, count = corpus.open_source(
         args.dataset, args.text_column, args.num_proc, args.streaming, args.hub_config)
     out_dir = args.out_dir or os.path.join("data", name)
+    if os.path.isdir(args.dataset) and os.path.realpath(out_dir) == \
+            os.path.realpath(args.dataset):
+        raise UserError(f"--out_dir={out_dir} is the corpus folder itself: its token files and "
+                        f"meta.json would be mixed with the documents. Pass an --out_dir "
+                        f"outside it, or a folder inside it (which prepare.py skips when it "
+                        f"reads the corpus).")
     args.llmc_name = name.replace("_", "-")  # llm.c's names are <name>_<split>_<index>.bin
     with fileio.locked(out_dir, "prepare.py"):  # a second prepare would destroy this one's output
         stale = fileio.remove_stale_temporaries(out_dir)
@@ -333,15 +338,15 @@ def write_outputs(out_dir, writers, tokenizer, documents, counts, n_val, source,
         if isinstance(e, Interrupted):
             e.left = what_is_left(out_dir, writers)
         raise
-    if os.path.exists(os.path.join(out_dir, PROGRESS_NAME)):
-        os.remove(os.path.join(out_dir, PROGRESS_NAME))
+    if os.path.exists(os.path.join(out_dir, tokenfile.PROGRESS_NAME)):
+        os.remove(os.path.join(out_dir, tokenfile.PROGRESS_NAME))
     return splits
 
 
 def what_is_left(out_dir, writers):
     """What a run that stopped before the end leaves in out_dir, after its writers' discard:
     the progress file says what the same command resumes after."""
-    path = os.path.join(out_dir, PROGRESS_NAME)
+    path = os.path.join(out_dir, tokenfile.PROGRESS_NAME)
     recorded = 0
     if os.path.exists(path):
         with open(path) as f:
@@ -350,10 +355,10 @@ def what_is_left(out_dir, writers):
     removed = "this run's temporary files were removed"
     if recorded:
         return (f"{removed}, and the {recorded} complete shard(s) in {out_dir} that "
-                f"{PROGRESS_NAME} records are kept: the same command resumes after them")
+                f"{tokenfile.PROGRESS_NAME} records are kept: the same command resumes after them")
     if published:  # the progress file could not be written after the first shard
         return (f"{removed}; the {published} shard(s) it published are not recorded in "
-                f"{PROGRESS_NAME}, so the same command starts over")
+                f"{tokenfile.PROGRESS_NAME}, so the same command starts over")
     return f"{removed}, and no new output was published"
 
 
@@ -389,7 +394,9 @@ def parse_args():
         "Hugging Face hub dataset (its train split; needs network the first time); local "
         "files: a .txt file (one document), .jsonl (an object per line), .json (a list of "
         "objects, or JSON lines if it does not start with '['), .parquet (a document per row), "
-        "a folder (all such files in it, recursively, sorted) or a quoted glob; or 'pystdlib': "
+        "any of the first three compressed (.gz, .bz2, .xz, .zst); a folder (all such files in "
+        "it, recursively, sorted, each once; the rest is skipped with a line per kind) or a "
+        "quoted glob; or 'pystdlib': "
         "the .py files of this Python's standard library, a document each, no network needed. "
         "Default: %(default)s"))
     p.add_argument("--text_column", default="text",

@@ -51,6 +51,7 @@ from errors import UserError
 FORMAT_VERSION = 1
 META_NAME = "meta.json"
 NANOGPT_META = "meta.pkl"
+PROGRESS_NAME = "prepare.progress.json"  # prepare.py's, while a sharded run is not complete
 SPLITS = ("train", "val")
 FINGERPRINT_CHUNKS, FINGERPRINT_CHUNK_BYTES = 64, 4096
 PREPARE_HINT = "python prepare.py --out_dir={}"
