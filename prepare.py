@@ -431,7 +431,8 @@ def parse_args():
 
 def main():
     for s in STOP_SIGNALS:
-        signal.signal(s, stop)
+        if signal.getsignal(s) is not signal.SIG_IGN:  # nohup's, or a background job's SIGINT
+            signal.signal(s, stop)
     args = parse_args()
     t0 = time.time()
     try:

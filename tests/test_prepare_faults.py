@@ -58,6 +58,23 @@ def test_a_stopped_run_publishes_nothing_and_leaves_nothing(stop, env, tmp_path)
     assert os.listdir(out) == []
 
 
+def test_under_nohup_a_closed_terminal_does_not_stop_it(env, tmp_path):
+    """nohup ignores SIGHUP so that a run outlives its terminal: prepare.py keeps it so."""
+    out = tmp_path / "out"
+    p = subprocess.Popen(["nohup", sys.executable, os.path.join(ROOT, "prepare.py"),
+                          "--dataset=pystdlib", "--tokenizer=byte", "--num_proc=2",
+                          "--out_dir", out], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not any(os.path.getsize(f) for f in glob.glob(f"{out}/train.bin.*.tmp")):
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.05)
+    p.send_signal(signal.SIGHUP)
+    _, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0, stderr
+    decoded(out, get_tokenizer("byte"))
+
+
 # ---- a full disk ----
 
 def test_a_full_disk_says_where_and_damages_nothing_published(env, small_disk, tmp_path):
