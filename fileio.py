@@ -143,15 +143,18 @@ def locked(folder, script, log=print):
     of a run (rank 0). The folder is made if it does not exist. Another holder is a UserError
     that names it; log gets the notice when a dead holder's lock is taken over.
 
-    The lock is fcntl.flock on folder/ddpgpt.lock, which holds its holder's host, pid, script
-    and start time, and is removed when the block ends. The kernel releases a flock when its
-    process dies, however it dies; a lock file that names a process of this host that is gone
-    is taken over with a notice. What it protects: writers that take it, on one host, and on a
-    network file system that passes flock on to its server (NFSv4, Lustre with -o flock); where
-    flock stays local to each host (NFS mounted with local_lock=flock or all), a writer on
-    another host is refused only while its lock file is there, so two started at the same
-    moment can both go on. What it does not: programs that do not take it (rm, cp, an older
-    ddpgpt), and readers (a train.py reading the data prepare.py is rewriting)."""
+    The lock is fcntl.flock on folder/ddpgpt.lock, which holds its holder's host, pid, script,
+    start time and SLURM job, and is removed when the block ends. The kernel releases a flock
+    when its process dies, however it dies; a lock file left by a holder that is gone is taken
+    over with a notice: a process of this host that no longer runs, or an earlier run of this
+    SLURM job (requeued, perhaps onto another node).
+
+    What it protects: writers that take it, on one host, and on a network file system that
+    passes flock on to its server (NFSv4, Lustre with -o flock); where flock stays local to
+    each host (NFS mounted with local_lock=flock or all), a writer on another host is refused
+    only while its lock file is there, so two started at the same moment can both go on. What
+    it does not: programs that do not take it (rm, cp, an older ddpgpt), and readers (a
+    train.py reading the data prepare.py is rewriting)."""
     path = os.path.join(folder, LOCK_NAME)
     try:
         os.makedirs(folder, exist_ok=True)
@@ -188,19 +191,36 @@ def acquire(path, script, log):
         if locked_now and not holder:
             write_holder(fd, script)
             return fd
-        if holder and holder.get("host") == HOST and not alive(holder.get("pid")):
+        if holder and gone(holder):
             log(f"{script}: taking over the lock on {os.path.dirname(path)}: "
                 f"{describe_holder(holder)} held it and is no longer running")
             if locked_now:
                 write_holder(fd, script)
                 return fd
-            # its children still hold the dead process's flock: a new lock file replaces it
+            # its flock is still held (by its children, or for a crashed host by the file
+            # server, until its lease ends): a new lock file replaces the old one
             if same_file(fd, path):
                 os.remove(path)
             os.close(fd)
             continue
         os.close(fd)
         raise UserError(refusal(path, holder))
+
+
+def slurm_run():
+    """(job id, restart count) of this SLURM job, or None outside SLURM."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return [job, int(os.environ.get("SLURM_RESTART_COUNT") or 0)] if job else None
+
+
+def gone(holder):
+    """Has the holder a lock file names ended? Only when that is known: a process of this host
+    that no longer runs, or an earlier run of this SLURM job (SLURM runs one at a time)."""
+    if holder.get("host") == HOST and not alive(holder.get("pid")):
+        return True
+    ours, theirs = slurm_run(), holder.get("slurm")
+    return bool(ours and isinstance(theirs, list) and len(theirs) == 2 and
+                theirs[0] == ours[0] and isinstance(theirs[1], int) and theirs[1] < ours[1])
 
 
 def refusal(path, holder):
@@ -213,7 +233,9 @@ def refusal(path, holder):
 
 
 def describe_holder(holder):
-    return (f"{holder.get('script')} (pid {holder.get('pid')} on {holder.get('host')}, "
+    job = holder.get("slurm")
+    return (f"{holder.get('script')} (pid {holder.get('pid')} on {holder.get('host')}"
+            f"{f', SLURM job {job[0]}' if isinstance(job, list) and job else ''}, "
             f"since {holder.get('started')})")
 
 
@@ -229,7 +251,8 @@ def read_holder(fd):
 def write_holder(fd, script):
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps({"script": script, "pid": os.getpid(), "host": HOST,
-                              "started": time.strftime("%Y-%m-%d %H:%M:%S %z")}).encode(), 0)
+                              "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                              "slurm": slurm_run()}).encode(), 0)
 
 
 def same_file(fd, path):

@@ -156,6 +156,22 @@ def test_a_lock_held_on_another_host_refuses_without_touching_anything(env, tmp_
     assert read_all(out) == before
 
 
+def test_a_requeued_slurm_job_takes_over_the_lock_its_earlier_run_left(env, tmp_path):
+    """Killed outright on one node and requeued onto another: the same SLURM job at a later
+    restart count, which SLURM never runs alongside the earlier one."""
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = {"script": "prepare.py", "pid": 4242, "host": "node-17", "started": "yesterday",
+              "slurm": ["77", 0]}
+    (out / fileio.LOCK_NAME).write_text(json.dumps(holder))
+    env.update(SLURM_JOB_ID="77", SLURM_RESTART_COUNT="1")
+    p = python("prepare.py", f"--dataset={write_jsonl(tmp_path / 'docs.jsonl', 20)}",
+               "--tokenizer=byte", "--val_docs=2", "--num_proc=1", f"--out_dir={out}", env=env)
+    assert f"prepare.py: taking over the lock on {out}: prepare.py (pid 4242 on node-17, SLURM " \
+           f"job 77, since yesterday) held it and is no longer running" in p.stdout
+    decoded(out, get_tokenizer("byte"))
+
+
 def test_only_temporary_files_of_dead_writers_of_this_host_are_removed(tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()
