@@ -5,16 +5,15 @@ config) plus scaler, samples_consumed (the data position) and data_meta (the dat
 which names the tokenizer). A nanoGPT ckpt.pt in out_dir is found too, as the oldest.
 Loading never runs code from the file (weights_only=True).
 """
-import errno
 import glob
 import os
+import pickle
 import re
-import shutil
 
 import torch
 
 from errors import UserError
-from fileio import publish
+from fileio import disk_full, publish
 
 _NAME = re.compile(r"ckpt_(\d+)\.pt$")
 REQUIRED_KEYS = ("model", "model_args", "iter_num")
@@ -42,11 +41,9 @@ def save(out_dir, state, keep):
         torch.save(state, tmp)
         publish(tmp, path)
     except (OSError, RuntimeError) as e:  # torch.save reports a short write as RuntimeError
-        free = shutil.disk_usage(out_dir).free
+        why = disk_full(e, out_dir) or str(e).strip()  # before the .tmp's space is freed
         if os.path.exists(tmp):
             os.remove(tmp)
-        full = getattr(e, "errno", None) == errno.ENOSPC or free < 64 * 2**20
-        why = f"the disk is full ({free / 2**20:.1f} MiB free)" if full else str(e).strip()
         raise UserError(
             f"could not write checkpoint {path}: {why}. The previous checkpoints in "
             f"{out_dir} are intact; free space or set out_dir elsewhere, then resume with "
@@ -64,13 +61,26 @@ def model_state(state):
             if not k.endswith(".attn.bias") or v.dim() != 4}
 
 
+def refused(error):
+    """What to say of a file that torch.load(weights_only=True) refused because unpickling it
+    would import and call something (its pickle names a global); None for other errors. Not
+    torch's own message: that advises loading with weights_only=False, which runs the code."""
+    if not (isinstance(error, pickle.UnpicklingError) and "Weights only load" in str(error)):
+        return None
+    named = re.search(r"GLOBAL ([\w.]+)", str(error))
+    return (f"was refused: loading it would execute code (its pickle calls "
+            f"{named.group(1) if named else 'a function'}; a checkpoint holds only tensors and "
+            f"plain values), and ddpgpt never loads such a file. Use checkpoints from a source "
+            f"you trust")
+
+
 def read(path):
     """(state, None) for a checkpoint file that loads, else (None, what is wrong with it)."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated zip, a pickle with code in it...
-        return None, (f"cannot be loaded ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0][:200] if str(e) else ''})")
+        return None, refused(e) or (f"cannot be loaded ({type(e).__name__}: "
+                                    f"{str(e).splitlines()[0][:200] if str(e) else ''})")
     missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
         return None, f"is not a checkpoint (it has no {', '.join(missing)})"

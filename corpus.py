@@ -2,7 +2,9 @@
 per document (None for a file that cannot be decoded), and a function that counts them.
 
   local files     .txt (a document per file), .jsonl / .json (a document per object),
-                  .parquet (a document per row); a file, a folder (recursively) or a glob
+                  .parquet (a document per row), the first three also compressed (.gz, .bz2,
+                  .xz, .zst); a file, a folder (recursively) or a glob. What else a folder
+                  holds is skipped, with a line per kind (SKIPPED), or refused with a reason
   pystdlib        the .py files of this Python's standard library, no network needed
   openwebtext     all of OpenWebText: its 21 archives from the hub, or a local copy of them
   a hub name      another Hugging Face hub dataset's train split (its parquet export), or
@@ -10,11 +12,14 @@ per document (None for a file that cannot be decoded), and a function that count
                   than the disk; each pass streams it again); local .parquet files stream too
 """
 import glob
+import io
+import itertools
 import json
 import lzma
 import os
 import re
 import signal
+import stat
 import sys
 import sysconfig
 import tarfile
@@ -26,21 +31,50 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+import fileio
+import tokenfile
 from errors import UserError
 
 EXTENSIONS = (".txt", ".jsonl", ".json", ".parquet")
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}  # not for .parquet
 
 
 # ---- local files and the standard library ----
 
-def utf8_lines(path):
+def document_kind(path):
+    """(kind, compression) of a file prepare.py reads, by its name in any case: ('.jsonl',
+    '.gz') for docs.JSONL.gz, ('.txt', '') for a.txt; None for any other file."""
+    stem, ext = os.path.splitext(os.path.basename(path).lower())
+    compression = ext if ext in COMPRESSIONS else ""
+    if compression:
+        stem, ext = os.path.splitext(stem)
+    readable = ext in EXTENSIONS and not (compression and ext == ".parquet")
+    return (ext, compression) if readable else None
+
+
+def open_text(path, compression):
     # newline="" keeps the text exactly as it is in the file, \r\n included
+    if not compression:
+        return open(path, encoding="utf-8-sig", newline="")
+    raw = lzma.open(path) if compression == ".xz" else \
+        pa.input_stream(path, compression=COMPRESSIONS[compression])
+    return io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")
+
+
+def utf8_lines(path):
+    compression = document_kind(path)[1]
     try:
-        with open(path, encoding="utf-8-sig", newline="") as f:
+        with open_text(path, compression) as f:
             yield from f
     except UnicodeDecodeError as e:
         raise UserError(f"{path} is not UTF-8 text ({e}): convert it to UTF-8 (e.g. with "
                            f"iconv) or move it out of the corpus.") from e
+    except (OSError, EOFError, lzma.LZMAError) as e:
+        if not compression:
+            raise  # a read error of the disk: main() says it
+        raise UserError(f"{path} could not be decompressed ({type(e).__name__}: {e}): it is "
+                        f"damaged or cut off. Replace it with a good copy, or move it out of "
+                        f"the corpus.") from e
 
 
 def parse_json(text, where):
@@ -61,14 +95,18 @@ def text_field(record, column, where):
     return record[column] or ""
 
 
-def json_documents(path, column):
-    with open(path, encoding="utf-8-sig", errors="replace") as f:
-        is_list = path.endswith(".json") and f.read(4096).lstrip().startswith("[")
-    if is_list:
-        for i, record in enumerate(parse_json("".join(utf8_lines(path)), path)):
+def json_documents(path, column, kind):
+    """The documents of a .jsonl, or of a .json: a list of objects, or JSON lines too."""
+    lines = enumerate(utf8_lines(path), 1)
+    first = next(((n, line) for n, line in lines if line.strip()), None)
+    if first is None:
+        return
+    if kind == ".json" and first[1].lstrip().startswith("["):
+        text = first[1] + "".join(line for _, line in lines)
+        for i, record in enumerate(parse_json(text, path)):
             yield text_field(record, column, f"{path}[{i}]")
         return
-    for lineno, line in enumerate(utf8_lines(path), 1):  # .jsonl, or a .json of JSON lines
+    for lineno, line in itertools.chain([first], lines):
         if line.strip():
             where = f"{path}:{lineno}"
             yield text_field(parse_json(line, where), column, where)
@@ -97,12 +135,13 @@ def parquet_documents(path, column):
 
 
 def file_documents(path, column):
-    if path.endswith(".txt"):
+    kind, _ = document_kind(path)
+    if kind == ".txt":
         yield "".join(utf8_lines(path))
-    elif path.endswith(".parquet"):
+    elif kind == ".parquet":
         yield from parquet_documents(path, column)
     else:
-        yield from json_documents(path, column)
+        yield from json_documents(path, column, kind)
 
 
 def python_source(path):
@@ -121,18 +160,116 @@ def stdlib_files(root):
             if not {"site-packages", "dist-packages"} & set(p.split(os.sep))]
 
 
+# What a corpus folder can hold besides its documents, and what prepare.py does with each: it
+# skips them, with a line per kind. It refuses a --dataset that is itself prepare.py's output.
+SKIPPED = {
+    "hidden": "hidden files and folders (names that start with '.': .git, .DS_Store, editor "
+              "swap files .*.swp, ...)",
+    "macos": "__MACOSX folders (macOS's archive metadata, not documents)",
+    "backup": "editor backup files (*~, #*#)",
+    "output": "folders of token files that prepare.py wrote (its meta.json, progress file or "
+              "lock are not documents)",
+    "unreadable": "broken symlinks and symlink loops",
+    "repeat": "files or folders reached again through a symlink (each is read once)",
+    "special": "things that are not regular files (FIFOs, sockets, devices)",
+    "other": f"files of other kinds (prepare.py reads {', '.join(EXTENSIONS)}, the first "
+             f"three also compressed {', '.join(COMPRESSIONS)})",
+    "empty": "empty files (0 bytes)",
+}
+
+
 def local_files(dataset):
+    """The document files of a file, a folder (recursively, symlinks followed) or a glob,
+    sorted, each real file once; what else there is is skipped, a line per kind."""
     if not (os.path.exists(dataset) or glob.has_magic(dataset)):
         raise UserError(f"--dataset={dataset!r} does not exist: check the path (relative "
                            f"paths start at {os.getcwd()}).")
-    pattern = os.path.join(dataset, "**", "*") if os.path.isdir(dataset) else dataset
-    files = [p for p in sorted(glob.glob(pattern, recursive=True))
-             if os.path.isfile(p) and p.endswith(EXTENSIONS)]
-    if not files:
+    skipped, seen = {kind: [] for kind in SKIPPED}, set()
+    if os.path.isdir(dataset):
+        if prepared_output(dataset):
+            raise UserError(f"--dataset={dataset!r} holds token files that prepare.py wrote "
+                            f"(its {tokenfile.META_NAME}, progress file or lock), not a "
+                            f"corpus: pass the folder of the documents. train.py reads this "
+                            f"one as its data_dir.")
+        found = walk(dataset, skipped, seen)
+    else:
+        found = [p for p in glob.glob(dataset, recursive=True) if not os.path.isdir(p)
+                 and not skip(p, os.path.basename(p), skipped, seen, by_name=False)]
+    for kind, paths in skipped.items():
+        if paths:
+            names = ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
+            print(f"prepare.py: skipped {SKIPPED[kind]}: {len(paths)} ({names})")
+    if not found:
         raise UserError(f"--dataset={dataset!r} matches no {', '.join(EXTENSIONS)} files, and "
                            f"is no copy of OpenWebText's archives (subsets/{OWT_GLOB}): check "
                            f"the path (relative paths start at {os.getcwd()}).")
-    return files
+    return sorted(found)
+
+
+def walk(folder, skipped, seen):
+    """The document files under folder. seen holds the folders and files met so far (device
+    and inode), so that a symlink loop ends, and a file linked twice is read once."""
+    seen.add(identity(os.stat(folder)))
+    found = []
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if skip(entry.path, entry.name, skipped, seen, by_name=True):
+            continue
+        found += walk(entry.path, skipped, seen) if os.path.isdir(entry.path) else \
+            [entry.path]
+    return found
+
+
+def skip(path, name, skipped, seen, by_name):
+    """Is path no document of the corpus? If so, it goes into skipped under its kind. Hidden,
+    macOS and backup names count in folders only (by_name): a glob that names them means them."""
+    kind = kind_of(path, name, seen, by_name)
+    if kind:
+        skipped[kind].append(path)
+    return kind is not None
+
+
+def kind_of(path, name, seen, by_name):
+    """The SKIPPED kind of path, or None for a folder to read or a document file."""
+    if by_name and (name.startswith(".") or name == "__MACOSX"):
+        return "hidden" if name.startswith(".") else "macos"
+    if by_name and (name.endswith("~") or (name.startswith("#") and name.endswith("#"))):
+        return "backup"
+    try:
+        info = os.stat(path)  # of what a symlink points to
+    except OSError:  # a broken symlink (ENOENT) or a symlink loop (ELOOP)
+        return "unreadable"
+    if stat.S_ISDIR(info.st_mode):
+        return "repeat" if identity(info) in seen else \
+            "output" if prepared_output(path) else None
+    if not stat.S_ISREG(info.st_mode):
+        return "special"
+    if document_kind(path) is None:
+        return "other"
+    if not by_name and prepared_output(os.path.dirname(path) or "."):
+        return "output"
+    if identity(info) in seen:
+        return "repeat"
+    seen.add(identity(info))
+    return "empty" if info.st_size == 0 else None
+
+
+def identity(info):
+    """A file or folder, whatever the path to it: its device and inode."""
+    return info.st_dev, info.st_ino
+
+
+def prepared_output(folder):
+    """Does folder hold prepare.py's output: its progress file, its lock, or ddpgpt's
+    meta.json (with a format_version)? Those .json files are not documents."""
+    if any(os.path.exists(os.path.join(folder, name))
+           for name in (tokenfile.PROGRESS_NAME, fileio.LOCK_NAME)):
+        return True
+    try:
+        with open(os.path.join(folder, tokenfile.META_NAME)) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "format_version" in meta
 
 
 def local_name(dataset):
@@ -315,7 +452,7 @@ def streamed_source(dataset, hub_config, column):
     local = os.path.exists(dataset) or glob.has_magic(dataset)
     try:
         if local:
-            files = [p for p in local_files(dataset) if p.endswith(".parquet")]
+            files = [p for p in local_files(dataset) if document_kind(p)[0] == ".parquet"]
             if not files:
                 raise UserError(f"--streaming reads local .parquet files only; --dataset="
                                 f"{dataset!r} has none: drop --streaming to read it.")
@@ -367,7 +504,7 @@ def count_archive(path):
 def count_archives(archives, num_proc):
     """count_documents for OpenWebText, one archive per process: decompressing is the work."""
     counts = Counter()
-    with Pool(min(num_proc, len(archives)), ignore_sigint) as pool, \
+    with Pool(min(num_proc, len(archives)), worker_signals) as pool, \
             tqdm(total=len(archives), desc="counting documents", unit=" archives") as bar:
         for n in pool.imap(count_archive, archives):  # in order: the first damaged one is named
             counts.update(n)
@@ -390,5 +527,10 @@ def report_openwebtext_total(total, archives):
               f"the README's expected numbers do not apply.", file=sys.stderr)
 
 
-def ignore_sigint():
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the main process to handle
+def worker_signals():
+    """A worker process leaves stopping to the main process (prepare.py's Interrupted), which
+    terminates it: it ignores Ctrl-C and a closed terminal, which reach the whole process
+    group, and dies of SIGTERM quietly, without the handler it inherited."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)

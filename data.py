@@ -21,6 +21,7 @@ files themselves are tokenfile.py's.
 """
 import functools
 import hashlib
+import operator
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from itertools import count
@@ -187,9 +188,15 @@ def blocks_per_epoch(n_tokens, block_size):
     return np.where(whole >= 2, whole - 1, whole)
 
 
+def check_mode(mode):
+    if mode not in SAMPLING_MODES:
+        raise ValueError(f"sampling mode {mode!r} is not one of {SAMPLING_MODES}")
+
+
 def sample_offsets(sample_indices, starts, block_size, seed, mode):
     """The start offset of the window each sample index of a split reads (contract, point 4).
     starts: where each file of the split begins in its token space, and its end (TokenSplit)."""
+    check_mode(mode)
     indices = np.asarray(sample_indices, dtype=np.int64)
     starts = np.asarray(starts, dtype=np.int64)
     sizes = np.diff(starts)
@@ -198,8 +205,6 @@ def sample_offsets(sample_indices, starts, block_size, seed, mode):
         k, local = locate(hash64(indices.astype(np.uint64) ^ hash_key(seed, 1))
                           % np.uint64(windows.sum()), windows)
         return starts[k] + local.astype(np.int64)
-    if mode != "epoch":
-        raise ValueError(f"sampling mode {mode!r} is not one of {SAMPLING_MODES}")
     blocks = blocks_per_epoch(sizes, block_size)
     n_blocks = int(blocks.sum())
     slack = np.clip(sizes - 1 - blocks * block_size, 0, block_size - 1)  # 0 for a file too short
@@ -294,18 +299,50 @@ def rank_batches(mix, *, block_size, batch_size, micro_steps, rank, world_size, 
 
 # ---- the same contract for people with their own loop (or Lightning) ----
 
+MAX_INDEX = 2**63 - 1  # sample indices are int64
+
+
+def check_int(name, value, minimum=None, maximum=None):
+    """value as an int: TypeError if it is no integer (a float is not silently truncated),
+    ValueError outside [minimum, maximum]. Every argument is checked when the object is made,
+    because a bad one loops forever (batch_size=0) or reads the wrong data without a word."""
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} {value!r}") from None
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name}={value} must be {bounds}")
+    return value
+
+
 class BlockDataset(torch.utils.data.Dataset):
     """Map-style dataset over global sample indices: item i is the window sample_offsets()
-    assigns to i. Its length is one epoch of blocks, but any index >= 0 is valid."""
+    assigns to i. Its length is one epoch of blocks; every index from 0 to MAX_INDEX is valid,
+    later epochs beyond len(). A negative index is an IndexError, not counted from the end:
+    there is no end, and wrapping into epoch 0 would hide an off-by-one."""
 
     def __init__(self, token_split, block_size, seed=0, mode="epoch"):
-        self.token_split, self.block_size, self.seed, self.mode = \
-            token_split, block_size, seed, mode
+        if not isinstance(token_split, tokenfile.TokenSplit):
+            raise TypeError(f"BlockDataset takes a tokenfile.TokenSplit, such as "
+                            f"tokenfile.open_split(data_dir, 'train', block_size), not a "
+                            f"{type(token_split).__name__}")
+        self.token_split = token_split
+        self.block_size = check_int("block_size", block_size, 1)
+        self.seed = check_int("seed", seed)
+        check_mode(mode)
+        self.mode = mode
+        tokenfile.check_block_size(token_split, self.block_size)
 
     def __len__(self):
         return int(blocks_per_epoch(np.diff(self.token_split.starts), self.block_size).sum())
 
     def __getitem__(self, i):
+        i = operator.index(i)  # TypeError for a float or a str, as a list's indexing
+        if not 0 <= i <= MAX_INDEX:
+            raise IndexError(f"BlockDataset index {i} is out of range: indices are global sample "
+                             f"numbers from 0 to 2**63 - 1 (len() is one epoch, later indices "
+                             f"are later epochs); negative ones do not count from the end")
         offsets = sample_offsets([i], self.token_split.starts, self.block_size, self.seed,
                                  self.mode)
         x, y = read_xy(self.token_split, offsets, self.block_size)
@@ -319,8 +356,12 @@ class RankSampler(torch.utils.data.Sampler):
 
     def __init__(self, batch_size, rank=0, world_size=1, micro_steps=1, start_step=0,
                  num_steps=None):
-        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
-        self.micro_steps, self.start_step, self.num_steps = micro_steps, start_step, num_steps
+        self.batch_size = check_int("batch_size", batch_size, 1)
+        self.world_size = check_int("world_size", world_size, 1)
+        self.rank = check_int("rank", rank, 0, self.world_size - 1)
+        self.micro_steps = check_int("micro_steps", micro_steps, 1)
+        self.start_step = check_int("start_step", start_step, 0)
+        self.num_steps = None if num_steps is None else check_int("num_steps", num_steps, 0)
 
     def __len__(self):
         if self.num_steps is None:

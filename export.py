@@ -12,6 +12,7 @@ and the padding rows belong to no token. DEST must not exist; it is written unde
 name and renamed when complete.
 """
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -36,6 +37,11 @@ def tokenizer_note(tok, dest):
                 f"(`split_special_tokens=True` encodes the string as text). Evaluate with "
                 f"lm-evaluation-harness (`pip install \"lm_eval[hf]\"`):\n\n"
                 f"    {LM_EVAL.format(dest)}")
+    if tok.name == "char":
+        return ("nanoGPT's character-level vocabulary, which transformers does not have, so "
+                "there are no tokenizer files: id i is the i-th character of this JSON string, "
+                "and there is no end-of-text:\n\n    " +
+                json.dumps(tok.decode(range(tok.vocab_size))))
     if tok.name == "byte":
         return ("ddpgpt's byte tokenizer, which transformers does not have, so there are no "
                 "tokenizer files: a text's ids are its UTF-8 bytes (0..255), and 256 is "
@@ -99,9 +105,9 @@ def main(argv):
                         f"existing one. Remove it, or give another DEST.")
     state, path = weights.checkpoint_at(
         cli.source, "give the out_dir of a run, or one checkpoint file.")
-    name, where = weights.tokenizer_name(state)
-    tok = weights.tokenizer_of(name, state["model_args"]["vocab_size"])
-    print(f"export.py: {path} (iter {state['iter_num']}), tokenizer {name!r} from {where}")
+    meta, where = weights.data_meta(state)
+    tok = weights.tokenizer_of(meta, state["model_args"]["vocab_size"])
+    print(f"export.py: {path} (iter {state['iter_num']}), tokenizer {tok.name!r} from {where}")
     write(dest, state, path, tok)
     print(f"export.py: wrote {dest}")
     return 0

@@ -18,11 +18,17 @@ appended to each split's file as they come back, so memory does not grow with th
 complete, and prepare.progress.json records where the corpus stands after it, so a prepare
 that dies at 90% and is run again with the same arguments goes on after the last complete
 shard, and writes the same bytes as a run that never stopped.
+
+One prepare at a time writes in an out_dir (fileio.locked): a second one is refused, naming
+the first. Stopped by SIGINT, SIGTERM or SIGHUP, or by a full disk, it removes its temporary
+files and says what it kept; what it published before stays as it was.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -39,7 +45,6 @@ from errors import UserError
 from tokenizer import get_tokenizer
 
 CHUNK_CHARS = 1 << 20  # text sent to a worker at a time: big enough to amortise the pickling
-PROGRESS_NAME = "prepare.progress.json"
 
 
 def validation_size(args, n_docs, source):
@@ -94,7 +99,7 @@ _tokenizer = None  # each worker's own
 
 
 def init_worker(tokenizer_name):
-    corpus.ignore_sigint()
+    corpus.worker_signals()
     global _tokenizer
     _tokenizer = get_tokenizer(tokenizer_name)
 
@@ -127,16 +132,18 @@ def ordered_map(pool, fn, items, ahead):
         yield pending.popleft().get()
 
 
-# ---- output: each file written under a .tmp name and renamed when complete ----
+# ---- output: each file written under a temporary name and renamed when complete ----
 
 class SplitWriter:
-    """One split's token files. Documents' tokens are appended to a .tmp file that is renamed
-    to its final name when complete: at the end, or for shards as soon as the shard holds
-    shard_tokens tokens, at the end of a document (a shard holds whole documents, so it can be
-    resumed from a document index). llm.c's header is written last, with the token count."""
+    """One split's token files. Documents' tokens are appended to a temporary file of this
+    process's own (fileio.tmp_path) that is renamed to its final name when complete: at the
+    end, or for shards as soon as the shard holds shard_tokens tokens, at the end of a document
+    (a shard holds whole documents, so it can be resumed from a document index). llm.c's
+    header is written last, with the token count."""
 
-    def __init__(self, out_dir, split, dtype, args, published):
+    def __init__(self, out_dir, split, dtype, args, published, on_publish):
         self.out_dir, self.split, self.dtype = out_dir, split, dtype
+        self.on_publish = on_publish  # records each shard in the progress file as it appears
         self.sharded = bool(args.shard_tokens) or args.format == "llmc"
         self.shard_tokens = args.shard_tokens or math.inf
         self.prefix = f"{args.llmc_name}_" if args.format == "llmc" else ""
@@ -150,11 +157,11 @@ class SplitWriter:
         return f"{self.prefix}{self.split}_{len(self.shards):06d}.bin"
 
     def write(self, ids, lengths, indices):
-        """Append documents; True if a shard was published."""
-        ends, done, published = np.cumsum(lengths), 0, False
+        """Append documents."""
+        ends, done = np.cumsum(lengths), 0
         while done < len(lengths):
             if self.file is None:
-                self.file = open(os.path.join(self.out_dir, self.name() + ".tmp"), "wb")
+                self.file = open(fileio.tmp_path(os.path.join(self.out_dir, self.name())), "wb")
                 self.file.write(bytes(self.header_bytes))  # room for llm.c's header
             # up to the first document that fills the shard, or all of them
             last = min(int(np.searchsorted(ends, ends[done] - lengths[done] - self.tokens
@@ -166,8 +173,7 @@ class SplitWriter:
             done = last + 1
             if self.tokens >= self.shard_tokens:
                 self.publish(next_doc=indices[last] + 1)
-                published = True
-        return published
+                self.on_publish()
 
     def publish(self, next_doc):
         path = os.path.join(self.out_dir, self.name())
@@ -202,7 +208,8 @@ class SplitWriter:
     def discard(self):
         if self.file is not None:
             self.file.close()
-            os.remove(self.file.name)
+            with contextlib.suppress(FileNotFoundError):  # stopped just after publishing it
+                os.remove(self.file.name)
 
 
 # ---- resuming: prepare.progress.json, rewritten after each published shard ----
@@ -217,7 +224,7 @@ def output_settings(args):
 def read_progress(out_dir, args):
     """The progress of an interrupted run with the same settings whose shards are all still
     there, else None (and what such a run left is removed: it would be overwritten anyway)."""
-    path = os.path.join(out_dir, PROGRESS_NAME)
+    path = os.path.join(out_dir, tokenfile.PROGRESS_NAME)
     if not os.path.exists(path):
         return None
     try:
@@ -243,25 +250,13 @@ def read_progress(out_dir, args):
 
 
 def save_progress(out_dir, args, counts, writers):
-    fileio.write_json(os.path.join(out_dir, PROGRESS_NAME), {
+    fileio.write_json(os.path.join(out_dir, tokenfile.PROGRESS_NAME), {
         "settings": output_settings(args), "counts": counts,
         "header_bytes": writers["train"].header_bytes,
         "splits": {split: w.shards for split, w in writers.items()}})
 
 
-def open_outputs(out_dir, tokenizer, args, progress):
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        dtype = tokenfile.token_dtype(tokenizer.vocab_size)
-        published = (progress or {}).get("splits", {})
-        return {split: SplitWriter(out_dir, split, dtype, args, published.get(split, []))
-                for split in tokenfile.SPLITS}
-    except OSError as e:
-        raise UserError(f"cannot write to --out_dir={out_dir} ({e}): pass an --out_dir "
-                        f"that you can create and write files in.") from e
-
-
-def write_tokens(writers, texts, counts, n_val, args, save):
+def write_tokens(writers, texts, counts, n_val, args):
     """Pass 2: tokenize the documents not written yet, appending them to their split."""
     next_doc = {split: w.shards[-1]["next_doc"] if w.shards else 0
                 for split, w in writers.items()}
@@ -271,9 +266,8 @@ def write_tokens(writers, texts, counts, n_val, args, save):
             tqdm(total=counts["documents"], initial=done, desc="tokenizing",
                  unit=" docs") as bar:
         for result in ordered_map(pool, encode_chunk, work, ahead=2 * args.num_proc):
-            published = [writers[split].write(*tokens) for split, tokens in result.items()]
-            if any(published):
-                save()
+            for split, tokens in result.items():
+                writers[split].write(*tokens)
             bar.update(sum(len(lengths) for _, lengths, _ in result.values()))
 
 
@@ -290,32 +284,103 @@ def prepare(args):
     name, source, documents, count = corpus.open_source(
         args.dataset, args.text_column, args.num_proc, args.streaming, args.hub_config)
     out_dir = args.out_dir or os.path.join("data", name)
+    if os.path.isdir(args.dataset) and os.path.realpath(out_dir) == \
+            os.path.realpath(args.dataset):
+        raise UserError(f"--out_dir={out_dir} is the corpus folder itself: its token files and "
+                        f"meta.json would be mixed with the documents. Pass an --out_dir "
+                        f"outside it, or a folder inside it (which prepare.py skips when it "
+                        f"reads the corpus).")
     args.llmc_name = name.replace("_", "-")  # llm.c's names are <name>_<split>_<index>.bin
-    progress = read_progress(out_dir, args) if os.path.isdir(out_dir) else None
-    counts = progress["counts"] if progress else count()
-    n_val = validation_size(args, counts["documents"], source)
-    writers = open_outputs(out_dir, tokenizer, args, progress)
+    with fileio.locked(out_dir, "prepare.py"):  # a second prepare would destroy this one's output
+        stale = fileio.remove_stale_temporaries(out_dir)
+        if stale:
+            print(f"prepare.py: removed {len(stale)} temporary file(s) that a killed run left "
+                  f"in {out_dir}")
+        progress = read_progress(out_dir, args)
+        counts = progress["counts"] if progress else count()
+        n_val = validation_size(args, counts["documents"], source)
+        dtype, published = tokenfile.token_dtype(tokenizer.vocab_size), \
+            (progress or {}).get("splits", {})
+        writers = {split: SplitWriter(out_dir, split, dtype, args, published.get(split, []),
+                                      lambda: save_progress(out_dir, args, counts, writers))
+                   for split in tokenfile.SPLITS}
+        splits = write_outputs(out_dir, writers, tokenizer, documents, counts, n_val, source,
+                               args)
+    return out_dir, splits, counts
+
+
+def write_outputs(out_dir, writers, tokenizer, documents, counts, n_val, source, args):
+    """Pass 2 and meta.json. On every way out before the end (an error, a full disk, a signal)
+    this run's temporary files are removed, and the shards it published stay, with the
+    progress file that resumes after them."""
     try:
-        write_tokens(writers, filter(corpus.is_document, documents()), counts, n_val, args,
-                     lambda: save_progress(out_dir, args, counts, writers))
+        write_tokens(writers, filter(corpus.is_document, documents()), counts, n_val, args)
         splits = {split: w.finish() for split, w in writers.items()}
-    except BaseException:
+        tokenfile.write_meta(
+            out_dir, tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size,
+            eot_token=tokenizer.eot, splits=splits, source=args.dataset, source_detail=source,
+            text_column=args.text_column, seed=args.seed,
+            val_selection=f"non-empty document d (from 0, in corpus order) is in val iff "
+                          f"data.permute(d, {counts['documents']}, data.hash_key({args.seed})) "
+                          f"< {n_val}",
+            skipped_empty_documents=counts["empty"],
+            skipped_undecodable_files=counts["undecodable"],
+            **({"format": "llmc"} if args.format == "llmc" else {}),
+            **({"shard_tokens": args.shard_tokens} if args.shard_tokens else {}))
+    except BaseException as e:
+        full = isinstance(e, OSError) and fileio.disk_full(e, out_dir)  # before space is freed
         for w in writers.values():
             w.discard()
+        if full:
+            raise UserError(f"{full}. Nothing published before was damaged: "
+                            f"{what_is_left(out_dir, writers)}. Free space there, or pass an "
+                            f"--out_dir on a disk with room, and run again.") from e
+        if isinstance(e, Interrupted):
+            e.left = what_is_left(out_dir, writers)
         raise
-    tokenfile.write_meta(
-        out_dir, tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size,
-        eot_token=tokenizer.eot, splits=splits, source=args.dataset, source_detail=source,
-        text_column=args.text_column, seed=args.seed,
-        val_selection=f"non-empty document d (from 0, in corpus order) is in val iff "
-                      f"data.permute(d, {counts['documents']}, data.hash_key({args.seed})) "
-                      f"< {n_val}",
-        skipped_empty_documents=counts["empty"], skipped_undecodable_files=counts["undecodable"],
-        **({"format": "llmc"} if args.format == "llmc" else {}),
-        **({"shard_tokens": args.shard_tokens} if args.shard_tokens else {}))
-    if os.path.exists(os.path.join(out_dir, PROGRESS_NAME)):
-        os.remove(os.path.join(out_dir, PROGRESS_NAME))
-    return out_dir, splits, counts
+    if os.path.exists(os.path.join(out_dir, tokenfile.PROGRESS_NAME)):
+        os.remove(os.path.join(out_dir, tokenfile.PROGRESS_NAME))
+    return splits
+
+
+def what_is_left(out_dir, writers):
+    """What a run that stopped before the end leaves in out_dir, after its writers' discard:
+    the progress file says what the same command resumes after."""
+    path = os.path.join(out_dir, tokenfile.PROGRESS_NAME)
+    recorded = 0
+    if os.path.exists(path):
+        with open(path) as f:
+            recorded = sum(map(len, json.load(f)["splits"].values()))
+    published = sum(len(w.shards) for w in writers.values())
+    removed = "this run's temporary files were removed"
+    if recorded:
+        return (f"{removed}, and the {recorded} complete shard(s) in {out_dir} that "
+                f"{tokenfile.PROGRESS_NAME} records are kept: the same command resumes after them")
+    if published:  # the progress file could not be written after the first shard
+        return (f"{removed}; the {published} shard(s) it published are not recorded in "
+                f"{tokenfile.PROGRESS_NAME}, so the same command starts over")
+    return f"{removed}, and no new output was published"
+
+
+# ---- stopping: SIGINT (Ctrl-C), SIGTERM (kill, a scheduler) and SIGHUP (a closed terminal) ----
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal, raised in the main process wherever it is, so that every way out runs
+    the cleanup that Ctrl-C runs (a KeyboardInterrupt, which libraries let through too). The
+    workers ignore SIGINT and SIGHUP and die quietly of SIGTERM (corpus.worker_signals)."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.left = signum, "no new output was published"
+
+
+def stop(signum, frame):
+    for s in STOP_SIGNALS:  # a second signal must not cut the cleanup short
+        signal.signal(s, signal.SIG_IGN)
+    raise Interrupted(signum)
 
 
 def parse_args():
@@ -329,7 +394,9 @@ def parse_args():
         "Hugging Face hub dataset (its train split; needs network the first time); local "
         "files: a .txt file (one document), .jsonl (an object per line), .json (a list of "
         "objects, or JSON lines if it does not start with '['), .parquet (a document per row), "
-        "a folder (all such files in it, recursively, sorted) or a quoted glob; or 'pystdlib': "
+        "any of the first three compressed (.gz, .bz2, .xz, .zst); a folder (all such files in "
+        "it, recursively, sorted, each once; the rest is skipped with a line per kind) or a "
+        "quoted glob; or 'pystdlib': "
         "the .py files of this Python's standard library, a document each, no network needed. "
         "Default: %(default)s"))
     p.add_argument("--text_column", default="text",
@@ -363,14 +430,18 @@ def parse_args():
 
 
 def main():
+    for s in STOP_SIGNALS:
+        if signal.getsignal(s) is not signal.SIG_IGN:  # nohup's, or a background job's SIGINT
+            signal.signal(s, stop)
     args = parse_args()
     t0 = time.time()
     try:
         out_dir, splits, counts = prepare(args)
     except (UserError, OSError) as e:
         sys.exit(f"prepare.py: error: {e}")
-    except KeyboardInterrupt:
-        sys.exit("prepare.py: interrupted; no new output was published.")
+    except Interrupted as e:  # the shell's convention: 128 + the signal's number
+        print(f"prepare.py: interrupted ({e}); {e.left}.", file=sys.stderr)
+        sys.exit(128 + e.signum)
     elapsed = time.time() - t0
     for split, entry in splits.items():
         files = [s["file"] for s in entry.get("shards", [])] or [f"{split}.bin"]

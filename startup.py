@@ -317,7 +317,7 @@ def open_scoring(cfg, meta, vocab_size, log):
     assumes), with no more ids than the model has. Without it the evaluations have no bits per
     byte, and HellaSwag is an error."""
     try:
-        tok = weights.tokenizer_of((meta or {}).get("tokenizer") or "gpt2", vocab_size)
+        tok = weights.tokenizer_of(meta, vocab_size)
     except UserError as e:
         if cfg.hellaswag_interval:
             raise UserError(f"hellaswag_interval={cfg.hellaswag_interval} needs the data's "

@@ -21,7 +21,15 @@ reading a split. A split is one file or a set of shards, read as one token space
       fineweb_val_000000.bin, fineweb_train_000001.bin), read as they are, in name order:
       a header of 256 little-endian int32 (magic 20240520, version 1, the token count, zeros),
       then the tokens as uint16 GPT-2 ids.
+  <data_dir>/meta.pkl, no meta.json: nanoGPT's character-level data (shakespeare_char), a
+      pickle of {"vocab_size": 65, "stoi": {char: id}, "itos": {id: char}} beside uint16
+      train.bin and val.bin. read_meta gives it as a meta dict with tokenizer "char" and the
+      table (stoi, and itos as a list), so that training has its vocabulary and sampling its
+      characters. Only plain data is unpickled: a pickle that names any class or function,
+      which loading would import and call, is refused.
   A folder with .bin files and no meta.json is read as nanoGPT's raw uint16.
+  While prepare.py writes a folder it also holds ddpgpt.lock (fileio.locked), temporary files
+  <name>.<pid>@<host>.tmp (fileio.tmp_path) and, for shards, prepare.progress.json.
 
 A TokenSplit holds paths, a dtype and where each file starts in the split's token space, never
 an open file: it pickles small and works in any process, forked or spawned. Each read opens the
@@ -34,6 +42,7 @@ import glob
 import hashlib
 import json
 import os
+import pickle
 from typing import NamedTuple
 
 import numpy as np
@@ -43,6 +52,8 @@ from errors import UserError
 
 FORMAT_VERSION = 1
 META_NAME = "meta.json"
+NANOGPT_META = "meta.pkl"
+PROGRESS_NAME = "prepare.progress.json"  # prepare.py's, while a sharded run is not complete
 SPLITS = ("train", "val")
 FINGERPRINT_CHUNKS, FINGERPRINT_CHUNK_BYTES = 64, 4096
 PREPARE_HINT = "python prepare.py --out_dir={}"
@@ -124,10 +135,19 @@ def llmc_shards(data_dir, split):
     return sorted(glob.glob(os.path.join(glob.escape(data_dir), f"*_{split}_*.bin")))
 
 
-def read_meta(data_dir):
-    """meta.json as a dict; for llm.c shards without one, what their format implies; None for
-    a nanoGPT-style folder of raw .bin files."""
+def meta_path(data_dir):
+    """The file read_meta reads: meta.json, or nanoGPT's meta.pkl where it is alone."""
     path = os.path.join(data_dir, META_NAME)
+    pickled = os.path.join(data_dir, NANOGPT_META)
+    return pickled if not os.path.exists(path) and os.path.exists(pickled) else path
+
+
+def read_meta(data_dir):
+    """meta.json as a dict; for nanoGPT's meta.pkl or llm.c shards without one, what they
+    imply; None for a nanoGPT-style folder of raw .bin files."""
+    path = meta_path(data_dir)
+    if path.endswith(NANOGPT_META):
+        return char_meta(path)
     if not os.path.exists(path):
         has_llmc = not os.path.exists(os.path.join(data_dir, "train.bin")) and \
             any(llmc_shards(data_dir, split) for split in SPLITS)
@@ -151,6 +171,58 @@ def read_meta(data_dir):
             f"{path} has format_version {meta.get('format_version')!r}, this code reads "
             f"{FORMAT_VERSION}: run `{hint}` again.")
     return meta
+
+
+class CodeInPickle(pickle.UnpicklingError):
+    pass
+
+
+class PlainData(pickle.Unpickler):
+    """Unpickles plain data only: dicts, lists, tuples, sets, str, bytes, numbers, True, False,
+    None. Anything else is made by a class or function that the pickle names (a global), and
+    loading it would import and call that: no global is ever looked up."""
+
+    def find_class(self, module, name):
+        raise CodeInPickle(f"{module}.{name}")
+
+
+def char_meta(path):
+    """nanoGPT's meta.pkl of character-level data as a meta dict, read without running code."""
+    remake = "make it again with nanoGPT's data/shakespeare_char/prepare.py"
+    try:
+        with open(path, "rb") as f:
+            table = PlainData(f).load()
+    except CodeInPickle as e:
+        raise UserError(f"{path} was refused: loading it would execute code (it calls {e}), and "
+                        f"a data folder's meta.pkl holds only plain data. Remove it, or "
+                        f"{remake}.") from None
+    except Exception as e:  # a damaged pickle fails in many ways (EOFError, KeyError, ...)
+        raise UserError(f"{path} is not a readable pickle ({type(e).__name__}: {e}): "
+                        f"{remake}.") from None
+    checked = char_table(table)
+    if checked is None:
+        raise UserError(f"{path} is not nanoGPT's character-level meta.pkl: it must be a dict "
+                        f"of vocab_size (an int up to 65536), itos (each id below it -> its "
+                        f"character) and stoi (character -> id, the inverse): {remake}.")
+    vocab, stoi, itos = checked
+    return {"format_version": FORMAT_VERSION, "dtype": "uint16", "vocab_size": vocab,
+            "tokenizer": "char", "stoi": stoi, "itos": itos, "splits": {},
+            "source": f"{path} (nanoGPT's character-level data)"}
+
+
+def char_table(table):
+    """(vocab_size, stoi, itos as a list) of a meta.pkl's contents, None if it is no table."""
+    if not isinstance(table, dict):
+        return None
+    vocab, stoi, itos = table.get("vocab_size"), table.get("stoi"), table.get("itos")
+    if not isinstance(vocab, int) or not 0 < vocab <= 2**16:
+        return None
+    if isinstance(itos, dict):  # nanoGPT's is {id: char}
+        itos = [itos.get(i) for i in range(vocab)] if len(itos) == vocab else None
+    if not isinstance(itos, list) or len(itos) != vocab or \
+            not all(isinstance(c, str) and len(c) == 1 for c in itos):
+        return None
+    return (vocab, stoi, itos) if stoi == {c: i for i, c in enumerate(itos)} else None
 
 
 def split_files(data_dir, split, meta):
@@ -227,31 +299,48 @@ def open_split(data_dir, split, block_size, vocab_size=None, log=print):
     if meta is None:
         log(f"data: {data_dir} has no {META_NAME}; reading {split}.bin as raw uint16 tokens "
             "(nanoGPT's format)")
+    elif meta.get("tokenizer") == "char":
+        log(f"data: {data_dir} has nanoGPT's {NANOGPT_META}: {meta['vocab_size']} characters; "
+            f"reading {split}.bin as uint16")
     dtype = np.dtype(meta["dtype"] if meta else np.uint16)
     counts = [file_tokens(p, dtype, header, None if listed is None else listed[k], hint)
               for k, p in enumerate(paths)]
     token_split = TokenSplit(tuple(paths), dtype, header, np.cumsum([0, *counts]))
-    what = paths[0] if len(paths) == 1 else f"the {len(paths)} {split} shards in {data_dir}"
     expected = (meta or {}).get("splits", {}).get(split, {}).get("fingerprint")
     sizes = [n * dtype.itemsize for n in counts]
     if expected is not None and expected != sampled_fingerprint(paths, header, sizes):
         raise UserError(
-            f"{what} {'does' if len(paths) == 1 else 'do'} not match the fingerprint in "
-            f"{META_NAME}: the content changed after prepare.py wrote it (a different file of "
-            f"the same size?). Run `{hint}` again.")
-    longest = max(counts)
-    if longest < block_size + 1:
-        holds = f"{longest} tokens" if len(paths) == 1 else f"at most {longest} tokens a shard"
-        raise UserError(
-            f"{what} holds {holds}, fewer than one block of block_size={block_size} plus the "
-            f"shifted target: set block_size to at most {max(longest - 1, 0)} or prepare more "
-            f"data for the {split} split.")
+            f"{describe(token_split)} {'does' if len(paths) == 1 else 'do'} not match the "
+            f"fingerprint in {META_NAME}: the content changed after prepare.py wrote it (a "
+            f"different file of the same size?). Run `{hint}` again.")
+    check_block_size(token_split, block_size)
     if vocab_size is not None and meta is not None and meta["vocab_size"] > vocab_size:
         raise UserError(
             f"{data_dir} was tokenized with {meta.get('tokenizer')!r}, whose {meta['vocab_size']} "
             f"ids do not fit the model's vocab_size={vocab_size}: use a model with vocab_size "
             f">= {meta['vocab_size']} or data prepared with a smaller vocabulary.")
     return token_split
+
+
+def describe(token_split):
+    """The split's file, or its shards, as a message names them."""
+    first, last = token_split.paths[0], token_split.paths[-1]
+    return first if len(token_split.paths) == 1 else \
+        f"the {len(token_split.paths)} shards {os.path.basename(first)} to " \
+        f"{os.path.basename(last)} in {os.path.dirname(first)}"
+
+
+def check_block_size(token_split, block_size):
+    """A window (a block and its shifted target, block_size + 1 tokens) lies inside one file:
+    at least one file must hold one, or sampling has nothing to draw from."""
+    longest = int(np.diff(token_split.starts).max())
+    if longest < block_size + 1:
+        holds = f"{longest} tokens" if len(token_split.paths) == 1 else \
+            f"at most {longest} tokens a shard"
+        raise UserError(
+            f"{describe(token_split)} holds {holds}, fewer than one block of "
+            f"block_size={block_size} plus the shifted target: set block_size to at most "
+            f"{max(longest - 1, 0)} or prepare more data.")
 
 
 def read(token_split, offsets, length):

@@ -1,7 +1,14 @@
-"""Tokenizers by name: any tiktoken encoding ('gpt2' by default), or 'byte'.
+"""Tokenizers by name: any tiktoken encoding ('gpt2' by default), or 'byte'; and 'char',
+nanoGPT's character-level vocabulary, which comes with its data (for_data).
 
 'byte' is UTF-8 bytes as ids 0..255 plus an end-of-text id 256: it needs no download,
 so a machine with no network can prepare, train and sample.
+
+The tokenizers by name encode every Python str ('char' encodes its own characters, and names
+any others in a UserError). A str can hold lone surrogates (U+D800..U+DFFF),
+which UTF-8 cannot encode: JSON's "\\ud800" escapes make them, and so does a command-line
+argument that is not UTF-8. Each becomes U+FFFD, the replacement character: tiktoken's
+encode_ordinary does that itself, and _any_str does it for ours.
 """
 import hashlib
 import os
@@ -16,10 +23,22 @@ from errors import UserError
 class Tokenizer(NamedTuple):
     name: str
     vocab_size: int  # ids are 0 .. vocab_size - 1, end-of-text included
-    eot: int  # the end-of-text id, appended after every document
+    eot: int  # the end-of-text id, appended after every document ('char' has none: None)
     encode: Callable[[str], list]  # ordinary text: special-token strings are plain text
     decode: Callable[[list], str]
     decode_bytes: Callable[[list], bytes]  # the raw bytes, also of a split UTF-8 character
+
+
+def _any_str(encode):
+    """encode, with lone surrogates replaced by U+FFFD; text without them costs nothing more."""
+    def encode_any(text):
+        try:
+            return encode(text)
+        except UnicodeEncodeError:
+            # a valid surrogate pair passes through UTF-16 whole; a lone one is replaced
+            return encode(text.encode("utf-16", "surrogatepass").decode("utf-16", "replace"))
+
+    return encode_any
 
 
 def _byte_tokenizer():
@@ -32,7 +51,7 @@ def _byte_tokenizer():
     def decode(ids):
         return decode_bytes(ids).decode("utf-8", errors="replace")
 
-    return Tokenizer("byte", 257, 256, encode, decode, decode_bytes)
+    return Tokenizer("byte", 257, 256, _any_str(encode), decode, decode_bytes)
 
 
 # tiktoken's 'gpt2' reads two files (vocab.bpe, encoder.json) that hold the same ranks, pattern
@@ -60,6 +79,32 @@ def _tiktoken_tokenizer(name):
                      enc.decode_bytes)
 
 
+def _char_tokenizer(stoi, itos):
+    """nanoGPT's character-level vocabulary: character itos[i] is id i. It has no end-of-text
+    (eot None): nanoGPT's character data is one text."""
+    def encode(text):
+        missing = sorted(set(text) - stoi.keys())
+        if missing:
+            raise UserError(f"the text holds characters that the character-level vocabulary of "
+                            f"its data (nanoGPT's meta.pkl, {len(itos)} characters) does not: "
+                            f"{''.join(missing)!r}. Use only its characters.")
+        return [stoi[c] for c in text]
+
+    def decode(ids):
+        return "".join(itos[i] for i in ids if i < len(itos))
+
+    return Tokenizer("char", len(itos), None, encode, decode,
+                     lambda ids: decode(ids).encode("utf-8"))
+
+
+def for_data(meta):
+    """The tokenizer of data described by meta (tokenfile.read_meta): its character table, or
+    the tokenizer it names."""
+    if meta["tokenizer"] == "char":
+        return _char_tokenizer(meta["stoi"], meta["itos"])
+    return get_tokenizer(meta["tokenizer"])
+
+
 def get_tokenizer(name):
     return _byte_tokenizer() if name == "byte" else _tiktoken_tokenizer(name)
 
@@ -76,7 +121,8 @@ def byte_lengths(tok, n_ids):
             lengths[i] = len(tok.decode_bytes([i]))
         except KeyError:
             pass
-    lengths[tok.eot] = 1
+    if tok.eot is not None:
+        lengths[tok.eot] = 1
     return lengths
 
 

@@ -5,7 +5,7 @@
   GPT-2's weights        a name (gpt2, gpt2-medium, ...) or a Hugging Face folder (hf.py)
 
 sample.py and eval.py load through load(); export.py, which exports checkpoints only, through
-checkpoint_at() and tokenizer_of().
+checkpoint_at(), data_meta() and tokenizer_of().
 """
 import os
 from typing import NamedTuple
@@ -14,7 +14,7 @@ import checkpoint
 import hf
 import tokenfile
 from errors import UserError
-from tokenizer import Tokenizer, get_tokenizer
+from tokenizer import Tokenizer, for_data, get_tokenizer
 
 
 class Loaded(NamedTuple):
@@ -24,23 +24,27 @@ class Loaded(NamedTuple):
     source: str  # what was loaded and where its tokenizer came from, for the log
 
 
-def tokenizer_name(state):
-    """(name, where it came from). train.py keeps the data's meta.json in the checkpoint; older
-    checkpoints (nanoGPT's, raw .bin data) have none: read the data's, else assume GPT-2's."""
+def data_meta(state):
+    """(the meta of a checkpoint's data, or None; where it came from). train.py keeps the data's
+    meta.json (or what nanoGPT's meta.pkl holds) in the checkpoint; older checkpoints have
+    none: read their data folder's (data_dir, or as nanoGPT's sample.py data/<dataset>)."""
     meta, where = state.get("data_meta"), "the checkpoint's data_meta"
-    data_dir = (state.get("config") or {}).get("data_dir")
+    config = state.get("config") or {}
+    data_dir = config.get("data_dir") or (config.get("dataset") and
+                                          os.path.join("data", config["dataset"]))
     if meta is None and data_dir:
-        meta, where = tokenfile.read_meta(data_dir), os.path.join(data_dir, tokenfile.META_NAME)
+        meta, where = tokenfile.read_meta(data_dir), tokenfile.meta_path(data_dir)
     if meta and meta.get("tokenizer"):
-        return meta["tokenizer"], where
-    return "gpt2", "nanoGPT's default, as the checkpoint names none"
+        return meta, where
+    return None, "nanoGPT's default, as the checkpoint names none"
 
 
-def tokenizer_of(name, vocab_size):
-    """The tokenizer, which must not have more ids than the model can embed."""
-    tok = get_tokenizer(name)
+def tokenizer_of(meta, vocab_size):
+    """The tokenizer of data described by meta (GPT-2's where there is none, as nanoGPT's raw
+    files are), which must not have more ids than the model can embed."""
+    tok = for_data(meta) if meta else get_tokenizer("gpt2")
     if tok.vocab_size > vocab_size:
-        raise UserError(f"the model has {vocab_size} token ids, fewer than {name!r}'s "
+        raise UserError(f"the model has {vocab_size} token ids, fewer than {tok.name!r}'s "
                         f"{tok.vocab_size}: put its data's meta.json in the data_dir it names.")
     return tok
 
@@ -66,10 +70,10 @@ def load(init_from, out_dir, hint, log=print):
     for GPT-2's weights by name or folder, which read GPT-2's tokens."""
     if init_from == "resume":
         state, path = checkpoint_at(out_dir, hint, log)
-        name, where = tokenizer_name(state)
-        return Loaded(state["model_args"], checkpoint.model_state(state),
-                      tokenizer_of(name, state["model_args"]["vocab_size"]),
-                      f"{path} (iter {state['iter_num']}), tokenizer {name!r} from {where}")
+        meta, where = data_meta(state)
+        tok = tokenizer_of(meta, state["model_args"]["vocab_size"])
+        return Loaded(state["model_args"], checkpoint.model_state(state), tok,
+                      f"{path} (iter {state['iter_num']}), tokenizer {tok.name!r} from {where}")
     weights, args = hf.load(init_from, log=log)
     gpt2 = get_tokenizer("gpt2")
     if args["vocab_size"] < gpt2.vocab_size:

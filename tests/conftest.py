@@ -8,6 +8,7 @@
   metrics(out)   the rows of out/metrics.jsonl; steps(out) the step rows by iter
   read_with_ranks(...)  what each rank of a torchrun job reads through data.rank_batches
   decoded(out, tokenizer)  the documents of a prepared folder, its meta.json checked
+  small_disk     a real 1 MiB file system (a tmpfs; skipped without root), for full disks
 """
 import glob
 import json
@@ -169,3 +170,15 @@ def corpus(tmp_path_factory, session_env):
     python("prepare.py", f"--dataset={docs}", "--tokenizer=byte", "--val_docs=1",
            f"--out_dir={root / 'data'}", "--num_proc=1", env=session_env)
     return str(root / "data")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 1 MiB file system: room for two checkpoints of the TINY model, not for three."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    yield str(mount)
+    subprocess.run(["umount", str(mount)], check=True)

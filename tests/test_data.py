@@ -11,6 +11,7 @@ import torch
 import data
 import tokenfile
 from conftest import TINY, fails, global_batches, python, read_with_ranks
+from errors import UserError
 
 
 @pytest.fixture
@@ -125,6 +126,71 @@ def test_sixteen_gib_file_costs_eight_ranks_no_more_memory_than_sixteen_mib(env,
         rss[name] = max(r["rss_first_batch"] for r in ranks)
         assert all(len(r["reads"]) == 2 for r in ranks)
     assert rss["huge"] < rss["small"] + 16 * 2**20, rss
+
+
+# ---- the data API as the README shows it: every argument checked when the object is made ----
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"batch_size": 0}, ValueError, "batch_size=0 must be >= 1"),  # looped forever, yielding none
+    ({"batch_size": 4.0}, TypeError, "batch_size must be an int, not float"),
+    ({"batch_size": 4, "rank": 2, "world_size": 2}, ValueError, "rank=2 must be in [0, 1]"),
+    ({"batch_size": 4, "rank": -1}, ValueError, "rank=-1 must be in [0, 0]"),
+    ({"batch_size": 4, "world_size": 0}, ValueError, "world_size=0 must be >= 1"),
+    ({"batch_size": 4, "micro_steps": 0}, ValueError, "micro_steps=0 must be >= 1"),
+    ({"batch_size": 4, "start_step": -3}, ValueError, "start_step=-3 must be >= 0"),
+    ({"batch_size": 4, "num_steps": -1}, ValueError, "num_steps=-1 must be >= 0"),
+    ({"batch_size": "4"}, TypeError, "batch_size must be an int, not str '4'"),
+], ids=["zero batch", "float batch", "rank too large", "negative rank", "zero world",
+        "zero micro-steps", "negative start", "negative steps", "str batch"])
+def test_rank_sampler_refuses_bad_arguments_when_made(kwargs, error, words):
+    with pytest.raises(error) as e:
+        data.RankSampler(**kwargs)
+    assert words in str(e.value)
+
+
+def test_rank_sampler_takes_numpy_integers():
+    sampler = data.RankSampler(np.int64(2), rank=np.int32(1), world_size=2, num_steps=1)
+    assert list(sampler) == [2, 3]
+
+
+@pytest.mark.parametrize("make, error, words", [
+    (lambda t, folder: data.BlockDataset(folder, 32), TypeError,
+     "BlockDataset takes a tokenfile.TokenSplit, such as tokenfile.open_split("),
+    (lambda t, folder: data.BlockDataset(t, 0), ValueError, "block_size=0 must be >= 1"),
+    (lambda t, folder: data.BlockDataset(t, 32.5), TypeError, "block_size must be an int"),
+    (lambda t, folder: data.BlockDataset(t, 32, seed=1.5), TypeError, "seed must be an int"),
+    (lambda t, folder: data.BlockDataset(t, 32, mode="shuffle"), ValueError,
+     "'shuffle' is not one of ('epoch', 'random')"),
+    # the Feistel cycle-walk spun forever on an empty range of blocks
+    (lambda t, folder: data.BlockDataset(t, 50_000), UserError,
+     "holds 50000 tokens, fewer than one block of block_size=50000 plus the shifted target: "
+     "set block_size to at most 49999"),
+    (lambda t, folder: data.BlockDataset(t, 50_000, mode="random"), UserError,
+     "fewer than one block"),
+], ids=["a path", "zero block", "float block", "float seed", "unknown mode",
+        "block longer than the split", "same, random mode"])
+def test_block_dataset_refuses_bad_arguments_when_made(counting_data, make, error, words):
+    folder, _ = counting_data
+    token_split = tokenfile.open_split(folder, "train", 32)
+    with pytest.raises(error) as e:
+        make(token_split, folder)
+    assert words in str(e.value)
+
+
+def test_block_dataset_indexing_follows_python(counting_data):
+    """Any index from 0 is a sample (beyond len(), later epochs); a negative one is an
+    IndexError, not counted from an end the dataset does not have; a float is a TypeError."""
+    folder, n = counting_data
+    dataset = data.BlockDataset(tokenfile.open_split(folder, "train", 32), 32, seed=3)
+    x, y = dataset[len(dataset) + 5]  # epoch 1
+    assert torch.equal(x[1:], y[:-1])
+    assert torch.equal(dataset[np.int64(7)][0], dataset[7][0])
+    for bad, error in ((-1, IndexError), (2**63, IndexError), (1.0, TypeError),
+                       ("1", TypeError)):
+        with pytest.raises(error):
+            dataset[bad]
+    with pytest.raises(IndexError, match="negative ones do not count from the end"):
+        dataset[-len(dataset)]
 
 
 # ---- bad token files: what train.py says, before any step ----

@@ -167,8 +167,11 @@ def read_all(folder):
     return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder))}
 
 
-def test_a_killed_sharded_prepare_resumes_and_writes_the_same_bytes(env, tmp_path,
-                                                                   monkeypatch):
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_stopped_sharded_prepare_resumes_and_writes_the_same_bytes(stop, env, tmp_path,
+                                                                    monkeypatch):
+    """Killed, it leaves its lock and temporary files, which the next run takes over and
+    removes; stopped (kill's SIGTERM), it removes them itself and says what it kept."""
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", env["TIKTOKEN_CACHE_DIR"])  # to decode here
     write_corpus(tmp_path / "docs.jsonl", 12_000)
     shard = ["--shard_tokens=100000"]
@@ -178,17 +181,28 @@ def test_a_killed_sharded_prepare_resumes_and_writes_the_same_bytes(env, tmp_pat
                              f"--dataset={tmp_path / 'docs.jsonl'}", f"--out_dir={out}",
                              "--tokenizer=gpt2", "--val_fraction=0.01", "--num_proc=1",
                              *shard], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not (out / "train_000002.bin").exists():
         assert proc.poll() is None and time.time() < deadline, "it ended before the kill"
         time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.send_signal(stop)
+    _, stderr = proc.communicate(timeout=60)
     assert not (out / tokenfile.META_NAME).exists()
+    if stop == signal.SIGTERM:
+        assert proc.returncode == 128 + stop and "Traceback" not in stderr, stderr
+        progress = json.loads((out / "prepare.progress.json").read_text())
+        kept = sum(map(len, progress["splits"].values()))
+        assert stderr.strip().splitlines()[-1] == (
+            f"prepare.py: interrupted (SIGTERM); this run's temporary files were removed, and "
+            f"the {kept} complete shard(s) in {out} that prepare.progress.json records are "
+            f"kept: the same command resumes after them."), stderr
+        assert sorted(f for f in os.listdir(out) if not f.endswith(".bin")) == \
+            ["prepare.progress.json"]
     p = prepare_shards(env, tmp_path / "docs.jsonl", out, *shard)
     assert "resuming an interrupted run" in p.stdout
-    assert read_all(out) == read_all(tmp_path / "whole")
+    assert ("taking over the lock on" in p.stdout) == (stop == signal.SIGKILL), p.stdout
+    assert read_all(out) == read_all(tmp_path / "whole")  # no temporary file or lock left
     meta = json.loads((out / tokenfile.META_NAME).read_text())
     assert len(meta["splits"]["train"]["shards"]) > 3
     docs = decoded_shards(out)

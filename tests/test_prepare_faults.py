@@ -1,0 +1,185 @@
+"""prepare.py against faults, run as a user meets them: stop signals (Ctrl-C, kill, a closed
+terminal), a full disk (a real small tmpfs), and a second prepare into the same out_dir."""
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import fileio
+from conftest import ROOT, decoded, fails, python
+from tokenizer import get_tokenizer
+
+
+def write_jsonl(path, n_docs, words=200):
+    """n_docs documents of about `words` words each, a JSON line each."""
+    with open(path, "w") as f:
+        for d in range(n_docs):
+            f.write(json.dumps({"text": f"document {d}: " + "lorem ipsum dolor " * (words // 3)})
+                    + "\n")
+    return path
+
+
+def read_all(folder):
+    return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder))}
+
+
+def last_line(stderr):
+    return stderr.strip().splitlines()[-1]
+
+
+# ---- stop signals ----
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
+                         ids=["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_stopped_run_publishes_nothing_and_leaves_nothing(stop, env, tmp_path):
+    """Ctrl-C, kill or a closed terminal while tokenizing: one line, the workers stopped
+    quietly, the temporary files and the lock gone, no final-named file, status 128 + signal."""
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "prepare.py"), "--dataset=pystdlib",
+                          "--tokenizer=byte", "--num_proc=2", "--out_dir", out], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not any(os.path.getsize(f) for f in glob.glob(f"{out}/train.bin.*.tmp")):
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.05)
+    p.send_signal(stop)
+    _, stderr = p.communicate(timeout=60)
+    assert p.returncode == 128 + stop, stderr
+    assert "Traceback" not in stderr and "Error" not in stderr, stderr
+    name = signal.Signals(stop).name
+    assert stderr.strip().splitlines()[-1] == (
+        f"prepare.py: interrupted ({name}); this run's temporary files were removed, and no new "
+        f"output was published."), stderr
+    assert os.listdir(out) == []
+
+
+def test_under_nohup_a_closed_terminal_does_not_stop_it(env, tmp_path):
+    """nohup ignores SIGHUP so that a run outlives its terminal: prepare.py keeps it so."""
+    out = tmp_path / "out"
+    p = subprocess.Popen(["nohup", sys.executable, os.path.join(ROOT, "prepare.py"),
+                          "--dataset=pystdlib", "--tokenizer=byte", "--num_proc=2",
+                          "--out_dir", out], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not any(os.path.getsize(f) for f in glob.glob(f"{out}/train.bin.*.tmp")):
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.05)
+    p.send_signal(signal.SIGHUP)
+    _, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0, stderr
+    decoded(out, get_tokenizer("byte"))
+
+
+# ---- a full disk ----
+
+def test_a_full_disk_says_where_and_damages_nothing_published(env, small_disk, tmp_path):
+    """A previous prepare's output in the out_dir stays as it was, byte for byte."""
+    out = tmp_path / "disk" / "data"
+    args = ["--tokenizer=byte", "--val_docs=2", "--num_proc=1", f"--out_dir={out}"]
+    python("prepare.py", f"--dataset={write_jsonl(tmp_path / 'small.jsonl', 20)}", *args,
+           env=env)
+    before = read_all(out)
+    big = write_jsonl(tmp_path / "big.jsonl", 2000)  # 2 MB of tokens, on a 1 MiB disk
+    message = last_line(fails("prepare.py", f"--dataset={big}", *args, env=env).stderr)
+    assert message.startswith("prepare.py: error: the disk is full (") and \
+        f"): {out} is on the tmpfs file system mounted on {small_disk}, which had " in message \
+        and " MiB free of 1.0 MiB. Nothing published before was damaged: this run's temporary " \
+            "files were removed, and no new output was published. Free space there, or pass " \
+            "an --out_dir on a disk with room, and run again." in message, message
+    assert read_all(out) == before
+    decoded(out, get_tokenizer("byte"))  # meta.json still describes the files
+
+
+def test_a_sharded_prepare_stopped_by_a_full_disk_resumes_when_there_is_room(
+        env, small_disk, tmp_path):
+    big = write_jsonl(tmp_path / "big.jsonl", 2000)
+    args = [f"--dataset={big}", "--tokenizer=byte", "--val_docs=2", "--num_proc=1",
+            "--shard_tokens=50000"]
+    python("prepare.py", *args, f"--out_dir={tmp_path / 'whole'}", env=env)
+    out = tmp_path / "disk" / "data"
+    message = last_line(fails("prepare.py", *args, f"--out_dir={out}", env=env).stderr)
+    kept = sum(map(len, json.loads((out / "prepare.progress.json").read_text())["splits"]
+                   .values()))
+    assert kept > 2 and message.startswith("prepare.py: error: the disk is full (") and \
+        f"this run's temporary files were removed, and the {kept} complete shard(s) in {out} " \
+        f"that prepare.progress.json records are kept: the same command resumes after them" \
+        in message
+    assert not glob.glob(f"{out}/*.tmp") and not (out / fileio.LOCK_NAME).exists()
+    subprocess.run(["mount", "-o", "remount,size=64m", small_disk], check=True)  # room made
+    p = python("prepare.py", *args, f"--out_dir={out}", env=env)
+    assert f"{kept} complete shard(s) kept" in p.stdout
+    assert read_all(out) == read_all(tmp_path / "whole")
+
+
+# ---- one writer per out_dir ----
+
+def test_two_prepares_into_one_out_dir_one_refused_the_other_intact(env, tmp_path):
+    """Started at the same moment: which one wins is chance, but only one writes, and the
+    other names it. (Without the lock, one of them once deleted the other's meta.json.)"""
+    out = tmp_path / "out"
+    args = [sys.executable, os.path.join(ROOT, "prepare.py"), "--dataset=pystdlib",
+            "--tokenizer=byte", "--val_fraction=0.01", "--num_proc=1", f"--out_dir={out}"]
+    procs = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    ends = [p.communicate(timeout=600) for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 1], ends
+    loser = [p.returncode for p in procs].index(1)
+    winner = procs[1 - loser]
+    message = last_line(ends[loser][1])
+    assert message.startswith(f"prepare.py: error: {out} is being written by prepare.py (pid "
+                              f"{winner.pid} on {fileio.HOST}, since "), message
+    assert f"If it is not running (its machine crashed, say), remove {out / fileio.LOCK_NAME}." \
+        in message and "Traceback" not in ends[loser][1]
+    docs = decoded(out, get_tokenizer("byte"))  # the winner's files, as its meta.json says
+    assert len(docs["train"]) > 1000 and sorted(os.listdir(out)) == \
+        ["meta.json", "train.bin", "val.bin"]
+
+
+def test_a_lock_held_on_another_host_refuses_without_touching_anything(env, tmp_path):
+    """Where flock does not reach another host (NFS with local_lock), its lock file does."""
+    out = tmp_path / "out"
+    args = [f"--dataset={write_jsonl(tmp_path / 'docs.jsonl', 20)}", "--tokenizer=byte",
+            "--val_docs=2", "--num_proc=1", f"--out_dir={out}"]
+    python("prepare.py", *args, env=env)
+    holder = {"script": "prepare.py", "pid": 4242, "host": "node-17", "started": "yesterday"}
+    (out / fileio.LOCK_NAME).write_text(json.dumps(holder))
+    before = read_all(out)
+    message = last_line(fails("prepare.py", *args, env=env).stderr)
+    assert message.startswith(f"prepare.py: error: {out} is being written by prepare.py (pid "
+                              f"4242 on node-17, since yesterday)"), message
+    assert read_all(out) == before
+
+
+def test_a_requeued_slurm_job_takes_over_the_lock_its_earlier_run_left(env, tmp_path):
+    """Killed outright on one node and requeued onto another: the same SLURM job at a later
+    restart count, which SLURM never runs alongside the earlier one."""
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = {"script": "prepare.py", "pid": 4242, "host": "node-17", "started": "yesterday",
+              "slurm": ["77", 0]}
+    (out / fileio.LOCK_NAME).write_text(json.dumps(holder))
+    env.update(SLURM_JOB_ID="77", SLURM_RESTART_COUNT="1")
+    p = python("prepare.py", f"--dataset={write_jsonl(tmp_path / 'docs.jsonl', 20)}",
+               "--tokenizer=byte", "--val_docs=2", "--num_proc=1", f"--out_dir={out}", env=env)
+    assert f"prepare.py: taking over the lock on {out}: prepare.py (pid 4242 on node-17, SLURM " \
+           f"job 77, since yesterday) held it and is no longer running" in p.stdout
+    decoded(out, get_tokenizer("byte"))
+
+
+def test_only_temporary_files_of_dead_writers_of_this_host_are_removed(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    names = {"live": f"train.bin.{os.getpid()}@{fileio.HOST}.tmp",
+             "dead": f"train.bin.{dead.pid}@{fileio.HOST}.tmp",
+             "other host": f"train.bin.{dead.pid}@node-17.tmp", "published": "train.bin"}
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"x")
+    assert fileio.remove_stale_temporaries(str(tmp_path)) == [names["dead"]]
+    assert sorted(os.listdir(tmp_path)) == sorted(n for k, n in names.items() if k != "dead")
+    assert fileio.tmp_path("d/train.bin") == f"d/train.bin.{os.getpid()}@{fileio.HOST}.tmp"
