@@ -16,7 +16,6 @@ reads the data:
 import gc
 import json
 import os
-import resource
 import sys
 import time
 
@@ -88,8 +87,21 @@ class FirstBatch(GPTModule):
                     data_setup_s=datamodule.setup_s + wall - datamodule.t_loader,
                     data_setup_cpu_s=datamodule.setup_cpu_s + cpu - datamodule.cpu_loader,
                     rss=psutil.Process().memory_info().rss,
-                    peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+                    peak_rss=peak_rss())
         return -1  # the first batch is what is measured: Lightning ends the epoch here
+
+
+def reset_peak_rss():
+    """Start this fit's peak afresh: Linux keeps the largest RSS of a process (VmHWM), and
+    writing 5 to clear_refs sets it back to the RSS now. getrusage's ru_maxrss never goes back,
+    so it would give every fit the peak of the largest before it."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def fit(design, data_dir, record):
@@ -117,6 +129,7 @@ def main(out, runs):
                 json.dump(rows, f)
         gc.collect()  # the last run's trainer and model, before this run measures memory
         gc.disable()  # and no collection of them in the middle of a timing
+        reset_peak_rss()
         fit(design, data_dir, record)
         gc.enable()
 
