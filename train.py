@@ -13,6 +13,7 @@ optimizer step; what a run reports (metrics.jsonl, wandb, checkpoints); then mai
 starts the run (startup.py: the device, the checkpoint or weights, the data, all checked on
 every rank before any step), and the training loop.
 """
+import contextlib
 import dataclasses
 import json
 import math
@@ -361,8 +362,15 @@ def save_checkpoint(cfg, model, optimizer, scaler, args, meta, iter_num, samples
 def record(metrics, wandb, row):
     """One row of metrics.jsonl (and of wandb); rank 0 alone has them open."""
     if metrics is not None:
-        metrics.write(json.dumps(row) + "\n")
-        metrics.flush()
+        try:
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+        except OSError as e:
+            out_dir = os.path.dirname(metrics.name)
+            raise UserError(f"could not write {metrics.name}: "
+                            f"{fileio.disk_full(e, out_dir) or e.strerror}. The checkpoints in "
+                            f"{out_dir} are intact: free space there, or move out_dir, and "
+                            f"resume with --init_from=resume.") from e
     if wandb is not None:
         wandb.log(row, step=row["iter"])
 
@@ -625,23 +633,28 @@ def main(argv):
     device = startup.pick_device(cfg.device, local_rank,
                                  int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     startup.init_distributed(cfg, device, world_size)
-    try:
-        resume, meta, args, splits, model = startup.start_up(cfg, given, world_size, log)
-        scoring = startup.open_scoring(cfg, meta, args["vocab_size"], log)
-        error = None
-    except UserError as e:
-        error = str(e)
-    if not startup.agree(error, rank, world_size) or \
-            not startup.same_data_on_all_ranks(splits, cfg.data_dir, rank, world_size):
-        return 1
-    log(f"configuration:\n{configurator.describe(cfg)}")
-    model.to(device)
-    optimizer, scaler, iter_num, samples, best_val = restore(cfg, model, resume,
-                                                             torch.device(device).type)
-    resume = None  # free the checkpoint's tensors
-    run = prepare_run(cfg, rank, world_size, device, log, model, optimizer, scaler, meta, args,
-                      splits, scoring, samples)
-    train(run, stop_signals, iter_num, samples, best_val)
+    # rank 0 holds out_dir's lock for the run: a second run there would delete this one's
+    # checkpoints and interleave its metrics (refused like any start-up error, by agree())
+    with contextlib.ExitStack() as out_dir_lock:
+        try:
+            if rank == 0:
+                out_dir_lock.enter_context(fileio.locked(cfg.out_dir, "train.py", log))
+            resume, meta, args, splits, model = startup.start_up(cfg, given, world_size, log)
+            scoring = startup.open_scoring(cfg, meta, args["vocab_size"], log)
+            error = None
+        except UserError as e:
+            error = str(e)
+        if not startup.agree(error, rank, world_size) or \
+                not startup.same_data_on_all_ranks(splits, cfg.data_dir, rank, world_size):
+            return 1
+        log(f"configuration:\n{configurator.describe(cfg)}")
+        model.to(device)
+        optimizer, scaler, iter_num, samples, best_val = restore(cfg, model, resume,
+                                                                 torch.device(device).type)
+        resume = None  # free the checkpoint's tensors
+        run = prepare_run(cfg, rank, world_size, device, log, model, optimizer, scaler, meta,
+                          args, splits, scoring, samples)
+        train(run, stop_signals, iter_num, samples, best_val)
     if world_size > 1:
         dist.destroy_process_group()
     return 0

@@ -188,6 +188,54 @@ def test_a_full_disk_during_a_save_is_a_clear_error_and_keeps_the_previous_check
     assert path == saved[0]
 
 
+def test_a_disk_that_fills_while_metrics_are_written_is_a_clear_error(env, corpus, small_disk,
+                                                                      tmp_path):
+    """Another program fills the disk mid-run: the next row of metrics.jsonl cannot be written."""
+    out = os.path.join(small_disk, "out")
+    with open(tmp_path / "log", "w+") as log:
+        proc = subprocess.Popen([sys.executable, "train.py", *train_args(
+            corpus, out, "--max_iters=100000", "--eval_interval=100000")], cwd=ROOT, env=env,
+            stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            wait_for_step(out, 2, proc)
+            fill(os.path.join(small_disk, "filler"))
+            proc.wait(timeout=60)
+        finally:
+            proc.kill()
+            proc.wait()
+        log.seek(0)
+        err = log.read()
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert f"could not write {out}/metrics.jsonl: the disk is full" in err
+    assert "The checkpoints in" in err and "--init_from=resume" in err
+
+
+def fill(path):
+    """Write zeros to path until the disk is full."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, bytes(4096)):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def test_two_trainings_in_one_out_dir_the_second_is_refused(env, corpus, tmp_path):
+    out = str(tmp_path / "out")
+    first = subprocess.Popen([sys.executable, "train.py", *train_args(
+        corpus, out, "--max_iters=100000", "--eval_interval=100000")], cwd=ROOT, env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_step(out, 1, first)
+        err = fails("train.py", *train_args(corpus, out, "--max_iters=2"), env=env).stderr
+    finally:
+        first.kill()
+        first.wait()
+    assert f"{out} is being written by train.py (pid {first.pid}" in err
+
+
 def test_a_failing_rank_ends_the_whole_run_within_seconds(env, corpus, tmp_path):
     """Rank 1 meets a corrupt token at step 5, rank 0 does not: both must end promptly."""
     bad = tmp_path / "bad"

@@ -119,7 +119,7 @@ def test_out_dir_that_cannot_be_written(env, corpus, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     err = train_error(env, f"--data_dir={corpus}", f"--out_dir={blocker}/out", *TINY)
-    assert f"out_dir {blocker}/out cannot be written" in err
+    assert f"cannot write in {blocker}/out (Not a directory): choose a folder" in err
 
 
 def test_errors_on_two_ranks_are_reported_once(env, corpus, tmp_path):
