@@ -1,4 +1,4 @@
-"""train.py with one rank whose reads of token files take 50 ms longer, as on a slow disk or a
+"""train.py with one rank whose reads of token files take 200 ms longer, as on a slow disk or a
 busy node: launched by test_diagnostics.py in place of train.py (SLOW_RANK=<rank>)."""
 import os
 import sys
@@ -11,7 +11,7 @@ _read = tokenfile.read
 
 
 def slow_read(*args, **kw):
-    time.sleep(0.05)
+    time.sleep(0.2)
     return _read(*args, **kw)
 
 

@@ -56,7 +56,8 @@ def test_a_loss_spike_is_skipped_and_the_data_goes_on_as_before(env, corpus, tmp
 
 
 def test_each_rank_reports_and_the_slowest_is_named(env, corpus, tmp_path):
-    """tests/slow_rank.py makes rank 1's reads of token files 50 ms slower."""
+    """tests/slow_rank.py makes rank 1's reads of token files 200 ms slower; the batches read
+    ahead while a step runs hide a step's time of it, a few ms here."""
     p = torchrun(2, "tests/slow_rank.py", f"--data_dir={corpus}", f"--out_dir={tmp_path}",
                  *TINY, "--gradient_accumulation_steps=2", "--eval_interval=1000",
                  "--max_iters=8", "--log_interval=2", env=dict(env, SLOW_RANK="1"))
@@ -66,7 +67,7 @@ def test_each_rank_reports_and_the_slowest_is_named(env, corpus, tmp_path):
         assert len(r["rank_ms"]) == len(r["rank_data_wait_ms"]) == len(r["rank_mem_mib"]) == 2
         assert min(r["rank_mem_mib"]) > 50
     for r in logged[1:]:  # after the first step, which also makes the model's first buffers
-        assert r["rank_ms"][1] > r["rank_ms"][0] + 30 and r["rank_data_wait_ms"][1] > 30
+        assert r["rank_ms"][1] > r["rank_ms"][0] + 100 and r["rank_data_wait_ms"][1] > 100
     assert "rank 1 is the slowest" in p.stdout and "rank 0 is the slowest" not in p.stdout
 
 
