@@ -526,7 +526,7 @@ def train(run, stop_signals, iter_num, samples, best_val):
         row, stop, alone, data_wait = train_step(run, iter_num, samples, history, stop_signals)
         t_now = time.perf_counter()
         dt, t_last = t_now - t_last, t_now
-        report_step(run, row, dt, alone, data_wait)
+        report_step(run, row, dt, alone, data_wait, first=iter_num == start_iter)
         iter_num += 1
         samples += run.global_batch
         watchdog.beat(iter_num, step_s=dt)
@@ -600,9 +600,10 @@ def train_step(run, iter_num, samples, history, stop_signals):
     return row, stop, alone, data_wait
 
 
-def report_step(run, row, dt, alone, data_wait):
+def report_step(run, row, dt, alone, data_wait, first):
     """A step's timings added to its row, on the console every log_interval steps with every
-    rank's numbers, and the row in metrics.jsonl (and wandb)."""
+    rank's numbers (the slowest rank named, but not at a run's first step, whose one-time work
+    differs between ranks), and the row in metrics.jsonl (and wandb)."""
     row.update(ms=dt * 1000, tok_per_s=run.global_batch * run.cfg.block_size / dt,
                data_wait=data_wait / dt)
     if run.peak:
@@ -612,7 +613,8 @@ def report_step(run, row, dt, alone, data_wait):
     if row["iter"] % run.cfg.log_interval == 0:
         row.update(rank_telemetry(alone, data_wait, run.device, run.world_size))
         log_step(run.log, row, run.peak)
-        log_straggler(run.log, row)
+        if not first:
+            log_straggler(run.log, row)
     record(run.metrics, run.wandb, row)
 
 
