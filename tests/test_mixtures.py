@@ -125,3 +125,8 @@ def test_bad_mixtures(case, named, env, sources, tmp_path):
     err = fails("train.py", mix, *extra, f"--out_dir={tmp_path / 'out'}", *TINY,
                 "--max_iters=1", env=env).stderr
     assert all(n in err for n in named), err
+
+
+def test_a_weight_too_small_for_any_sample_is_an_error():
+    with pytest.raises(data.UserError, match="below 1/1,048,576 of the total gets no samples"):
+        data.mixture([None, None], (1.0, 1e-9), ("big", "tiny"))
