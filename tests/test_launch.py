@@ -2,8 +2,8 @@
 slurmd posing as nodes n1 and n2 (8 fake GPUs each) on this host, for this module only, and
 down.sh stops exactly those. The jobs are the real launch/slurm.sbatch with 2 nodes x 2 ranks
 (NPROC_PER_NODE=2, gloo, a tiny model on the CPU): training to the end, a USR1 that stops,
-requeues and resumes the job on the same batches, a SIGTERM, a failing rank, and one srun
-task per rank, and the flight recorder settings each rank gets."""
+requeues and resumes the job on the same batches, a SIGTERM, a failing rank, a config file's
+init_from, one srun task per rank, and the flight recorder settings each rank gets."""
 import os
 import random
 import re
@@ -248,6 +248,19 @@ def test_a_failing_rank_ends_the_job_at_once_with_its_error(slurm, corpus, tmp_p
     assert "OSError: injected read error on rank 3" in text
     assert re.search(r"srun: error: n\d: task \d: Exited with exit code 1", text), text
     assert "requeueing" not in text and not checkpoints(out)
+
+
+def test_an_init_from_in_a_config_file_wins_over_the_batch_scripts_auto(slurm, corpus, tmp_path):
+    """slurm.sbatch passes --init_from=auto before the user's arguments: a config file's
+    init_from (here resume, in an out_dir with no checkpoint) is the one train.py takes."""
+    log, out, config = str(tmp_path / "job.log"), str(tmp_path / "out"), tmp_path / "resume.py"
+    config.write_text('init_from = "resume"\n')
+    job_id = sbatch(slurm, log, config, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
+                    "--max_iters=10", nodes=1)
+    info = wait_done(slurm, job_id, log)
+    text = read(log)
+    assert info["JobState"] == "FAILED", (info, text)
+    assert f"init_from='resume' but {out} holds no loadable checkpoint" in text, text
 
 
 def test_one_srun_task_per_rank(slurm, corpus, tmp_path):
