@@ -17,19 +17,16 @@ import os
 import shutil
 import sys
 
-import checkpoint
-import errors
-import hf
-import weights
-from errors import UserError
-from fileio import publish_folder
+from ddpgpt import checkpoint, errors, fileio, hf, weights
+from ddpgpt.errors import UserError
+from ddpgpt.tokenizer import GPT2_NAMES
 
 LM_EVAL = ("lm_eval --model hf --model_args pretrained={} --tasks hellaswag --device cuda:0 "
            "--batch_size 16")
 
 
 def tokenizer_note(tok, dest):
-    if tok.name in hf.GPT2_TOKENIZERS:
+    if tok.name in GPT2_NAMES:
         return (f"GPT-2's, converted from tiktoken's by transformers: `AutoTokenizer."
                 f"from_pretrained({dest!r})` encodes as tiktoken does. Like Hugging Face's GPT-2 "
                 f"tokenizer it reads `<|endoftext|>` in a text as the end-of-text token "
@@ -76,15 +73,16 @@ def readme(state, path, tok, dest):
 
 def write(dest, state, path, tok):
     """DEST, complete or not at all."""
-    tmp = dest + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed export
+    tmp = fileio.tmp_path(dest)
+    fileio.remove_stale_temporaries(os.path.dirname(os.path.abspath(dest)),
+                                    of=os.path.basename(dest))  # a killed export's
     try:
         hf.save(checkpoint.model_state(state), state["model_args"], tok, tmp)
-        if tok.name in hf.GPT2_TOKENIZERS:
+        if tok.name in GPT2_NAMES:
             hf.save_gpt2_tokenizer(tmp, state["model_args"]["block_size"])
         with open(os.path.join(tmp, "README.md"), "w") as f:
             f.write(readme(state, path, tok, dest))
-        publish_folder(tmp, dest)
+        fileio.publish_folder(tmp, dest)
     except OSError as e:
         raise UserError(f"could not write {dest} ({e}); nothing is left there: free space or "
                         f"give another DEST.") from e

@@ -19,16 +19,15 @@ complete, and prepare.progress.json records where the corpus stands after it, so
 that dies at 90% and is run again with the same arguments goes on after the last complete
 shard, and writes the same bytes as a run that never stopped.
 
-One prepare at a time writes in an out_dir (fileio.locked): a second one is refused, naming
+One prepare at a time writes in an out_dir (ddpgpt/lock.py): a second one is refused, naming
 the first. Stopped by SIGINT, SIGTERM or SIGHUP, or by a full disk, it removes its temporary
-files and says what it kept; what it published before stays as it was.
+files and says what it kept; what it published before stays as it was. Keys as in
+PrepareConfig (ddpgpt/settings.py; `python prepare.py --help`).
 """
-import argparse
 import contextlib
 import json
 import math
 import os
-import signal
 import sys
 import time
 from collections import deque
@@ -37,32 +36,31 @@ from multiprocessing import Pool
 import numpy as np
 from tqdm import tqdm
 
-import corpus
-import data
-import fileio
-import tokenfile
-from errors import UserError
-from tokenizer import get_tokenizer
+from ddpgpt import configurator, corpus, data, errors, fileio, lock, signals, tokenfile
+from ddpgpt.errors import UserError
+from ddpgpt.settings import PrepareConfig
+from ddpgpt.signals import Interrupted
+from ddpgpt.tokenizer import get_tokenizer
 
 CHUNK_CHARS = 1 << 20  # text sent to a worker at a time: big enough to amortise the pickling
 
 
-def validation_size(args, n_docs, source):
+def validation_size(cfg, given, n_docs, description):
     if n_docs == 0:
-        raise UserError(f"the corpus ({source}) holds no non-empty documents: check "
+        raise UserError(f"the corpus ({description}) holds no non-empty documents: check "
                         f"--dataset and --text_column.")
     if n_docs == 1:
-        raise UserError(f"the corpus ({source}) is a single document (a .txt file is one "
+        raise UserError(f"the corpus ({description}) is a single document (a .txt file is one "
                         f"document), which cannot be split into training and validation "
                         f"data: pass several files (a folder or a glob), or a .jsonl file "
                         f"with one document per line.")
-    if not 0 <= args.val_fraction < 1:
-        raise UserError(f"--val_fraction={args.val_fraction} is not in [0, 1).")
-    n_val = args.val_docs if args.val_docs is not None else \
-        max(1, round(n_docs * args.val_fraction))
+    if {"val_docs", "val_fraction"} <= given:
+        raise UserError("--val_docs and --val_fraction both choose the validation documents: "
+                        "give one of them.")
+    n_val = cfg.val_docs or max(1, round(n_docs * cfg.val_fraction))
     if not 1 <= n_val < n_docs:
         raise UserError(f"{n_val} validation documents out of the corpus's {n_docs} non-empty "
-                        f"ones ({source}) leave no training or no validation data: pass a "
+                        f"ones ({description}) leave no training or no validation data: pass a "
                         f"--val_docs or --val_fraction that keeps 1 to {n_docs - 1} documents "
                         f"for validation.")
     return n_val
@@ -99,7 +97,7 @@ _tokenizer = None  # each worker's own
 
 
 def init_worker(tokenizer_name):
-    corpus.worker_signals()
+    signals.worker_signals()
     global _tokenizer
     _tokenizer = get_tokenizer(tokenizer_name)
 
@@ -141,13 +139,14 @@ class SplitWriter:
     (a shard holds whole documents, so it can be resumed from a document index). llm.c's
     header is written last, with the token count."""
 
-    def __init__(self, out_dir, split, dtype, args, published, on_publish):
-        self.out_dir, self.split, self.dtype = out_dir, split, dtype
-        self.on_publish = on_publish  # records each shard in the progress file as it appears
-        self.sharded = bool(args.shard_tokens) or args.format == "llmc"
-        self.shard_tokens = args.shard_tokens or math.inf
-        self.prefix = f"{args.llmc_name}_" if args.format == "llmc" else ""
-        self.header_bytes = tokenfile.LLMC_HEADER_BYTES if args.format == "llmc" else 0
+    def __init__(self, out_dir, split, *, shard_tokens, llmc_name, published):
+        """shard_tokens: 0 for one file; llmc_name: llm.c's <name> of its shards, or None for
+        ddpgpt's raw files; published: the shards a resumed run wrote (prepare.progress.json)."""
+        self.out_dir, self.split = out_dir, split
+        self.sharded = bool(shard_tokens) or llmc_name is not None
+        self.shard_tokens = shard_tokens or math.inf
+        self.prefix = f"{llmc_name}_" if llmc_name is not None else ""
+        self.header_bytes = tokenfile.LLMC_HEADER_BYTES if llmc_name is not None else 0
         self.shards = list(published)  # meta.json's entries, plus where each leaves the corpus
         self.file, self.tokens, self.documents = None, 0, 0
 
@@ -156,8 +155,8 @@ class SplitWriter:
             return f"{self.split}.bin"
         return f"{self.prefix}{self.split}_{len(self.shards):06d}.bin"
 
-    def write(self, ids, lengths, indices):
-        """Append documents."""
+    def write(self, ids, lengths, indices, on_publish):
+        """Append documents; on_publish() after each shard that this completes."""
         ends, done = np.cumsum(lengths), 0
         while done < len(lengths):
             if self.file is None:
@@ -173,7 +172,7 @@ class SplitWriter:
             done = last + 1
             if self.tokens >= self.shard_tokens:
                 self.publish(next_doc=indices[last] + 1)
-                self.on_publish()
+                on_publish()
 
     def publish(self, next_doc):
         path = os.path.join(self.out_dir, self.name())
@@ -214,14 +213,16 @@ class SplitWriter:
 
 # ---- resuming: prepare.progress.json, rewritten after each published shard ----
 
-def output_settings(args):
+def output_settings(cfg, llmc_name):
     """What decides the bytes of the output: a run resumes only with the same."""
-    keys = ("dataset", "hub_config", "text_column", "tokenizer", "val_fraction", "val_docs",
-            "seed", "shard_tokens", "format", "llmc_name", "streaming")
-    return {k: getattr(args, k) for k in keys}
+    return {"dataset": cfg.dataset, "hub_config": cfg.hub_config or None,
+            "text_column": cfg.text_column, "tokenizer": cfg.tokenizer,
+            "val_fraction": cfg.val_fraction, "val_docs": cfg.val_docs or None, "seed": cfg.seed,
+            "shard_tokens": cfg.shard_tokens, "format": cfg.format, "llmc_name": llmc_name,
+            "streaming": cfg.streaming}
 
 
-def read_progress(out_dir, args):
+def read_progress(out_dir, settings):
     """The progress of an interrupted run with the same settings whose shards are all still
     there, else None (and what such a run left is removed: it would be overwritten anyway)."""
     path = os.path.join(out_dir, tokenfile.PROGRESS_NAME)
@@ -236,7 +237,7 @@ def read_progress(out_dir, args):
     intact = all(os.path.isfile(os.path.join(out_dir, s["file"])) and s["fingerprint"] ==
                  tokenfile.sampled_fingerprint([os.path.join(out_dir, s["file"])],
                                                progress["header_bytes"]) for s in shards)
-    if progress["settings"] == output_settings(args) and intact:
+    if progress["settings"] == settings and intact:
         print(f"prepare.py: resuming an interrupted run in {out_dir}: "
               f"{len(shards)} complete shard(s) kept")
         return progress
@@ -249,84 +250,80 @@ def read_progress(out_dir, args):
     return None
 
 
-def save_progress(out_dir, args, counts, writers):
+def save_progress(out_dir, settings, counts, writers):
     fileio.write_json(os.path.join(out_dir, tokenfile.PROGRESS_NAME), {
-        "settings": output_settings(args), "counts": counts,
-        "header_bytes": writers["train"].header_bytes,
+        "settings": settings, "counts": counts, "header_bytes": writers["train"].header_bytes,
         "splits": {split: w.shards for split, w in writers.items()}})
 
 
-def write_tokens(writers, texts, counts, n_val, args):
+def write_tokens(writers, texts, counts, n_val, cfg, on_publish):
     """Pass 2: tokenize the documents not written yet, appending them to their split."""
     next_doc = {split: w.shards[-1]["next_doc"] if w.shards else 0
                 for split, w in writers.items()}
     done = sum(s["documents"] for w in writers.values() for s in w.shards)
-    work = chunks(texts, counts["documents"], n_val, data.hash_key(args.seed), next_doc)
-    with Pool(args.num_proc, init_worker, (args.tokenizer,)) as pool, \
+    work = chunks(texts, counts["documents"], n_val, data.hash_key(cfg.seed), next_doc)
+    with Pool(cfg.num_proc, init_worker, (cfg.tokenizer,)) as pool, \
             tqdm(total=counts["documents"], initial=done, desc="tokenizing",
                  unit=" docs") as bar:
-        for result in ordered_map(pool, encode_chunk, work, ahead=2 * args.num_proc):
+        for result in ordered_map(pool, encode_chunk, work, ahead=2 * cfg.num_proc):
             for split, tokens in result.items():
-                writers[split].write(*tokens)
+                writers[split].write(*tokens, on_publish)
             bar.update(sum(len(lengths) for _, lengths, _ in result.values()))
 
 
-def prepare(args):
-    if args.num_proc < 1:
-        raise UserError(f"--num_proc={args.num_proc}: use at least 1 process.")
-    if args.shard_tokens < 0:
-        raise UserError(f"--shard_tokens={args.shard_tokens}: use 0 (no shards) or a number "
-                        f"of tokens per shard, such as 100000000.")
-    tokenizer = get_tokenizer(args.tokenizer)
-    if args.format == "llmc" and tokenizer.vocab_size > 2**16:
-        raise UserError(f"--format=llmc holds uint16 GPT-2 tokens; {args.tokenizer!r} has "
+def prepare(cfg, given):
+    """(out_dir, meta.json's splits, the corpus's counts) of a complete prepare."""
+    tokenizer = get_tokenizer(cfg.tokenizer)
+    if cfg.format == "llmc" and tokenizer.vocab_size > 2**16:
+        raise UserError(f"--format=llmc holds uint16 GPT-2 tokens; {cfg.tokenizer!r} has "
                         f"{tokenizer.vocab_size} ids: use --format=raw.")
-    name, source, documents, count = corpus.open_source(
-        args.dataset, args.text_column, args.num_proc, args.streaming, args.hub_config)
-    out_dir = args.out_dir or os.path.join("data", name)
-    if os.path.isdir(args.dataset) and os.path.realpath(out_dir) == \
-            os.path.realpath(args.dataset):
+    docs = corpus.open_corpus(cfg.dataset, cfg.text_column, cfg.num_proc, cfg.streaming,
+                              cfg.hub_config)
+    out_dir = cfg.out_dir or os.path.join("data", docs.name)
+    if os.path.isdir(cfg.dataset) and os.path.realpath(out_dir) == \
+            os.path.realpath(cfg.dataset):
         raise UserError(f"--out_dir={out_dir} is the corpus folder itself: its token files and "
                         f"meta.json would be mixed with the documents. Pass an --out_dir "
                         f"outside it, or a folder inside it (which prepare.py skips when it "
                         f"reads the corpus).")
-    args.llmc_name = name.replace("_", "-")  # llm.c's names are <name>_<split>_<index>.bin
-    with fileio.locked(out_dir, "prepare.py"):  # a second prepare would destroy this one's output
+    llmc_name = docs.name.replace("_", "-")  # llm.c's names are <name>_<split>_<index>.bin
+    settings = output_settings(cfg, llmc_name)
+    with lock.locked(out_dir, "prepare.py"):  # a second prepare would destroy this one's output
         stale = fileio.remove_stale_temporaries(out_dir)
         if stale:
             print(f"prepare.py: removed {len(stale)} temporary file(s) that a killed run left "
                   f"in {out_dir}")
-        progress = read_progress(out_dir, args)
-        counts = progress["counts"] if progress else count()
-        n_val = validation_size(args, counts["documents"], source)
-        dtype, published = tokenfile.token_dtype(tokenizer.vocab_size), \
-            (progress or {}).get("splits", {})
-        writers = {split: SplitWriter(out_dir, split, dtype, args, published.get(split, []),
-                                      lambda: save_progress(out_dir, args, counts, writers))
+        progress = read_progress(out_dir, settings)
+        counts = progress["counts"] if progress else docs.count()
+        n_val = validation_size(cfg, given, counts["documents"], docs.description)
+        published = (progress or {}).get("splits", {})
+        writers = {split: SplitWriter(out_dir, split, shard_tokens=cfg.shard_tokens,
+                                      llmc_name=llmc_name if cfg.format == "llmc" else None,
+                                      published=published.get(split, []))
                    for split in tokenfile.SPLITS}
-        splits = write_outputs(out_dir, writers, tokenizer, documents, counts, n_val, source,
-                               args)
+        splits = write_outputs(out_dir, writers, tokenizer, docs, counts, n_val, cfg, settings)
     return out_dir, splits, counts
 
 
-def write_outputs(out_dir, writers, tokenizer, documents, counts, n_val, source, args):
+def write_outputs(out_dir, writers, tokenizer, docs, counts, n_val, cfg, settings):
     """Pass 2 and meta.json. On every way out before the end (an error, a full disk, a signal)
     this run's temporary files are removed, and the shards it published stay, with the
     progress file that resumes after them."""
     try:
-        write_tokens(writers, filter(corpus.is_document, documents()), counts, n_val, args)
+        write_tokens(writers, filter(corpus.is_document, docs.documents()), counts, n_val,
+                     cfg, lambda: save_progress(out_dir, settings, counts, writers))
         splits = {split: w.finish() for split, w in writers.items()}
         tokenfile.write_meta(
             out_dir, tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size,
-            eot_token=tokenizer.eot, splits=splits, source=args.dataset, source_detail=source,
-            text_column=args.text_column, seed=args.seed,
+            eot_token=tokenizer.eot, splits=splits, source=cfg.dataset,
+            source_detail=docs.description, text_column=cfg.text_column, seed=cfg.seed,
             val_selection=f"non-empty document d (from 0, in corpus order) is in val iff "
-                          f"data.permute(d, {counts['documents']}, data.hash_key({args.seed})) "
+                          f"data.permute(d, {counts['documents']}, data.hash_key({cfg.seed})) "
                           f"< {n_val}",
             skipped_empty_documents=counts["empty"],
             skipped_undecodable_files=counts["undecodable"],
-            **({"format": "llmc"} if args.format == "llmc" else {}),
-            **({"shard_tokens": args.shard_tokens} if args.shard_tokens else {}))
+            **({"format": "llmc"} if cfg.format == "llmc" else {}),
+            **({"shard_tokens": cfg.shard_tokens} if cfg.shard_tokens else {}))
     except BaseException as e:
         full = isinstance(e, OSError) and fileio.disk_full(e, out_dir)  # before space is freed
         for w in writers.values():
@@ -362,86 +359,17 @@ def what_is_left(out_dir, writers):
     return f"{removed}, and no new output was published"
 
 
-# ---- stopping: SIGINT (Ctrl-C), SIGTERM (kill, a scheduler) and SIGHUP (a closed terminal) ----
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-class Interrupted(KeyboardInterrupt):
-    """A stop signal, raised in the main process wherever it is, so that every way out runs
-    the cleanup that Ctrl-C runs (a KeyboardInterrupt, which libraries let through too). The
-    workers ignore SIGINT and SIGHUP and die quietly of SIGTERM (corpus.worker_signals)."""
-
-    def __init__(self, signum):
-        super().__init__(signal.Signals(signum).name)
-        self.signum, self.left = signum, "no new output was published"
-
-
-def stop(signum, frame):
-    for s in STOP_SIGNALS:  # a second signal must not cut the cleanup short
-        signal.signal(s, signal.SIG_IGN)
-    raise Interrupted(signum)
-
-
-def parse_args():
-    p = argparse.ArgumentParser(
-        description="Tokenize a corpus into token files and meta.json (format: tokenfile.py): "
-                    "each non-empty document followed by end-of-text; empty ones are skipped.")
-    p.add_argument("--dataset", default="openwebtext", help=(
-        "'openwebtext': all of OpenWebText, its 21 archives from the hub repository "
-        f"{corpus.OWT_REPO} (about 13 GB, downloaded to the Hugging Face cache the first "
-        "time), or a folder holding a copy of them (subsets/urlsf_subset*.tar); another "
-        "Hugging Face hub dataset (its train split; needs network the first time); local "
-        "files: a .txt file (one document), .jsonl (an object per line), .json (a list of "
-        "objects, or JSON lines if it does not start with '['), .parquet (a document per row), "
-        "any of the first three compressed (.gz, .bz2, .xz, .zst); a folder (all such files in "
-        "it, recursively, sorted, each once; the rest is skipped with a line per kind) or a "
-        "quoted glob; or 'pystdlib': "
-        "the .py files of this Python's standard library, a document each, no network needed. "
-        "Default: %(default)s"))
-    p.add_argument("--text_column", default="text",
-                   help="the field or column that holds the text (default: %(default)s)")
-    p.add_argument("--hub_config", help="a hub dataset's subset, e.g. sample-10BT")
-    p.add_argument("--streaming", action="store_true",
-                   help="stream a hub dataset (or local .parquet files) instead of storing it: "
-                        "for corpora larger than the disk; each of the two passes streams it")
-    p.add_argument("--out_dir", help="default: data/<dataset name, or file or folder stem>")
-    p.add_argument("--tokenizer", default="gpt2",
-                   help="a tiktoken encoding, or 'byte' (default: %(default)s)")
-    val = p.add_mutually_exclusive_group()
-    val.add_argument("--val_fraction", type=float, default=0.0005,
-                     help="fraction of the documents for validation, rounded, at least "
-                          "one document (default: %(default)s)")
-    val.add_argument("--val_docs", type=int, help="number of documents for validation")
-    p.add_argument("--seed", type=int, default=2357,
-                   help="chooses the validation documents (default: %(default)s)")
-    p.add_argument("--shard_tokens", type=int, default=0,
-                   help="write shards of about this many tokens (whole documents), each "
-                        "published when complete, so an interrupted run resumes; 0: one file "
-                        "per split (default: %(default)s)")
-    p.add_argument("--format", choices=("raw", "llmc"), default="raw",
-                   help="raw: ddpgpt's (and nanoGPT's) headerless files; llmc: llm.c / "
-                        "modded-nanogpt shards, <name>_<split>_<index>.bin with llm.c's header "
-                        "(default: %(default)s)")
-    p.add_argument("--num_proc", type=int, default=os.cpu_count(),
-                   help="tokenizer processes, and for OpenWebText the processes that count "
-                        "its archives' documents (default: one per core, %(default)s)")
-    return p.parse_args()
-
-
-def main():
-    for s in STOP_SIGNALS:
-        if signal.getsignal(s) is not signal.SIG_IGN:  # nohup's, or a background job's SIGINT
-            signal.signal(s, stop)
-    args = parse_args()
+def main(argv):
+    signals.raise_on_stop_signals()
+    cfg, given = configurator.parse_given(PrepareConfig, argv, "prepare.py")
     t0 = time.time()
     try:
-        out_dir, splits, counts = prepare(args)
-    except (UserError, OSError) as e:
-        sys.exit(f"prepare.py: error: {e}")
+        out_dir, splits, counts = prepare(cfg, given)
+    except OSError as e:  # a disk's error reading the corpus or writing: what it said
+        raise UserError(str(e)) from e
     except Interrupted as e:  # the shell's convention: 128 + the signal's number
         print(f"prepare.py: interrupted ({e}); {e.left}.", file=sys.stderr)
-        sys.exit(128 + e.signum)
+        return 128 + e.signum
     elapsed = time.time() - t0
     for split, entry in splits.items():
         files = [s["file"] for s in entry.get("shards", [])] or [f"{split}.bin"]
@@ -454,7 +382,8 @@ def main():
     print(f"skipped {counts['empty']:,} empty documents, {counts['undecodable']:,} undecodable "
           f"files; {sum(e['tokens'] for e in splits.values()) / elapsed:,.0f} tokens/s, "
           f"{elapsed:.1f} s in all")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(errors.run(main, "prepare.py", sys.argv[1:]))

@@ -10,10 +10,10 @@ import sys
 
 import numpy as np
 
-import tokenfile
 from bench import common, report
+from ddpgpt import tokenfile
 from bench.common import GiB, MiB
-from bench.datapath_rank import BATCH, BLOCK, sources
+from bench.datapath_rank import BATCH, BLOCK, data_sources
 
 TITLE = "Data path"
 LOADERS = ("ddpgpt", "nanogpt", "seed")  # as named in datapath_rank.py and text/data.md
@@ -106,8 +106,8 @@ def launch(loader, folder, ranks, settings, out):
     """One torchrun job of `ranks` ranks reading the folder's train split with `loader` (or,
     for ddpgpt, a mixture's: `folder` as data_mix writes it), its files evicted first: its
     per-rank numbers, or why it did not finish."""
-    for source, _ in sources(folder):
-        evict(source)
+    for source in data_sources(folder):
+        evict(source.folder)
     is_seed = loader == "seed"
     finished = common.run_watched(
         [*common.torchrun(ranks), "-m", "bench.datapath_rank", loader, folder, out,

@@ -21,18 +21,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-import data
-import tokenfile
+from ddpgpt import data, sources, tokenfile
 
 BATCH, BLOCK, VOCAB, SEED = 12, 1024, 50304, 1337
 
 
-def sources(data_dir):
-    """(folder, weight) of each source: one folder weighs 1; a data_mix string, as train.py
-    reads it, lists them. A parser of its own, not startup.py's: importing startup.py (the
-    model, HellaSwag, Hugging Face) would add its imports to every start-up measured here."""
-    pairs = [part.rpartition("=") for part in data_dir.split(",")]
-    return [(folder, float(weight)) if folder else (weight, 1.0) for folder, _, weight in pairs]
+def data_sources(data_dir):
+    """One folder, or a data_mix string of several, as train.py reads it."""
+    return sources.parse_mix(data_dir) if "=" in data_dir else \
+        [sources.Source(data_dir, 1.0, "")]
 
 
 def ddpgpt(data_dir, rank, world):
@@ -40,11 +37,9 @@ def ddpgpt(data_dir, rank, world):
     making one batch, as it does for (a). With the thread, as in training, a loop that does
     nothing between batches would time two threads passing the interpreter lock back and
     forth; the training part measures what the thread is for, a step's wait for data. The
-    data is opened as startup.open_data opens it: a Mixture of each source's train split."""
-    folders, weights = zip(*sources(data_dir))
-    train = data.mixture([tokenfile.open_split(folder, "train", BLOCK, VOCAB, log=lambda *a: None)
-                          for folder in folders], weights,
-                         [os.path.basename(folder) for folder in folders])
+    data is opened as train.py opens it: a Mixture of each source's train split."""
+    train = sources.open_splits(data_sources(data_dir), BLOCK, VOCAB, log=lambda *a: None,
+                                splits=["train"])["train"]
     return data.rank_batches(train, block_size=BLOCK, batch_size=BATCH, micro_steps=1,
                              rank=rank, world_size=world, seed=SEED, mode="epoch", start_step=0,
                              device="cpu", vocab_size=VOCAB, prefetch=0), \

@@ -9,12 +9,10 @@ import sys
 import numpy as np
 import torch
 
-import checkpoint
-import hellaswag
-import tokenizer
+from ddpgpt import checkpoint, hellaswag, tokenizer
 from bench import common
 from bench.preparing import tiktoken_env
-from model import GPT, GPTConfig
+from ddpgpt.model import GPT, GPTConfig
 
 TITLE = "Evaluation"
 SHAPES = {"GPT-2 124M": dict(n_layer=12, n_head=12, n_embd=768),

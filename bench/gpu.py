@@ -1,4 +1,4 @@
-"""The GPU path, checked on one GPU by one command and recorded (issue 10): `python bench.py
+"""The GPU path, checked on one GPU by one command and recorded: `python bench.py
 gpu`, at most 8 minutes, no network, its data made here. Seven checks, each with pass or fail
 and its numbers: the versions; GPT-2 124M (config/owt.py) in bf16 with torch.compile through
 train.py as a user runs it, and bench/minimal_loop.py, nanoGPT's loop at its barest on the same
@@ -22,13 +22,10 @@ import time
 import numpy as np
 import torch
 
-import checkpoint
-import configurator
-import tokenfile
-import startup
-import train
 from bench import common, report
-from model import GPT, GPTConfig
+from ddpgpt import checkpoint, configurator, runtime, tokenfile, weights
+from ddpgpt.model import GPT, GPTConfig
+from ddpgpt.settings import TrainConfig
 
 TITLE = "GPU"
 NO_GPU = "not run: no GPU in this session (run `python bench.py gpu` on one)"
@@ -94,7 +91,7 @@ class Session:
                                 "random (benchmark)", self.spec["tokens"])
         self.bytes = random_data(os.path.join(workdir, "bytes"), 257, "byte", 200_000)
         self.cfg = parse(self.spec["main"])
-        self.peak = train.peak_flops("cuda") if mode == "gpu" else None  # for MFU
+        self.peak = runtime.peak_flops("cuda") if mode == "gpu" else None  # for MFU
         self.runs, self.speed = {}, {}
 
     def out(self, name):
@@ -114,8 +111,9 @@ def random_data(folder, vocab_size, tokenizer, n_train):
 
 def parse(args):
     """train.py's configuration for these arguments (config files from the checkout)."""
-    return configurator.parse(train.TrainConfig, [a if a.startswith("--") else
-                                                  os.path.join(common.ROOT, a) for a in args])
+    return configurator.parse(TrainConfig, [a if a.startswith("--") else
+                                            os.path.join(common.ROOT, a) for a in args],
+                              "train.py")
 
 
 def train_args(args, data_dir, out_dir, steps, save_at):
@@ -172,7 +170,7 @@ def step_rows(out_dir):
 
 def flops_per_token(cfg, data_dir):
     with torch.device("meta"):  # the model train.py builds, with no weights allocated
-        model = GPT(GPTConfig(**startup.model_args(cfg, tokenfile.read_meta(data_dir))))
+        model = GPT(GPTConfig(**weights.model_args(cfg, tokenfile.read_meta(data_dir))))
     return model.flops_per_token()
 
 
@@ -188,7 +186,7 @@ def nccl_version():
 def versions(s):
     gpu = s.mode == "gpu"
     name = torch.cuda.get_device_name() if gpu else None
-    peak = train.peak_flops_of(name) if name else None
+    peak = runtime.peak_flops_of(name) if name else None
     numbers = {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl_version(),
                "device": name, "gpu_memory": torch.cuda.get_device_properties(0).total_memory
                if gpu else None, "peak_tflops": peak / 1e12 if peak else None}
@@ -196,7 +194,7 @@ def versions(s):
         (name or "no GPU (dry run)")
     if gpu:
         measured += (f", {report.size(numbers['gpu_memory'])}; MFU peak "
-                     f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown to train.PEAK_FLOPS'}")
+                     f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown to runtime.PEAK_FLOPS'}")
     # on the GPU the numbers must be complete, MFU's peak included; a dry run records the CPU's
     return check_row("versions", s.mode == "dry run" or (numbers["nccl"] and peak), measured,
                      **numbers)

@@ -11,29 +11,25 @@ import time
 
 import torch
 
-import configurator
-import tokenfile
-import startup
-import train
-from model import GPT, GPTConfig
+from ddpgpt import configurator, optim, runtime, tokenfile, weights
+from ddpgpt.model import GPT, GPTConfig
+from ddpgpt.settings import TrainConfig
 
 
 def main(argv):
-    cfg = configurator.parse(train.TrainConfig, argv)
-    device = startup.pick_device(cfg.device, local_rank=0)
-    device_type = torch.device(device).type
+    cfg = configurator.parse(TrainConfig, argv, "bench/minimal_loop.py")
+    device = runtime.pick_device(cfg.device, runtime.Ranks(0, 0, 1, 1))
+    device_type = runtime.device_type(device)
     sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
-    if device_type == "cuda":  # as train.py and nanoGPT set them
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    runtime.init_distributed(device, world_size=1)  # the GPU and TF32, as train.py sets them
     torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(**startup.model_args(cfg, tokenfile.read_meta(cfg.data_dir))))
+    model = GPT(GPTConfig(**weights.model_args(cfg, tokenfile.read_meta(cfg.data_dir))))
     model.to(device)
     # the same AdamW as train.py's (fused on CUDA) with the same parameter groups
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate,
-                                           (cfg.beta1, cfg.beta2), device_type)
+    optimizer = optim.make_optimizer(model, cfg.weight_decay, cfg.learning_rate,
+                                     (cfg.beta1, cfg.beta2), device_type)
     trained = torch.compile(model) if cfg.compile else model
-    autocast = train.autocast_for(startup.pick_dtype(cfg, device_type), device_type)
+    autocast = runtime.precision(cfg.dtype, device).autocast
     micro_steps, shape = cfg.gradient_accumulation_steps, (cfg.batch_size, cfg.block_size)
     batches = [(torch.randint(model.config.vocab_size, shape, device=device),
                 torch.randint(model.config.vocab_size, shape, device=device))

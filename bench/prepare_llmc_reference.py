@@ -21,8 +21,8 @@ from multiprocessing import Pool
 import datasets
 import numpy as np
 
-import tokenfile
-from tokenizer import get_tokenizer
+from ddpgpt import tokenfile
+from ddpgpt.tokenizer import get_tokenizer
 
 # made before the pool, so the forked workers share it, as llm.c's module-level encoder is
 TOKENIZER = get_tokenizer("gpt2")

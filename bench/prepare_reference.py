@@ -15,7 +15,7 @@ import time
 import datasets
 import numpy as np
 
-from tokenizer import get_tokenizer
+from ddpgpt.tokenizer import get_tokenizer
 
 _tokenizer = None  # one per worker process, made on its first document
 

@@ -8,9 +8,7 @@ import os
 import shutil
 import sys
 
-import corpus
-import tokenfile
-import tokenizer
+from ddpgpt import corpus, tokenfile, tokenizer
 from bench import common, report
 from bench.common import MiB
 
@@ -46,7 +44,7 @@ def tiktoken_env(workdir):
 
 def stdlib_documents(limit):
     """The built-in corpus, as prepare.py --dataset=pystdlib reads it."""
-    texts = corpus.open_source("pystdlib", None, 1)[2]()
+    texts = corpus.open_corpus("pystdlib", None, 1).documents()
     return [t for t in texts if t is not None and corpus.is_document(t)][:limit]
 
 

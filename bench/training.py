@@ -9,12 +9,10 @@ import sys
 import numpy as np
 import torch
 
-import configurator
-import tokenfile
-import startup
-import train
 from bench import common
-from model import GPT, GPTConfig
+from ddpgpt import configurator, runtime, tokenfile, weights
+from ddpgpt.model import GPT, GPTConfig
+from ddpgpt.settings import TrainConfig
 
 TITLE = "Training"
 QUICKSTART = ["config/quickstart.py"]
@@ -97,14 +95,14 @@ def measure(spec, workdir, out_dir):
     data_dir = make_data(spec["data"], workdir)
     args = train_args(spec, data_dir, out_dir)
     counted = launch(spec, args, out_dir)
-    cfg = configurator.parse(train.TrainConfig, args)
+    cfg = configurator.parse(TrainConfig, args, "train.py")
     with torch.device("meta"):  # the model train.py built, with no weights allocated
-        model = GPT(GPTConfig(**startup.model_args(cfg, tokenfile.read_meta(data_dir))))
+        model = GPT(GPTConfig(**weights.model_args(cfg, tokenfile.read_meta(data_dir))))
     ms = np.array([row["ms"] for row in counted])
     tok_per_s = float(np.median([row["tok_per_s"] for row in counted]))
     mfu = [row["mfu"] for row in counted if "mfu" in row]
     return {"status": "ok", "device": cfg.device,
-            "dtype": startup.pick_dtype(cfg, torch.device(cfg.device).type),
+            "dtype": runtime.precision(cfg.dtype, cfg.device).dtype,
             "compile": cfg.compile, "params": model.get_num_params(),
             "tokens_per_step": cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size,
             "steps_counted": len(counted), "ms_per_step": float(np.median(ms)),
@@ -136,7 +134,7 @@ def targets(rows):
     if gpu["status"] != "ok":
         mfu = {"measured": gpu["status"], "met": None}
     elif gpu["mfu"] is None:
-        mfu = {"measured": f"the device's peak is not in train.PEAK_FLOPS; "
+        mfu = {"measured": f"the device's peak is not in runtime.PEAK_FLOPS; "
                            f"{gpu['tflops']:.0f} TFLOP/s", "met": None}
     else:
         mfu = {"measured": f"{gpu['mfu']:.1%} MFU ({gpu['tok_per_s']:,.0f} tok/s)",

@@ -21,45 +21,54 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import Literal
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-# run as a script, this file's folder is on sys.path, not the checkout that holds data.py
+# run as a script, this file's folder is on sys.path, not the checkout that holds ddpgpt/
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import configurator
-import data
-import tokenfile
-from errors import UserError
-from model import GPT, GPTConfig
-from startup import model_args
+from ddpgpt import configurator, data, errors, optim, tokenfile
+from ddpgpt.configurator import key
+from ddpgpt.errors import UserError
+from ddpgpt.model import GPT, GPTConfig
+from ddpgpt.settings import Sampling
+from ddpgpt.weights import model_args
 
 
 @dataclass
 class LightningConfig:
-    data_dir: str = "data/pystdlib"
-    out_dir: str = "out-lightning"
-    devices: int = 1  # processes on this node: GPUs, or CPU processes (gloo) without one
-    max_steps: int = 100
-    ckpt_path: str = ""  # '' trains from scratch; 'last': out_dir/last.ckpt; or a path
-    checkpoint_interval: int = 50  # steps
-    sampling: Literal["epoch", "random"] = "epoch"
-    gradient_accumulation_steps: int = 4  # global: divided by the world size
-    batch_size: int = 12  # per rank and micro-step
-    block_size: int = 128
-    num_workers: int = 2
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = False
-    vocab_size: int = 0  # 0: the data's vocabulary rounded up to a multiple of 64
-    learning_rate: float = 1e-3  # constant: train.py has the schedule
-    seed: int = 1337
+    """Train a GPT with PyTorch Lightning on ddpgpt's data path."""
+    data_dir: str = key("data/pystdlib", "the folder prepare.py wrote")
+    out_dir: str = key("out-lightning", "Lightning's checkpoints and metrics.jsonl")
+    devices: int = key(1, "processes on this node: GPUs, or CPU processes (gloo) without one",
+                       at_least=1)
+    max_steps: int = key(100, "optimizer steps in all", at_least=1)
+    ckpt_path: str = key("", "'' trains from scratch; 'last': out_dir/last.ckpt; or a path")
+    checkpoint_interval: int = key(50, "save every this many steps", at_least=1)
+    sampling: Sampling = key("epoch", "as train.py's")
+    gradient_accumulation_steps: int = key(4, "global: divided by the world size", at_least=1)
+    batch_size: int = key(12, "sequences per rank and micro-step", at_least=1)
+    block_size: int = key(128, "tokens per sequence", at_least=1)
+    num_workers: int = key(2, "DataLoader worker processes", at_least=0)
+    n_layer: int = key(4, "transformer blocks", at_least=1)
+    n_head: int = key(4, "attention heads", at_least=1)
+    n_embd: int = key(128, "width of the residual stream", at_least=1)
+    dropout: float = key(0.0, "dropout probability", at_least=0, below=1)
+    bias: bool = key(False, "biases in Linears and LayerNorms")
+    vocab_size: int = key(0, "0: the data's vocabulary rounded up to a multiple of 64",
+                          at_least=0)
+    learning_rate: float = key(1e-3, "constant: train.py has the schedule", at_least=0)
+    seed: int = key(1337, "the data order and the initial weights", at_least=0)
+
+    def __post_init__(self):
+        configurator.check(self)
+        if self.gradient_accumulation_steps % self.devices:
+            raise UserError(
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps} is the global "
+                f"number of micro-steps and must be a multiple of devices={self.devices}.")
 
 
 class IndexedBlocks(data.BlockDataset):
@@ -200,15 +209,11 @@ class GPTModule(L.LightningModule):
 
     def configure_optimizers(self):
         # nanoGPT's weight decay and betas
-        return self.model.configure_optimizers(0.1, self.learning_rate, (0.9, 0.95),
-                                               self.device.type)
+        return optim.make_optimizer(self.model, 0.1, self.learning_rate, (0.9, 0.95),
+                                    self.device.type)
 
 
 def make_trainer(cfg):
-    if cfg.gradient_accumulation_steps % cfg.devices:
-        raise UserError(
-            f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is the global "
-            f"number of micro-steps and must be a multiple of devices={cfg.devices}.")
     # out_dir/step=<step>.ckpt, the newest kept, and last.ckpt for --ckpt_path=last
     every = ModelCheckpoint(dirpath=cfg.out_dir, filename="{step:07d}", save_last=True,
                             every_n_train_steps=cfg.checkpoint_interval)
@@ -233,14 +238,11 @@ def build(cfg):
 
 
 def main(argv):
-    cfg = configurator.parse(LightningConfig, argv)
+    cfg = configurator.parse(LightningConfig, argv, "examples/lightning_datamodule.py")
     datamodule, module = build(cfg)
     make_trainer(cfg).fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path or None)
+    return 0
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as e:
-        print(f"lightning_datamodule.py: error: {e}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(errors.run(main, "lightning_datamodule.py", sys.argv[1:]))

@@ -20,10 +20,10 @@ import sysconfig
 import numpy as np
 import pytest
 
-import tokenfile
+from ddpgpt import tokenfile
 from bench.common import ROOT, child_env
 from bench.common import torchrun as torchrun_command
-from tokenizer import install_tiktoken_file
+from ddpgpt.tokenizer import install_tiktoken_file
 
 SHARED_VOCAB = os.path.join(ROOT, "..", "shared", "tokenizers", "r50k_base.tiktoken")
 OUTPUTS = ("train.bin", "val.bin", tokenfile.META_NAME)  # what prepare.py writes by default

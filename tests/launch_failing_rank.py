@@ -9,9 +9,11 @@ import os
 import sys
 import time
 
-import data
-import train
-from errors import UserError
+import torch
+
+from as_train import run_train
+from ddpgpt import data
+from ddpgpt.errors import UserError
 
 _rank_batches = data.rank_batches
 
@@ -29,7 +31,7 @@ def failing_rank_batches(*args, **kw):
 
 data.rank_batches = failing_rank_batches
 if os.environ.get("BLOCKING_TEARDOWN"):
-    train.dist.destroy_process_group = lambda *args, **kw: time.sleep(3600)
+    torch.distributed.destroy_process_group = lambda *args, **kw: time.sleep(3600)
 
 if __name__ == "__main__":
-    sys.exit(train.run_cli(sys.argv[1:]))
+    run_train(sys.argv[1:])

@@ -9,8 +9,8 @@ import sys
 import threading
 import time
 
-import tokenfile
-import train
+from as_train import run_train
+from ddpgpt import tokenfile
 
 _read = tokenfile.read
 _reads = 0
@@ -32,4 +32,4 @@ def stalling_read(token_split, offsets, length):
 tokenfile.read = stalling_read
 
 if __name__ == "__main__":
-    sys.exit(train.run_cli(sys.argv[1:]))
+    run_train(sys.argv[1:])

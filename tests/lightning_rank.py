@@ -27,10 +27,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script, tests/ is on sys.path, not the checkout
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-import tokenfile
+from ddpgpt import tokenfile
+from ddpgpt.weights import model_args
 from bench.datapath_rank import BATCH, BLOCK, EveryOffset
 from lightning_datamodule import BlockDataModule, GPTModule, LightningConfig
-from startup import model_args
 
 
 class Timed:

@@ -3,7 +3,7 @@ test_shards.py in place of train.py, to give one rank other data than the rest."
 import os
 import sys
 
-import train
+from as_train import run_train
 
 
 def rank_argument(arg):
@@ -13,4 +13,4 @@ def rank_argument(arg):
 
 
 if __name__ == "__main__":
-    sys.exit(train.run_cli([rank_argument(a) for a in sys.argv[1:]]))
+    run_train([rank_argument(a) for a in sys.argv[1:]])

@@ -7,8 +7,7 @@ import sys
 import psutil
 import torch.distributed as dist
 
-import data
-import tokenfile
+from ddpgpt import data, tokenfile
 
 
 def main(data_dir, out, block_size, batch_size, micro_steps, start_step, steps, mode):

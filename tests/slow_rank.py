@@ -4,8 +4,8 @@ import os
 import sys
 import time
 
-import tokenfile
-import train
+from as_train import run_train
+from ddpgpt import tokenfile
 
 _read = tokenfile.read
 
@@ -18,4 +18,4 @@ def slow_read(*args, **kw):
 if __name__ == "__main__":
     if os.environ["RANK"] == os.environ["SLOW_RANK"]:
         tokenfile.read = slow_read
-    sys.exit(train.run_cli(sys.argv[1:]))
+    run_train(sys.argv[1:])

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-import tokenfile
+from ddpgpt import tokenfile
 from bench import common, datapath, gpu, report
 from conftest import ROOT, python
 

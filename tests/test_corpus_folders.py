@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 from conftest import decoded, fails, python
-from tokenizer import get_tokenizer
+from ddpgpt.tokenizer import get_tokenizer
 
 BYTE = ["--tokenizer=byte", "--val_docs=2", "--num_proc=1"]
 

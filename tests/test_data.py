@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-import data
-import tokenfile
+from ddpgpt import data, tokenfile
 from conftest import TINY, fails, global_batches, python, read_with_ranks
-from errors import UserError
+from ddpgpt.errors import UserError
 
 
 @pytest.fixture

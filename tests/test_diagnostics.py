@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
-import data
-import tokenfile
+from ddpgpt import configurator, data, optim, tokenfile
+from ddpgpt.settings import TrainConfig
 from conftest import TINY, fails, metrics, python, steps, torchrun
 
 RUN = [*TINY, "--gradient_accumulation_steps=1", "--eval_interval=1000", "--log_interval=1"]
@@ -71,15 +71,10 @@ def test_each_rank_reports_and_the_slowest_is_named(env, corpus, tmp_path):
     assert "rank 1 is the slowest" in p.stdout and "rank 0 is the slowest" not in p.stdout
 
 
-def lrs(out_dir):
-    return [r["lr"] for _, r in sorted(steps(out_dir).items())]
-
-
-def test_wsd_is_flat_then_decays_to_min_lr_over_the_cooldown(env, corpus, tmp_path):
-    python("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path}", *RUN, "--max_iters=20",
-           "--lr_schedule=wsd", "--cooldown_frac=0.25", "--warmup_iters=2",
-           "--learning_rate=1e-3", "--min_lr=1e-4", env=env)
-    lr = lrs(tmp_path)
+def test_wsd_is_flat_then_decays_to_min_lr_over_the_cooldown():
+    cfg = TrainConfig(max_iters=20, lr_schedule="wsd", cooldown_frac=0.25, warmup_iters=2,
+                      learning_rate=1e-3, min_lr=1e-4)
+    lr = [optim.lr_at(cfg, it) for it in range(20)]
     assert lr[:2] == pytest.approx([1e-3 / 3, 2e-3 / 3])  # warm-up
     assert lr[2:15] == [1e-3] * 13  # stable
     cooldown = lr[15:]
@@ -87,10 +82,9 @@ def test_wsd_is_flat_then_decays_to_min_lr_over_the_cooldown(env, corpus, tmp_pa
     assert cooldown[0] == pytest.approx(1e-4 + 0.9e-3 * (1 - math.sqrt(1 / 5)))
 
 
-def test_cosine_is_unchanged(env, corpus, tmp_path):
-    python("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path}", *RUN, "--max_iters=12",
-           "--warmup_iters=3", "--lr_decay_iters=10", "--learning_rate=1e-3", "--min_lr=1e-4",
-           env=env)
+def test_cosine_is_nanogpts():
+    cfg = TrainConfig(max_iters=12, warmup_iters=3, lr_decay_iters=10, learning_rate=1e-3,
+                      min_lr=1e-4)
 
     def nanogpt_lr(it):  # nanoGPT's get_lr, as train.py has always computed it
         if it < 3:
@@ -100,7 +94,17 @@ def test_cosine_is_unchanged(env, corpus, tmp_path):
         ratio = (it - 3) / (10 - 3)
         return 1e-4 + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1e-3 - 1e-4)
 
-    assert lrs(tmp_path) == [nanogpt_lr(i) for i in range(12)]
+    assert [optim.lr_at(cfg, it) for it in range(12)] == [nanogpt_lr(i) for i in range(12)]
+
+
+def test_each_step_is_taken_at_the_schedules_learning_rate(env, corpus, tmp_path):
+    schedule = ["--max_iters=12", "--lr_schedule=wsd", "--cooldown_frac=0.25",
+                "--warmup_iters=3", "--learning_rate=1e-3", "--min_lr=1e-4"]
+    python("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path}", *RUN, *schedule,
+           env=env)
+    cfg = configurator.parse(TrainConfig, [*RUN, *schedule], "train.py")
+    assert [r["lr"] for _, r in sorted(steps(tmp_path).items())] == \
+        [optim.lr_at(cfg, it) for it in range(12)]
 
 
 def test_a_resumed_run_goes_on_with_the_same_wandb_run(env, corpus, tmp_path):

@@ -12,13 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import checkpoint
-import data
-import hellaswag
-import tokenfile
-from errors import UserError
+from ddpgpt import checkpoint, data, hellaswag, tokenfile
+from ddpgpt.errors import UserError
 from conftest import TINY, evals, fails, python, torchrun
-from model import GPT, GPTConfig
+from ddpgpt.model import GPT, GPTConfig
 
 # a dozen examples: short and long contexts and endings, non-ASCII text, a label given as a
 # digit string (as the Hugging Face copy has it); no two endings alike

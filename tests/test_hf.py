@@ -13,13 +13,11 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"  # read when transformers is imported: never the network
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel  # noqa: E402
 
-import checkpoint
-import configurator
-import hf
-import startup
-import train
+from ddpgpt import checkpoint, configurator, hf, optim, tokenfile
+from ddpgpt.weights import for_training
+from ddpgpt.settings import TrainConfig
 from conftest import ROOT, TINY, fails, python, run, steps
-from model import GPT, GPTConfig
+from ddpgpt.model import GPT, GPTConfig
 
 SMALL = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64)
 # train.py on SMALL: short steps on CPU
@@ -92,12 +90,14 @@ def test_a_folder_loads_with_transformers_logits(hf_folder, gpt2_data, tmp_path)
     weights, args = hf.load(hf_folder)
     assert max_logit_difference(ours(args, weights), theirs, ids) < 1e-4
     # train.py's own start-up, with a smaller block_size that crops the position table
-    cfg, given = configurator.parse_given(train.TrainConfig, [
-        f"--init_from={hf_folder}", f"--data_dir={gpt2_data}", f"--out_dir={tmp_path}", *RUN])
-    train.check_config(cfg)
-    _, _, args, _, model = startup.start_up(cfg, given, 1, log=lambda *a: None)
-    assert (cfg.n_layer, cfg.n_embd, cfg.block_size, cfg.bias) == (2, 32, 32, True)
-    assert args["block_size"] == 32 and model.transformer.wpe.weight.shape == (32, 32)
+    cfg, given = configurator.parse_given(TrainConfig, [
+        f"--init_from={hf_folder}", f"--data_dir={gpt2_data}", f"--out_dir={tmp_path}", *RUN],
+        "train.py")
+    start = for_training(cfg, given, tokenfile.read_meta(gpt2_data), log=print)
+    args = start.args
+    assert (args["n_layer"], args["n_embd"], args["block_size"], args["bias"]) == (2, 32, 32, True)
+    model = ours(args, start.weights)
+    assert model.transformer.wpe.weight.shape == (32, 32)
     assert max_logit_difference(model.eval(), theirs, ids[:, :32].contiguous()) < 1e-4
 
 
@@ -139,7 +139,7 @@ def nanogpt_checkpoint(out_dir):
                 dropout=0.0)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**args))
-    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    optimizer = optim.make_optimizer(model, 0.1, 1e-3, (0.9, 0.95), "cpu")
     x = random_ids(32)
     model(x, x)[1].backward()
     optimizer.step()

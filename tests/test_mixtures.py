@@ -6,8 +6,7 @@ import os
 import numpy as np
 import pytest
 
-import data
-import tokenfile
+from ddpgpt import data, tokenfile
 from conftest import TINY, evals, fails, python, steps, torchrun
 
 WEIGHTS = (0.7, 0.2, 0.1)

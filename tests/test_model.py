@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-import checkpoint
-from model import GPT, GPTConfig
+from ddpgpt import checkpoint, optim
+from ddpgpt.model import GPT, GPTConfig
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
 
@@ -55,7 +55,7 @@ def test_ignore_index_minus_one():
 def test_overfits_one_batch():
     model = tiny()
     x, y = batch()
-    opt = model.configure_optimizers(0.0, 1e-2, (0.9, 0.95), "cpu")
+    opt = optim.make_optimizer(model, 0.0, 1e-2, (0.9, 0.95), "cpu")
     first = model(x, y)[1].item()
     for _ in range(50):
         _, loss = model(x, y)
@@ -146,7 +146,7 @@ def test_loads_a_compiled_checkpoint():
 
 def test_optimizer_groups():
     model = tiny()
-    opt = model.configure_optimizers(0.1, 3e-4, (0.9, 0.95), "cpu")
+    opt = optim.make_optimizer(model, 0.1, 3e-4, (0.9, 0.95), "cpu")
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     params = list(model.parameters())  # the tied matrix once
@@ -155,7 +155,7 @@ def test_optimizer_groups():
     assert len(decay["params"]) + len(no_decay["params"]) == len(params)
     assert decay["lr"] == 3e-4 and decay["betas"] == (0.9, 0.95)
     assert not opt.defaults["fused"]
-    assert model.configure_optimizers(0.1, 3e-4, (0.9, 0.95), "cuda").defaults["fused"]
+    assert optim.make_optimizer(model, 0.1, 3e-4, (0.9, 0.95), "cuda").defaults["fused"]
 
 
 def test_num_params_and_flops_per_token():

@@ -14,12 +14,10 @@ import tracemalloc
 import numpy as np
 import pytest
 
-import corpus
-import data
-import tokenfile
+from ddpgpt import corpus, data, tokenfile
 from conftest import OUTPUTS, ROOT, decoded, prepare_fails, python, run
-from errors import UserError
-from tokenizer import get_tokenizer
+from ddpgpt.errors import UserError
+from ddpgpt.tokenizer import get_tokenizer
 
 # an inner tar's members: (name, text), or (name, None) for a folder; the odd ones on purpose
 ODD_MEMBERS = [

@@ -12,10 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import data
-import tokenfile
+from ddpgpt import data, tokenfile
 from conftest import OUTPUTS, decoded, prepare_fails, python
-from tokenizer import get_tokenizer
+from ddpgpt.tokenizer import get_tokenizer
 
 DOCS = ["Hello, world!\n", "ünïcödé — 日本語 🎉\r\nsecond line", "", "   \n\t",
         "a document that says <|endoftext|> in the middle", "x"] + \

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-import fileio
+from ddpgpt import fileio, lock
 from conftest import ROOT, decoded, fails, python
-from tokenizer import get_tokenizer
+from ddpgpt.tokenizer import get_tokenizer
 
 
 def write_jsonl(path, n_docs, words=200):
@@ -109,7 +109,7 @@ def test_a_sharded_prepare_stopped_by_a_full_disk_resumes_when_there_is_room(
         f"this run's temporary files were removed, and the {kept} complete shard(s) in {out} " \
         f"that prepare.progress.json records are kept: the same command resumes after them" \
         in message
-    assert not glob.glob(f"{out}/*.tmp") and not (out / fileio.LOCK_NAME).exists()
+    assert not glob.glob(f"{out}/*.tmp") and not (out / lock.LOCK_NAME).exists()
     subprocess.run(["mount", "-o", "remount,size=64m", small_disk], check=True)  # room made
     p = python("prepare.py", *args, f"--out_dir={out}", env=env)
     assert f"{kept} complete shard(s) kept" in p.stdout
@@ -134,7 +134,7 @@ def test_two_prepares_into_one_out_dir_one_refused_the_other_intact(env, tmp_pat
     message = last_line(ends[loser][1])
     assert message.startswith(f"prepare.py: error: {out} is being written by prepare.py (pid "
                               f"{winner.pid} on {fileio.HOST}, since "), message
-    assert f"If it is not running (its machine crashed, say), remove {out / fileio.LOCK_NAME}." \
+    assert f"If it is not running (its machine crashed, say), remove {out / lock.LOCK_NAME}." \
         in message and "Traceback" not in ends[loser][1]
     docs = decoded(out, get_tokenizer("byte"))  # the winner's files, as its meta.json says
     assert len(docs["train"]) > 1000 and sorted(os.listdir(out)) == \
@@ -148,7 +148,7 @@ def test_a_lock_held_on_another_host_refuses_without_touching_anything(env, tmp_
             "--val_docs=2", "--num_proc=1", f"--out_dir={out}"]
     python("prepare.py", *args, env=env)
     holder = {"script": "prepare.py", "pid": 4242, "host": "node-17", "started": "yesterday"}
-    (out / fileio.LOCK_NAME).write_text(json.dumps(holder))
+    (out / lock.LOCK_NAME).write_text(json.dumps(holder))
     before = read_all(out)
     message = last_line(fails("prepare.py", *args, env=env).stderr)
     assert message.startswith(f"prepare.py: error: {out} is being written by prepare.py (pid "
@@ -163,7 +163,7 @@ def test_a_requeued_slurm_job_takes_over_the_lock_its_earlier_run_left(env, tmp_
     out.mkdir()
     holder = {"script": "prepare.py", "pid": 4242, "host": "node-17", "started": "yesterday",
               "slurm": ["77", 0]}
-    (out / fileio.LOCK_NAME).write_text(json.dumps(holder))
+    (out / lock.LOCK_NAME).write_text(json.dumps(holder))
     env.update(SLURM_JOB_ID="77", SLURM_RESTART_COUNT="1")
     p = python("prepare.py", f"--dataset={write_jsonl(tmp_path / 'docs.jsonl', 20)}",
                "--tokenizer=byte", "--val_docs=2", "--num_proc=1", f"--out_dir={out}", env=env)

@@ -14,9 +14,7 @@ import psutil
 import pytest
 import torch
 
-import checkpoint
-import data
-import tokenfile
+from ddpgpt import checkpoint, data, fileio, tokenfile
 from conftest import ROOT, TINY, fails, metrics, python, steps, torchrun
 
 
@@ -111,7 +109,7 @@ def test_a_writer_killed_mid_checkpoint_leaves_the_previous_one_loadable(tmp_pat
         "import sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + '/tests');"
         "from test_reliability import save_big_checkpoint; save_big_checkpoint(sys.argv[2], 2)"),
         ROOT, out])
-    tmp = checkpoint.path_for(out, 2) + ".tmp"
+    tmp = f"{checkpoint.path_for(out, 2)}.{writer.pid}@{fileio.HOST}.tmp"  # fileio.tmp_path's
     while not (os.path.exists(tmp) and os.path.getsize(tmp) > 2**20):
         assert writer.poll() is None, "the writer finished before it could be killed"
         time.sleep(0.01)

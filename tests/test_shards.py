@@ -14,13 +14,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import data
-import tokenfile
+from ddpgpt import data, tokenfile
 from conftest import (ROOT, TINY, decoded, fails, global_batches, python, read_with_ranks, steps,
                       torchrun)
 
 
-from tokenizer import get_tokenizer
+from ddpgpt.tokenizer import get_tokenizer
 
 
 def write_llmc_shard(path, tokens, magic=20240520, version=1, count=None):

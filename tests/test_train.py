@@ -1,5 +1,6 @@
 """train.py under torchrun (gloo, CPU), as a user runs it: training, exact resume,
 configuration errors."""
+import contextlib
 import glob
 import json
 import os
@@ -7,9 +8,10 @@ import os
 import pytest
 import torch
 
-import startup
-import train
 from conftest import TINY, evals, fails, metrics, python, steps, torchrun
+from ddpgpt import parallel, runtime
+from ddpgpt.errors import UserError
+from ddpgpt.runtime import Ranks
 
 
 def test_two_ranks_train_save_and_the_loss_falls(env, corpus, tmp_path):
@@ -146,14 +148,14 @@ def test_resume_with_another_architecture_is_an_error(env, corpus, tmp_path):
 def test_cuda_means_each_ranks_own_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    assert startup.pick_device("cuda", local_rank=3, ranks_here=8) == "cuda:3"
-    assert startup.pick_device("auto", local_rank=5, ranks_here=8) == "cuda:5"
-    assert startup.pick_device("cuda:1", local_rank=0, ranks_here=1) == "cuda:1"
-    assert startup.pick_device("cpu", local_rank=5, ranks_here=8) == "cpu"
-    with pytest.raises(train.UserError, match="puts all 8 ranks of this node on one GPU"):
-        startup.pick_device("cuda:0", local_rank=2, ranks_here=8)
-    with pytest.raises(train.UserError, match="needs GPU cuda:9, but torch sees 8"):
-        startup.pick_device("cuda", local_rank=9, ranks_here=10)
+    assert runtime.pick_device("cuda", Ranks(3, 3, 8, 8)) == "cuda:3"
+    assert runtime.pick_device("auto", Ranks(5, 5, 8, 8)) == "cuda:5"
+    assert runtime.pick_device("cuda:1", Ranks(0, 0, 1, 1)) == "cuda:1"
+    assert runtime.pick_device("cpu", Ranks(5, 5, 8, 8)) == "cpu"
+    with pytest.raises(UserError, match="puts all 8 ranks of this node on one GPU"):
+        runtime.pick_device("cuda:0", Ranks(2, 2, 8, 8))
+    with pytest.raises(UserError, match="needs GPU cuda:9, but torch sees 8"):
+        runtime.pick_device("cuda", Ranks(9, 9, 10, 10))
 
 
 @pytest.mark.parametrize("name, peak", [
@@ -162,7 +164,7 @@ def test_cuda_means_each_ranks_own_gpu(monkeypatch):
     ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12),
     ("NVIDIA L40S", 362e12), ("NVIDIA A10G", 70e12), ("Tesla T4", None)])
 def test_mfu_peak_of_each_gpu_name(name, peak):
-    assert train.peak_flops_of(name) == peak
+    assert runtime.peak_flops_of(name) == peak
 
 
 def test_the_settling_backward_passes_two_tensors():
@@ -174,7 +176,6 @@ def test_the_settling_backward_passes_two_tensors():
         seen.append((x, y))
         return None, (x.float() * torch.ones((), requires_grad=True)).sum()
 
-    cfg = train.TrainConfig(batch_size=2, block_size=8)
-    train.settle_gradient_buckets(model, cfg, "cpu", train.nullcontext())
+    parallel.settle_gradient_buckets(model, (2, 8), "cpu", contextlib.nullcontext())
     (x, y), = seen
     assert x is not y and x.shape == y.shape == (2, 8)

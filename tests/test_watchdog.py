@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-import watchdog
+from ddpgpt import watchdog
 from conftest import ROOT, TINY, fails, python, torchrun
 from test_reliability import wait_for_step
 
@@ -128,7 +128,7 @@ def test_a_rank_stuck_where_python_cannot_run_still_dumps_its_stacks_and_exits(e
     """A regular expression that backtracks for hours holds the GIL, so the watchdog's thread
     cannot run: faulthandler's own thread dumps the stacks and exits 1 (its margin made short
     here)."""
-    script = ("import re, watchdog; watchdog.BACKSTOP_S = 2; "
+    script = ("import re; from ddpgpt import watchdog; watchdog.BACKSTOP_S = 2; "
               f"watchdog.start({str(tmp_path)!r}, 0, 1, 0, 1); "
               "re.match(r'(a+)+$', 'a' * 40 + 'b')")
     p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,

@@ -28,7 +28,7 @@ reading a split. A split is one file or a set of shards, read as one token space
       characters. Only plain data is unpickled: a pickle that names any class or function,
       which loading would import and call, is refused.
   A folder with .bin files and no meta.json is read as nanoGPT's raw uint16.
-  While prepare.py writes a folder it also holds ddpgpt.lock (fileio.locked), temporary files
+  While prepare.py writes a folder it also holds ddpgpt.lock (lock.py), temporary files
   <name>.<pid>@<host>.tmp (fileio.tmp_path) and, for shards, prepare.progress.json.
 
 A TokenSplit holds paths, a dtype and where each file starts in the split's token space, never
@@ -47,8 +47,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-import fileio
-from errors import UserError
+from ddpgpt import fileio
+from ddpgpt.errors import UserError
 
 FORMAT_VERSION = 1
 META_NAME = "meta.json"

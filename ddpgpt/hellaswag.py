@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import fileio
-from errors import UserError
+from ddpgpt import fileio
+from ddpgpt.errors import UserError
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 FILE_NAME = "hellaswag_val.jsonl"

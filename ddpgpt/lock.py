@@ -1,137 +1,14 @@
-"""Writing files so that no reader, and no crash, ever sees half of one: each file is written
-under a temporary name of its writer's own, flushed to disk and renamed to its final name when
-complete. Token files, meta.json, checkpoints and exported folders are all published this way.
-
-Also: what a full disk looks like (disk_full), and the lock that keeps a second writer out of a
-folder (locked), for prepare.py's out_dir and train.py's.
+"""One writer per folder: the lock that prepare.py takes on its out_dir and train.py's rank 0
+on its own, so that two runs never write into one folder at once.
 """
 import contextlib
-import errno
 import fcntl
 import json
 import os
-import re
-import shutil
-import socket
 import time
 
-from errors import UserError
-
-HOST = socket.gethostname()
-
-
-def fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def tmp_path(path):
-    """This process's temporary name for path: two writers never write into one temporary file,
-    and each publishes only its own, so even two writers that race never publish a mix."""
-    return f"{path}.{os.getpid()}@{HOST}.tmp"
-
-
-_TMP = re.compile(r"\.(\d+)@([^/]+)\.tmp$")
-
-
-def remove_stale_temporaries(folder):
-    """Remove the temporary files in folder that killed writers of this host left (their
-    process is gone); a live writer's, or another host's, stay. Returns their names."""
-    stale = [name for name in sorted(os.listdir(folder)) if (m := _TMP.search(name)) and
-             m.group(2) == HOST and not alive(int(m.group(1)))]
-    for name in stale:
-        os.remove(os.path.join(folder, name))
-    return stale
-
-
-def publish(tmp_path, final_path):
-    """Make a completely written file visible under its final name, durably."""
-    with open(tmp_path, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp_path, final_path)
-    fsync_dir(os.path.dirname(os.path.abspath(final_path)))
-
-
-def write_json(path, obj):
-    tmp = tmp_path(path)
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-        publish(tmp, path)
-    except BaseException:  # a full disk, a signal: no temporary file stays behind
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
-
-
-def publish_folder(tmp_dir, final_dir):
-    """Make a completely written folder visible under its final name, durably. Never over an
-    existing one: a rename onto an empty folder would silently replace it."""
-    for root, _, files in os.walk(tmp_dir):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                os.fsync(f.fileno())
-        fsync_dir(root)
-    if os.path.lexists(final_dir):
-        raise FileExistsError(f"{final_dir} exists")
-    os.rename(tmp_dir, final_dir)
-    fsync_dir(os.path.dirname(os.path.abspath(final_dir)))
-
-
-# ---- a full disk ----
-
-LOW_SPACE = 64 * 2**20  # below this, a short write is taken for a full disk
-
-
-def disk_full(error, folder):
-    """If error, met while writing in folder, is what a full disk looks like, a sentence that
-    says so, naming the folder's file system and its free space; else None. A full disk is
-    ENOSPC or EDQUOT, or a short write that numpy (tofile) or torch (save) reports without an
-    errno, with less than LOW_SPACE free. Call it before removing what the failed write left,
-    whose space would make the disk look less full."""
-    code = getattr(error, "errno", None)
-    if code not in (None, errno.ENOSPC, errno.EDQUOT):
-        return None
-    usage = shutil.disk_usage(existing(folder))
-    if code is None and usage.free >= LOW_SPACE:
-        return None
-    reason = os.strerror(code) if code else " ".join(str(error).split()) or type(error).__name__
-    return (f"the disk is full ({reason}): {folder} is on {file_system(folder)}, which had "
-            f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB")
-
-
-def existing(path):
-    """path, or its nearest ancestor that exists."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return path
-
-
-def file_system(path):
-    """'the <type> file system mounted on <mount point>' that holds path; its type comes from
-    /proc/mounts, where there is one (Linux)."""
-    mount = os.path.realpath(existing(path))
-    while not os.path.ismount(mount):
-        mount = os.path.dirname(mount)
-    kind = None
-    with contextlib.suppress(OSError), open("/proc/mounts") as f:
-        for fields in (line.split() for line in f):  # the last mount on a point is the one seen
-            if len(fields) > 2 and unescape_mount(fields[1]) == mount:
-                kind = fields[2]
-    return f"the {kind + ' ' if kind else ''}file system mounted on {mount}"
-
-
-def unescape_mount(field):
-    """/proc/mounts writes a space in a path as \\040 (octal), and so on."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-# ---- one writer per folder ----
+from ddpgpt.errors import UserError
+from ddpgpt.fileio import HOST, alive, disk_full
 
 LOCK_NAME = "ddpgpt.lock"
 
@@ -261,17 +138,3 @@ def same_file(fd, path):
         return os.path.samestat(os.fstat(fd), os.stat(path))
     except FileNotFoundError:
         return False
-
-
-def alive(pid):
-    """Is process pid of this host running? A pid that is no pid counts as running: only a
-    process known to be gone gives up its lock."""
-    if not isinstance(pid, int) or pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True

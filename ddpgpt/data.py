@@ -30,8 +30,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-import tokenfile
-from errors import UserError
+from ddpgpt import tokenfile
+from ddpgpt.errors import UserError
 
 SAMPLING_MODES = ("epoch", "random")
 

@@ -1,19 +1,22 @@
 """Checkpoints in out_dir: ckpt_<iter>.pt, written whole under a temporary name, then renamed.
 
-The contents use nanoGPT's key layout (model, optimizer, model_args, iter_num, best_val_loss,
-config) plus scaler, samples_consumed (the data position) and data_meta (the data's meta.json,
-which names the tokenizer). A nanoGPT ckpt.pt in out_dir is found too, as the oldest.
-Loading never runs code from the file (weights_only=True).
+The contents (contents()) use nanoGPT's key layout (model, optimizer, model_args, iter_num,
+best_val_loss, config) plus scaler, samples_consumed (the data position), data_meta (the data's
+meta.json, which names the tokenizer) and data_identity (what the data is, so that a resume
+on other data is caught). A nanoGPT ckpt.pt in out_dir is found too, as the oldest. Loading
+never runs code from the file (weights_only=True).
 """
+import dataclasses
 import glob
 import os
 import pickle
 import re
+import shutil
 
 import torch
 
-from errors import UserError
-from fileio import disk_full, publish
+from ddpgpt import fileio
+from ddpgpt.errors import UserError
 
 _NAME = re.compile(r"ckpt_(\d+)\.pt$")
 REQUIRED_KEYS = ("model", "model_args", "iter_num")
@@ -31,17 +34,28 @@ def list_checkpoints(out_dir):
     return ours + ([nanogpt] if os.path.isfile(nanogpt) else [])
 
 
+def contents(*, model, optimizer, scaler, model_args, cfg, iter_num, samples_consumed,
+             best_val_loss, data_meta, data_identity):
+    """What a checkpoint holds, for save()."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(), "model_args": model_args, "iter_num": iter_num,
+            "samples_consumed": samples_consumed, "best_val_loss": best_val_loss,
+            "config": dataclasses.asdict(cfg), "data_meta": data_meta,
+            "data_identity": data_identity}
+
+
 def save(out_dir, state, keep):
     """Write state as the checkpoint of state['iter_num'] and keep the newest `keep`."""
     path = path_for(out_dir, state["iter_num"])
-    tmp = path + ".tmp"
-    for stale in glob.glob(os.path.join(out_dir, "ckpt_*.pt.tmp")):  # from a killed writer
+    tmp = fileio.tmp_path(path)
+    # a killed writer's (with the out_dir's lock held, no other writer is alive)
+    for stale in glob.glob(os.path.join(glob.escape(out_dir), "ckpt_*.pt.*tmp")):
         os.remove(stale)
     try:
         torch.save(state, tmp)
-        publish(tmp, path)
+        fileio.publish(tmp, path)
     except (OSError, RuntimeError) as e:  # torch.save reports a short write as RuntimeError
-        why = disk_full(e, out_dir) or str(e).strip()  # before the .tmp's space is freed
+        why = fileio.disk_full(e, out_dir) or str(e).strip()  # before the .tmp's space is freed
         if os.path.exists(tmp):
             os.remove(tmp)
         raise UserError(
@@ -96,3 +110,21 @@ def load_latest(out_dir, log=print):
             return state, path
         log(f"checkpoint: {path} {problem}; trying an older one")
     return None, None
+
+
+def check_room(out_dir, n_params):
+    """out_dir can be written, and has room for a checkpoint of a model of n_params."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f".write_test_{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"out_dir {out_dir} cannot be written ({e.strerror or e}): set "
+                        f"--out_dir to a folder you can write to.") from e
+    need = n_params * 4 * 3 * 1.1  # fp32 weights and two AdamW moments
+    free = shutil.disk_usage(out_dir).free
+    if free < need:
+        raise UserError(f"out_dir {out_dir} has {free / 2**20:.0f} MiB free, less than one "
+                        f"checkpoint needs (about {need / 2**20:.0f} MiB): free space or move "
+                        f"out_dir.")

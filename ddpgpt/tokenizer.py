@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from errors import UserError
+from ddpgpt.errors import UserError
 
 
 class Tokenizer(NamedTuple):
@@ -57,6 +57,12 @@ def _byte_tokenizer():
 # tiktoken's 'gpt2' reads two files (vocab.bpe, encoder.json) that hold the same ranks, pattern
 # and special tokens as the single r50k_base file: load that one, so one cached file serves both
 _SAME_AS = {"gpt2": "r50k_base"}
+GPT2_NAMES = ("gpt2", "r50k_base")  # so the two names are one vocabulary
+
+
+def same_vocabulary(a, b):
+    """Do tokenizers named a and b give the same ids?"""
+    return a == b or {a, b} <= set(GPT2_NAMES)
 
 
 def _tiktoken_tokenizer(name):

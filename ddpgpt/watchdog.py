@@ -31,6 +31,8 @@ import time
 import traceback
 from collections import deque
 
+from ddpgpt import fileio
+
 EXIT_CODE = 124  # as coreutils' timeout: the run timed out
 WARMUP_STEPS = 5  # compiling, allocator and autotuning make the first steps slow
 STEP_WINDOW = 100  # the median of the last 100 steps follows a run whose step time changes
@@ -40,7 +42,9 @@ REPORT_WAIT_S = 15  # how long rank 0 waits for the other ranks' reports
 # faulthandler's exit comes this long after the watchdog's own would have, so that it only
 # acts when the watchdog thread could not run
 BACKSTOP_S = REPORT_WAIT_S + 30
-OURS = os.path.dirname(os.path.abspath(__file__))
+# our code: this package and the scripts beside it
+OURS = (os.path.dirname(os.path.abspath(__file__)),
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _watchdog = None
 
@@ -199,9 +203,9 @@ def stacks():
 
 def write_line(path, fields):
     """One JSON line, stamped with the time, under its final name only when complete."""
-    with open(path + ".tmp", "w") as f:
+    with open(fileio.tmp_path(path), "w") as f:
         f.write(json.dumps({**fields, "time": time.time()}) + "\n")
-    os.replace(path + ".tmp", path)
+    os.replace(f.name, path)
 
 
 def summary(reports, world_size):
@@ -271,7 +275,7 @@ def place(frame):
 
 def is_ours(frame):
     path = os.path.abspath(frame.f_code.co_filename)
-    return os.path.dirname(path) == OURS and os.path.basename(path) != "watchdog.py"
+    return os.path.dirname(path) in OURS and os.path.basename(path) != "watchdog.py"
 
 
 def qualname(frame):

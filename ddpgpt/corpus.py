@@ -1,5 +1,5 @@
-"""Corpora as documents: every source prepare.py reads, as a function that yields one string
-per document (None for a file that cannot be decoded), and a function that counts them.
+"""Corpora as documents: every corpus prepare.py reads, as a Corpus: a function that yields one
+string per document (None for a file that cannot be decoded), and a function that counts them.
 
   local files     .txt (a document per file), .jsonl / .json (a document per object),
                   .parquet (a document per row), the first three also compressed (.gz, .bz2,
@@ -18,7 +18,6 @@ import json
 import lzma
 import os
 import re
-import signal
 import stat
 import sys
 import sysconfig
@@ -26,14 +25,14 @@ import tarfile
 import tokenize
 from collections import Counter
 from multiprocessing import Pool
+from typing import Callable, NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-import fileio
-import tokenfile
-from errors import UserError
+from ddpgpt import lock, signals, tokenfile
+from ddpgpt.errors import UserError
 
 EXTENSIONS = (".txt", ".jsonl", ".json", ".parquet")
 COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}  # not for .parquet
@@ -262,7 +261,7 @@ def prepared_output(folder):
     """Does folder hold prepare.py's output: its progress file, its lock, or ddpgpt's
     meta.json (with a format_version)? Those .json files are not documents."""
     if any(os.path.exists(os.path.join(folder, name))
-           for name in (tokenfile.PROGRESS_NAME, fileio.LOCK_NAME)):
+           for name in (tokenfile.PROGRESS_NAME, lock.LOCK_NAME)):
         return True
     try:
         with open(os.path.join(folder, tokenfile.META_NAME)) as f:
@@ -409,42 +408,53 @@ def archive_documents(path):
             f"reads; add --local-dir DIR for a copy in DIR/subsets).") from e
 
 
-def openwebtext_source(name, archives, num_proc):
-    return name, f"OpenWebText, {len(archives)} archives in {os.path.dirname(archives[0])}", \
-        lambda: (text for path in archives for text in archive_documents(path)), \
-        lambda: count_archives(archives, num_proc)
+class Corpus(NamedTuple):
+    name: str  # the default output folder's name: data/<name>
+    description: str  # what it is, for the log and meta.json
+    documents: Callable  # () -> an iterator of the documents, in corpus order
+    count: Callable  # () -> {"documents": non-empty ones, "empty": ..., "undecodable": ...}
 
 
-def open_source(dataset, column, num_proc, streaming=False, hub_config=None):
-    """(default folder name, a description, a function that yields the documents, a function
-    that counts them)."""
+def openwebtext_corpus(name, archives, num_proc):
+    return Corpus(name, f"OpenWebText, {len(archives)} archives in "
+                        f"{os.path.dirname(archives[0])}",
+                  lambda: (text for path in archives for text in archive_documents(path)),
+                  lambda: count_archives(archives, num_proc))
+
+
+def open_corpus(dataset, column, num_proc, streaming=False, hub_config=""):
+    """The Corpus that --dataset names."""
     if streaming:
-        name, source, documents = streamed_source(dataset, hub_config, column)
-        return name, source, documents, lambda: count_documents(documents)
+        return streamed_corpus(dataset, hub_config, column)
     if dataset in ("openwebtext", OWT_REPO) and not os.path.exists(dataset):
-        return openwebtext_source("openwebtext", download_openwebtext(), num_proc)
+        return openwebtext_corpus("openwebtext", download_openwebtext(), num_proc)
     if archives := local_archives(dataset):
-        return openwebtext_source(local_name(dataset), archives, num_proc)
-    name, source, documents = text_source(dataset, column)
-    return name, source, documents, lambda: count_documents(documents)
+        return openwebtext_corpus(local_name(dataset), archives, num_proc)
+    return text_corpus(dataset, column)
 
 
-def text_source(dataset, column):
-    """(default folder name, a description, a function that yields the documents)."""
+def counted(name, description, documents):
+    """A Corpus whose documents are counted by reading them all once."""
+    return Corpus(name, description, documents, lambda: count_documents(documents))
+
+
+def text_corpus(dataset, column):
+    """The standard library, local files, or a hub dataset's parquet export."""
     if dataset == "pystdlib":
         root = sysconfig.get_paths()["stdlib"]
         files = stdlib_files(root)
-        return "pystdlib", f"{len(files)} .py files of {root}", lambda: map(python_source, files)
+        return counted("pystdlib", f"{len(files)} .py files of {root}",
+                       lambda: map(python_source, files))
     if os.path.exists(dataset) or glob.has_magic(dataset) or dataset.endswith(EXTENSIONS):
         files = local_files(dataset)
-        return local_name(dataset), f"{dataset}, {len(files)} file(s)", \
-            lambda: (doc for path in files for doc in file_documents(path, column))
+        return counted(local_name(dataset), f"{dataset}, {len(files)} file(s)",
+                       lambda: (doc for path in files for doc in file_documents(path, column)))
     ds = hub_dataset(dataset, column)
-    return dataset.split("/")[-1], f"hub dataset {dataset} ({len(ds):,} rows)", \
-        lambda: arrow_documents(ds.iter(batch_size=1024), column)
+    return counted(dataset.split("/")[-1], f"hub dataset {dataset} ({len(ds):,} rows)",
+                   lambda: arrow_documents(ds.iter(batch_size=1024), column))
 
 
-def streamed_source(dataset, hub_config, column):
+def streamed_corpus(dataset, hub_config, column):
     """A hub dataset's train split, or local .parquet files, streamed by the datasets library:
     rows are read as they arrive and nothing is stored, so a corpus larger than the disk's free
     space can be tokenized (each of prepare.py's two passes streams it once)."""
@@ -459,7 +469,7 @@ def streamed_source(dataset, hub_config, column):
             ds = datasets.load_dataset("parquet", data_files=files, split="train",
                                        streaming=True)
         else:
-            ds = datasets.load_dataset(dataset, hub_config, split="train", streaming=True)
+            ds = datasets.load_dataset(dataset, hub_config or None, split="train", streaming=True)
         first = next(iter(ds.take(1)), {})
     except UserError:
         raise
@@ -470,8 +480,8 @@ def streamed_source(dataset, hub_config, column):
             f"subset, such as sample-10BT of HuggingFaceFW/fineweb-edu) and the network.") from e
     text_field(first, column, f"the first row of {dataset}")
     name = local_name(dataset) if local else (hub_config or dataset.split("/")[-1])
-    return name, f"{dataset}{f' ({hub_config})' if hub_config else ''}, streamed", \
-        lambda: (row[column] or "" for row in ds)
+    return counted(name, f"{dataset}{f' ({hub_config})' if hub_config else ''}, streamed",
+                   lambda: (row[column] or "" for row in ds))
 
 
 # ---- pass 1: counting the documents ----
@@ -504,7 +514,7 @@ def count_archive(path):
 def count_archives(archives, num_proc):
     """count_documents for OpenWebText, one archive per process: decompressing is the work."""
     counts = Counter()
-    with Pool(min(num_proc, len(archives)), worker_signals) as pool, \
+    with Pool(min(num_proc, len(archives)), signals.worker_signals) as pool, \
             tqdm(total=len(archives), desc="counting documents", unit=" archives") as bar:
         for n in pool.imap(count_archive, archives):  # in order: the first damaged one is named
             counts.update(n)
@@ -526,11 +536,3 @@ def report_openwebtext_total(total, archives):
               f"upstream changed them; the token files will hold only these documents, and "
               f"the README's expected numbers do not apply.", file=sys.stderr)
 
-
-def worker_signals():
-    """A worker process leaves stopping to the main process (prepare.py's Interrupted), which
-    terminates it: it ignores Ctrl-C and a closed terminal, which reach the whole process
-    group, and dies of SIGTERM quietly, without the handler it inherited."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -3,7 +3,6 @@
 Parameter names follow nanoGPT exactly, so its checkpoints load with model.load_state_dict(sd)
 once a torch.compile '_orig_mod.' prefix is stripped from the keys.
 """
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -155,19 +154,6 @@ class GPT(nn.Module):
         wpe = self.transformer.wpe
         wpe.weight = nn.Parameter(wpe.weight[:block_size].detach().clone())
         wpe.num_embeddings = block_size
-
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        # decay the matrices (matmul weights, embeddings) only: decaying biases and LayerNorm
-        # gains just pulls them towards a degenerate zero
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        # the fused kernel is one launch for all parameters instead of several per tensor
-        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
-        extra = dict(fused=True) if fused else dict()
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra)
 
     def flops_per_token(self):
         """Training FLOPs per token (forward and backward), PaLM paper appendix B:

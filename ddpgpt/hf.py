@@ -19,11 +19,10 @@ import tempfile
 
 import torch
 
-from errors import UserError
+from ddpgpt.errors import UserError
 
 NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # nanoGPT's names for OpenAI's weights
 HUB_ORG = "openai-community"  # the hub repository that holds them
-GPT2_TOKENIZERS = ("gpt2", "r50k_base")  # one vocabulary under two names (tokenizer.py)
 EOT = "<|endoftext|>"
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 NO_BIAS = ("wte.weight", "wpe.weight", "lm_head.weight")  # every other weight has a bias in HF

@@ -1,0 +1,120 @@
+"""Evaluation, the same for train.py's evaluations and eval.py: the mean loss over fixed windows
+of each split, bits per byte, and HellaSwag (hellaswag.py), each shared out over the ranks.
+
+The windows (data.eval_offsets) are spread evenly over a split and are the same for every run
+and world size, so that losses are comparable: with the same eval_iters, batch_size and
+block_size, eval.py's val loss is the one train.py reported.
+
+Bits per byte: the summed cross-entropy of every target token scored, in bits, over the bytes
+of text those same tokens stand for (tokenizer.byte_lengths), end-of-text counting as one
+byte: on byte-tokenized data it is the loss / ln 2 exactly, and it compares models whatever
+their tokenizer.
+"""
+import math
+from typing import Any, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from ddpgpt import data, hellaswag, weights
+from ddpgpt.errors import UserError
+from ddpgpt.tokenizer import byte_lengths
+
+
+class Evaluation(NamedTuple):
+    """What an evaluation reads, made once per run."""
+    splits: dict  # {split: data.Mixture}
+    block_size: int
+    batch_size: int  # windows per forward
+    eval_iters: int  # eval_iters * batch_size windows per split
+    vocab_size: int  # the model's
+    token_bytes: Any  # bytes per token id (an array), or None: no bits per byte
+    hellaswag: Optional[hellaswag.HellaSwag]  # prepared, or None
+
+
+def for_training(cfg, splits, meta, vocab_size, log):
+    """train.py's Evaluation. Bits per byte and HellaSwag need the data's tokenizer (GPT-2's for
+    nanoGPT's raw files, as sample.py assumes), with no more ids than the model has: without it
+    the evaluations have no bits per byte, and hellaswag_interval is an error."""
+    try:
+        tok = weights.tokenizer_of(meta, vocab_size)
+    except UserError as e:
+        if cfg.hellaswag_interval:
+            raise UserError(f"hellaswag_interval={cfg.hellaswag_interval} needs the data's "
+                            f"tokenizer: {e}") from e
+        log(f"note: the evaluations leave bits per byte out: {e}")
+        tok = None
+    return make(splits, cfg, vocab_size, tok, cfg.hellaswag_interval > 0, cfg.hellaswag_path,
+                log)
+
+
+def make(splits, cfg, vocab_size, tok, with_hellaswag, hellaswag_path, log):
+    """An Evaluation of splits with cfg's block_size, batch_size and eval_iters. A HellaSwag
+    batch holds batch_size x block_size tokens, as a training micro-batch does."""
+    swag = hellaswag.prepare(hellaswag_path, tok, cfg.block_size,
+                             cfg.batch_size * cfg.block_size, log) if with_hellaswag else None
+    return Evaluation(splits, cfg.block_size, cfg.batch_size, cfg.eval_iters, vocab_size,
+                      None if tok is None else byte_lengths(tok, vocab_size), swag)
+
+
+@torch.no_grad()
+def losses(model, ev, ranks, autocast, device):
+    """{'train_loss': ..., 'val_loss': ..., 'val_bpb': ...}: each split's mean loss over its
+    windows, and its bits per byte where the tokenizer is known; for a mixture, each source's
+    too ('val_loss/web', 'val_bpb/web'), and the split's value is their average by weight."""
+    was_training = model.training
+    model.eval()
+    out = {}
+    for split, mix in ev.splits.items():
+        results = [split_loss(model, t, ev, ranks, autocast, device) for t in mix.splits]
+        for k, what in enumerate(("loss",) if ev.token_bytes is None else ("loss", "bpb")):
+            values = [r[k] for r in results]
+            out[f"{split}_{what}"] = sum(w * v for w, v in zip(mix.weights, values))
+            if len(values) > 1:
+                out.update({f"{split}_{what}/{n}": v for n, v in zip(mix.names, values)})
+    model.train(was_training)
+    return out
+
+
+def split_loss(model, token_split, ev, ranks, autocast, device):
+    """(mean loss, bits per byte or None) of one source's split. The losses stay on the device
+    until the one transfer at the end."""
+    offsets = data.eval_offsets(token_split.starts, ev.block_size,
+                                ev.eval_iters * ev.batch_size)[ranks.rank::ranks.world_size]
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    n_bytes = 0
+    for i in range(0, len(offsets), ev.batch_size):
+        chunk = offsets[i:i + ev.batch_size]
+        x, y = data.read_xy(token_split, chunk, ev.block_size, ev.vocab_size)
+        with autocast:
+            _, loss = model(x.to(device), y.to(device))
+        loss_sum += loss.double() * len(chunk)
+        if ev.token_bytes is not None:
+            n_bytes += int(ev.token_bytes[y.numpy()].sum())
+    total = torch.stack([loss_sum, torch.full_like(loss_sum, len(offsets)),
+                         torch.full_like(loss_sum, n_bytes)])
+    if ranks.world_size > 1:
+        dist.all_reduce(total)
+    loss_sum, n, n_bytes = total.tolist()
+    # every window's loss is the mean over its block_size targets: times block_size, the sum
+    bpb = None if ev.token_bytes is None else loss_sum * ev.block_size / math.log(2) / n_bytes
+    return loss_sum / n, bpb
+
+
+def hellaswag_scores(model, ev, ranks, autocast, device):
+    """{'hellaswag_acc_norm', 'hellaswag_acc', 'hellaswag_n', 'hellaswag_truncated'}. Give it
+    the uncompiled model: a compiled one would compile again for each new shape."""
+    return hellaswag.evaluate(model, ev.hellaswag, ranks.rank, ranks.world_size, autocast,
+                              device)
+
+
+def describe(iter_num, results):
+    """An evaluation as train.py's log line."""
+    sources = ", ".join(f"{k.removeprefix('val_loss/')} {v:.4f}" for k, v in results.items()
+                        if k.startswith("val_loss/"))
+    bpb = f", {results['val_bpb']:.4f} bits per byte" if "val_bpb" in results else ""
+    swag = "" if "hellaswag_n" not in results else (
+        f", HellaSwag acc_norm {results['hellaswag_acc_norm']:.4f} (acc "
+        f"{results['hellaswag_acc']:.4f}, {results['hellaswag_n']} examples)")
+    return (f"iter {iter_num}: train loss {results['train_loss']:.4f}, val loss "
+            f"{results['val_loss']:.4f}{f' ({sources})' if sources else ''}{bpb}{swag}")

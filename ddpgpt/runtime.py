@@ -1,0 +1,191 @@
+"""Where and how a process computes, for every script: its rank among the launched processes,
+its device, its precision (dtype, autocast and gradient scaler), the process group, the
+device's peak FLOP/s for MFU, and the ranks' agreement at start-up.
+"""
+import os
+import sys
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ddpgpt.errors import UserError
+
+
+class Ranks(NamedTuple):
+    rank: int
+    local_rank: int  # among the processes of this node
+    world_size: int
+    local_world_size: int  # the processes of this node
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+
+def ranks():
+    """This process's Ranks: torchrun's variables, else one srun task per process, else one
+    process alone."""
+    env = os.environ
+    if "RANK" in env:
+        return Ranks(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]),
+                     int(env.get("LOCAL_WORLD_SIZE", 1)))
+    if int(env.get("SLURM_NTASKS", 1)) > 1 and "SLURM_PROCID" in env:
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if name not in env:
+                raise UserError(
+                    f"{name} is not set: with one srun task per GPU, train.py needs MASTER_ADDR "
+                    f"and MASTER_PORT; launch through launch/srun.sh, which sets them.")
+        found = Ranks(int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]),
+                      int(env["SLURM_NTASKS"]), int(env.get("LOCAL_WORLD_SIZE", 1)))
+        # init_process_group's env:// rendezvous reads RANK and WORLD_SIZE: set them as
+        # torchrun would (srun sets only the SLURM_* variables)
+        env.update(RANK=str(found.rank), LOCAL_RANK=str(found.local_rank),
+                   WORLD_SIZE=str(found.world_size))
+        return found
+    return Ranks(0, 0, 1, 1)
+
+
+def logger(ranks, stream=None):
+    """print on rank 0, nothing elsewhere: one copy of each line in a shared log."""
+    if not ranks.master:
+        return lambda *args, **kw: None
+    return print if stream is None else (lambda *args, **kw: print(*args, file=stream, **kw))
+
+
+# ---- the device ----
+
+def pick_device(device, ranks):
+    """'auto' is this rank's GPU when torch sees one, else the CPU; 'cuda' is this rank's GPU,
+    cuda:<local rank>, since a launcher starts one process per GPU. cuda:N with several ranks on
+    this node would put them all on one GPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        chosen = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"device={device!r} is not a device: use auto, cpu, cuda (this rank's "
+                        f"GPU) or cuda:N.") from None
+    if chosen.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise UserError(f"device={device!r}, but torch {torch.__version__} sees no CUDA device "
+                        f"(built for CUDA {torch.version.cuda or 'none: a CPU build'}): use "
+                        f"--device=cpu, or install torch's CUDA build.")
+    if chosen.index is not None and ranks.local_world_size > 1:
+        raise UserError(f"device={device!r} puts all {ranks.local_world_size} ranks of this node "
+                        f"on one GPU: use --device=cuda, which gives each rank its own, "
+                        f"cuda:<local rank>.")
+    index = ranks.local_rank if chosen.index is None else chosen.index
+    if index >= torch.cuda.device_count():
+        raise UserError(f"this rank needs GPU cuda:{index}, but torch sees "
+                        f"{torch.cuda.device_count()}: start at most that many ranks per node.")
+    return f"cuda:{index}"
+
+
+def device_type(device):
+    return torch.device(device).type
+
+
+# ---- precision ----
+
+class Precision(NamedTuple):
+    dtype: str  # float32, bfloat16 or float16
+    autocast: Any  # the context the forward passes run in
+    scaler: torch.amp.GradScaler  # float16's loss scaling; disabled for the others
+
+
+def precision(dtype, device):
+    """The Precision of a dtype setting on a device: 'auto' is bfloat16 on a GPU that has it
+    natively, else float16 (emulated bfloat16, on a V100 or T4, is slow), and float32 on a
+    CPU. Every script computes in the precision this returns."""
+    kind = device_type(device)
+    if dtype == "auto" and kind == "cuda":
+        dtype = "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) \
+            else "float16"
+    elif dtype == "auto":
+        dtype = "float32"
+    autocast = nullcontext() if dtype == "float32" else torch.autocast(
+        kind, dtype={"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype])
+    return Precision(dtype, autocast, torch.amp.GradScaler(kind, enabled=dtype == "float16"))
+
+
+# ---- the process group ----
+
+def init_distributed(device, world_size, backend="", timeout_s=600):
+    """Set this process's GPU and its float32 matmul precision, and with several ranks join the
+    process group ('' picks nccl on CUDA, gloo on a CPU)."""
+    if device_type(device) == "cuda":
+        torch.cuda.set_device(device)
+        # float32 matmuls in TF32 where the tensor cores have it, as nanoGPT: float32 runs
+        # (and autocast's float32 parts) go several times faster at a precision loss that
+        # training does not notice
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if world_size > 1:
+        backend = backend or ("nccl" if device_type(device) == "cuda" else "gloo")
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=torch.device(device) if backend == "nccl" else None)
+
+
+def finish(world_size):
+    """Leave the process group on the way out of a run that succeeded. (A failing rank exits
+    without it: since PyTorch 2.6 destroying a group waits for collectives that the other
+    ranks may never join; errors.run says so.)"""
+    if world_size > 1:
+        dist.destroy_process_group()
+
+
+def agree(error, ranks, script):
+    """Share each rank's start-up error (or None) so that all ranks stop together and rank 0
+    reports every distinct problem once; no rank is left waiting in a later collective.
+    True when no rank had one."""
+    found = [error]
+    if ranks.world_size > 1:
+        found = [None] * ranks.world_size
+        dist.all_gather_object(found, error)
+    problems = {}
+    for r, e in enumerate(found):
+        if e is not None:
+            problems.setdefault(e, []).append(r)
+    if problems and ranks.master:
+        for message, where in problems.items():
+            named = "" if ranks.world_size == 1 else \
+                f" (rank{'s' if len(where) > 1 else ''} {', '.join(map(str, where))})"
+            print(f"{script}: error{named}: {message}", file=sys.stderr)
+    return not problems
+
+
+def gather(value, world_size):
+    """Every rank's value (any picklable object), in rank order, on every rank."""
+    if world_size == 1:
+        return [value]
+    every = [None] * world_size
+    dist.all_gather_object(every, value)
+    return every
+
+
+# ---- the device's peak, for MFU ----
+
+# Dense bf16 tensor peak of one GPU, by a part of its name; the first that matches counts, so a
+# variant comes before its family. From NVIDIA's datasheets, which print the peak with 2:4
+# sparsity: half of it is the dense one.
+PEAK_FLOPS = [("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),  # H100 datasheet
+              ("H200 NVL", 835e12), ("H200", 989e12),  # H200 datasheet
+              ("B200", 2250e12),  # HGX B200 datasheet: 36 PFLOPS sparse for 8 GPUs
+              ("A100", 312e12),  # A100 datasheet, SXM and PCIe alike
+              ("L40S", 362e12),  # L40S datasheet
+              ("A10G", 70e12)]  # AWS's A10G (not NVIDIA's A10, 125e12)
+
+
+def peak_flops(device):
+    """The device's dense bf16 peak in FLOP/s, for MFU; None when unknown (or a CPU)."""
+    if device_type(device) != "cuda":
+        return None
+    return peak_flops_of(torch.cuda.get_device_name(device))
+
+
+def peak_flops_of(name):
+    return next((flops for part, flops in PEAK_FLOPS if part in name), None)

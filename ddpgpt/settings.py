@@ -1,0 +1,205 @@
+"""Every script's settings: each key's type, default, range and one line of help, written once.
+
+configurator.py parses config files and --key=value into these classes and prints --help from
+them; each class checks itself when it is made (__post_init__), the ranges with
+configurator.check and what involves several keys below it. A Literal[...] type lists a key's
+choices.
+"""
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from ddpgpt import configurator, hf
+from ddpgpt.configurator import key
+from ddpgpt.errors import UserError
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Backend = Literal["", "nccl", "gloo"]
+Sampling = Literal["epoch", "random"]
+INIT_FROM = ("scratch", "resume", "auto")  # train.py's; else GPT-2's weights
+DEVICE_HELP = "auto: this rank's GPU when torch sees one, else cpu; cuda: cuda:<local rank>"
+DTYPE_HELP = "auto: bfloat16 on a GPU that has it natively, else float16; float32 on a CPU"
+
+
+@dataclass
+class TrainConfig:
+    """Train a GPT with DistributedDataParallel, on one process or many."""
+    # output
+    out_dir: str = key("out", "where checkpoints, metrics.jsonl and the lock go")
+    eval_interval: int = key(2000, "evaluate (and save) every this many steps", at_least=1)
+    log_interval: int = key(1, "print a step's line every this many steps", at_least=1)
+    eval_iters: int = key(200, "evaluation reads eval_iters x batch_size fixed windows per "
+                               "split", at_least=1)
+    eval_only: bool = key(False, "evaluate once and exit")
+    always_save_checkpoint: bool = key(True, "save at every evaluation; False: only when the "
+                                             "val loss improves (and at the end)")
+    init_from: str = key("scratch", "scratch, resume, auto (resume if out_dir holds a "
+                                    "checkpoint), or GPT-2's weights: gpt2, gpt2-medium, "
+                                    "gpt2-large, gpt2-xl or a Hugging Face GPT-2 folder")
+    keep_checkpoints: int = key(3, "how many of the newest checkpoints to keep", at_least=1)
+    hellaswag_interval: int = key(0, "HellaSwag at the evaluations whose iter is a multiple of "
+                                     "this, on all ranks (0: never)", at_least=0)
+    hellaswag_path: str = key("", "HellaSwag's validation file; '' for the cached copy, "
+                                  "downloaded once")
+    wandb_log: bool = key(False, "log to wandb too")
+    wandb_project: str = key("ddpgpt", "the wandb project")
+    wandb_run_name: str = key("gpt2", "the wandb run's name")
+    # data
+    data_dir: str = key("data/openwebtext", "the folder prepare.py wrote")
+    data_mix: str = key("", "sources and their shares of the samples, e.g. "
+                            "'data/web=0.7,data/code=0.3'; replaces data_dir")
+    allow_data_change: bool = key(False, "resume on other data than the checkpoint's")
+    sampling: Sampling = key("epoch", "epoch: every block once per epoch in a new order; "
+                                      "random: windows anywhere, as nanoGPT")
+    gradient_accumulation_steps: int = key(5 * 8, "micro-steps per optimizer step, global: "
+                                                  "divided by the world size", at_least=1)
+    batch_size: int = key(12, "sequences per rank and micro-step", at_least=1)
+    block_size: int = key(1024, "tokens per sequence", at_least=1)
+    # model
+    n_layer: int = key(12, "transformer blocks", at_least=1)
+    n_head: int = key(12, "attention heads", at_least=1)
+    n_embd: int = key(768, "width of the residual stream", at_least=1)
+    dropout: float = key(0.0, "dropout probability", at_least=0, below=1)
+    bias: bool = key(False, "biases in Linears and LayerNorms")
+    vocab_size: int = key(0, "0: the data's vocabulary rounded up to a multiple of 64",
+                          at_least=0)
+    # AdamW and its schedule
+    learning_rate: float = key(6e-4, "the peak learning rate", at_least=0)
+    max_iters: int = key(600000, "optimizer steps in all", at_least=0)
+    weight_decay: float = key(1e-1, "AdamW's, on the matrices only", at_least=0)
+    beta1: float = key(0.9, "AdamW's beta1", at_least=0, below=1)
+    beta2: float = key(0.95, "AdamW's beta2", at_least=0, below=1)
+    grad_clip: float = key(1.0, "clip the gradient norm to this (0: no clipping)", at_least=0)
+    decay_lr: bool = key(True, "False: a constant learning rate")
+    lr_schedule: Literal["cosine", "wsd"] = key(
+        "cosine", "cosine: warm-up, then cosine decay to min_lr at lr_decay_iters; wsd: "
+                  "warm-up, stable, then a cooldown")
+    warmup_iters: int = key(2000, "linear warm-up steps", at_least=0)
+    lr_decay_iters: int = key(600000, "cosine: where it reaches min_lr", at_least=0)
+    cooldown_frac: float = key(0.2, "wsd: the last share of max_iters, decaying as 1 - sqrt",
+                               above=0, at_most=1)
+    min_lr: float = key(6e-5, "the learning rate at the end of the decay", at_least=0)
+    nan_policy: Literal["stop", "skip"] = key("stop", "on a non-finite loss or gradient: stop "
+                                                      "without saving, or skip the step")
+    spike_policy: Literal["off", "skip"] = key(
+        "off", "skip: a step whose loss or gradient norm is spike_zscore standard deviations "
+               "above the last 100 steps is not applied")
+    spike_zscore: float = key(6.0, "what spike_policy counts as a spike", above=0)
+    # system
+    backend: Backend = key("", "'' picks nccl on CUDA, gloo on a CPU")
+    device: str = key("auto", DEVICE_HELP)
+    dtype: Dtype = key("auto", DTYPE_HELP)
+    compile: bool = key(False, "torch.compile the model")
+    dist_timeout_s: int = key(600, "how long a collective may wait before the run fails",
+                              at_least=1)
+    hang_timeout_s: int = key(300, "no step for max(this, 10 x the median step): each rank's "
+                                   "stacks, then exit (watchdog.py); 0: off", at_least=0)
+    startup_timeout_s: int = key(1800, "the same limit until the first step completes; 0: off",
+                                 at_least=0)
+    seed: int = key(1337, "the data order, the initial weights and dropout", at_least=0)
+
+    def __post_init__(self):
+        configurator.check(self)
+        if self.n_embd % self.n_head:
+            raise UserError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
+        hf.check_init_from(self.init_from, INIT_FROM)
+
+    @property
+    def global_batch(self):
+        """Samples per optimizer step, whatever the world size (data.py, point 1)."""
+        return self.batch_size * self.gradient_accumulation_steps
+
+    def micro_steps(self, world_size):
+        """Each rank's share of the global micro-steps."""
+        if self.gradient_accumulation_steps % world_size:
+            micro = self.gradient_accumulation_steps
+            raise UserError(
+                f"gradient_accumulation_steps={micro} is the global number of micro-steps and "
+                f"must be a multiple of the world size {world_size}: use "
+                f"{max(1, micro // world_size) * world_size}.")
+        return self.gradient_accumulation_steps // world_size
+
+
+@dataclass
+class SampleConfig:
+    """Sample text from a run's newest checkpoint, one checkpoint file, or GPT-2's weights."""
+    init_from: str = key("resume", "resume: out_dir's newest checkpoint; or gpt2, "
+                                   "gpt2-medium, ..., or a Hugging Face GPT-2 folder")
+    out_dir: str = key("out", "a run's out_dir, or one checkpoint file")
+    start: str = key("\n", "the prompt, or FILE:path to read it from a UTF-8 text file")
+    num_samples: int = key(3, "how many samples", at_least=1)
+    max_new_tokens: int = key(500, "tokens generated per sample", at_least=0)
+    temperature: float = key(0.8, "below 1 sharpens the distribution, above 1 flattens it "
+                                  "(top_k=1 picks the likeliest token)", above=0)
+    top_k: int = key(200, "sample among the k likeliest tokens only; 0 keeps them all",
+                     at_least=0)
+    seed: int = key(1337, "the samples depend on it alone", at_least=0)
+    device: str = key("auto", DEVICE_HELP)
+    dtype: Dtype = key("auto", DTYPE_HELP)
+    compile: bool = key(False, "torch.compile the model")
+
+    def __post_init__(self):
+        configurator.check(self)
+        hf.check_init_from(self.init_from, ("resume",))
+
+
+@dataclass
+class EvalConfig:
+    """Evaluate a model: val loss, bits per byte and HellaSwag accuracy."""
+    init_from: str = key("resume", "resume: out_dir's newest checkpoint; or gpt2, "
+                                   "gpt2-medium, ..., or a Hugging Face GPT-2 folder")
+    out_dir: str = key("out", "a run's out_dir, or one checkpoint file")
+    data_dir: str = key("", "val loss and bits per byte on its val split; '' leaves them out")
+    eval_iters: int = key(200, "as train.py: eval_iters x batch_size windows of block_size "
+                               "tokens", at_least=1)
+    batch_size: int = key(12, "windows per forward; a HellaSwag batch is batch_size x "
+                              "block_size tokens", at_least=1)
+    block_size: int = key(0, "0: the model's", at_least=0)
+    hellaswag: bool = key(True, "score HellaSwag")
+    hellaswag_path: str = key("", "HellaSwag's validation file; '' for the cached copy, "
+                                  "downloaded once")
+    device: str = key("auto", DEVICE_HELP)
+    dtype: Dtype = key("auto", DTYPE_HELP)
+    backend: Backend = key("", "'' picks nccl on CUDA, gloo on a CPU")
+    dist_timeout_s: int = key(600, "how long a collective may wait", at_least=1)
+
+    def __post_init__(self):
+        configurator.check(self)
+        if not (self.hellaswag or self.data_dir):
+            raise UserError(f"hellaswag={self.hellaswag!r} must be True when no data_dir is "
+                            f"given: there is nothing else to evaluate")
+        hf.check_init_from(self.init_from, ("resume",))
+
+
+@dataclass
+class PrepareConfig:
+    """Tokenize a corpus into token files and meta.json (the format is tokenfile.py's): each
+    non-empty document followed by end-of-text; empty ones are skipped."""
+    dataset: str = key("openwebtext", (
+        "'openwebtext' (its 21 archives from the hub, or a folder holding a copy of them); "
+        "another hub dataset's train split; a .txt (one document), .jsonl, .json or .parquet "
+        "file, compressed too (.gz, .bz2, .xz, .zst); a folder of them or a quoted glob; or "
+        "'pystdlib', this Python's standard library, no network needed"))
+    text_column: str = key("text", "the field or column that holds the text")
+    hub_config: str = key("", "a hub dataset's subset, e.g. sample-10BT")
+    streaming: bool = key(False, "stream a hub dataset (or local .parquet files) instead of "
+                                 "storing it, for corpora larger than the disk")
+    out_dir: str = key("", "'': data/<the dataset's name, or its file or folder stem>")
+    tokenizer: str = key("gpt2", "a tiktoken encoding, or 'byte'")
+    val_fraction: float = key(0.0005, "share of the documents for validation, rounded, at "
+                                      "least one document", at_least=0, below=1)
+    val_docs: int = key(0, "number of documents for validation; 0: val_fraction decides",
+                        at_least=0)
+    seed: int = key(2357, "chooses the validation documents", at_least=0)
+    shard_tokens: int = key(0, "write shards of about this many tokens (whole documents), "
+                               "each published when complete, so an interrupted run resumes; "
+                               "0: one file per split", at_least=0)
+    format: Literal["raw", "llmc"] = key(
+        "raw", "raw: ddpgpt's (and nanoGPT's) headerless files; llmc: llm.c / modded-nanogpt "
+               "shards, <name>_<split>_<index>.bin with llm.c's header")
+    num_proc: int = key(None, "tokenizer processes, and for OpenWebText the processes that "
+                              "count its archives (default: one per core)", at_least=1,
+                        factory=os.cpu_count)
+
+    def __post_init__(self):
+        configurator.check(self)

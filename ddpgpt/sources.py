@@ -1,0 +1,116 @@
+"""The data a run reads: its sources (data_dir, or the folders and weights of data_mix), each
+split opened as a data.Mixture of the sources' token files, and what that data is (its
+identity), which checkpoints keep and every rank must share.
+"""
+import math
+import os
+import sys
+from typing import NamedTuple
+
+import numpy as np
+
+from ddpgpt import data, tokenfile
+from ddpgpt.errors import UserError
+from ddpgpt.tokenizer import same_vocabulary
+
+
+class Source(NamedTuple):
+    folder: str
+    weight: float  # its share of the samples, before normalising
+    name: str  # in metrics: val_loss/<name>; '' for data_dir alone
+
+
+def of(cfg, given):
+    """The Sources of a run: data_mix's, else data_dir alone."""
+    if not cfg.data_mix:
+        return [Source(cfg.data_dir, 1.0, "")]
+    if "data_dir" in given:
+        raise UserError(f"data_dir={cfg.data_dir!r} and data_mix={cfg.data_mix!r} are both set: "
+                        f"keep data_mix (each source and its weight) to train on the mixture, "
+                        f"or drop it to train on data_dir alone.")
+    return parse_mix(cfg.data_mix)
+
+
+def parse_mix(data_mix):
+    """The Sources of a data_mix string, 'folder=weight,...'."""
+    found, names = [], []
+    for part in data_mix.split(","):
+        folder, has_weight, weight = part.strip().rpartition("=")
+        if not has_weight:  # a source without a weight weighs 1
+            folder, weight = weight, "1"
+        try:
+            weight = float(weight)
+        except ValueError:
+            weight = None
+        if weight is None or not 0 < weight < math.inf:
+            raise UserError(f"data_mix source {part.strip()!r}: the weight must be a number "
+                            f"above 0, as in data_mix='data/web=0.7,data/code=0.3'.")
+        if not os.path.isdir(folder):
+            raise UserError(f"data_mix source {folder!r} is not a folder: give each source as "
+                            f"<data folder>=<weight>, separated by commas.")
+        name = os.path.basename(os.path.normpath(folder))
+        names.append(name if name not in names else f"{name}-{names.count(name) + 1}")
+        found.append(Source(folder, weight, names[-1]))
+    return found if len(found) > 1 else [Source(found[0].folder, 1.0, "")]
+
+
+def read_meta(sources):
+    """The meta.json the sources share: they must be of one tokenizer."""
+    metas = [tokenfile.read_meta(s.folder) for s in sources]
+    first = (metas[0] or {}).get("tokenizer"), (metas[0] or {}).get("vocab_size")
+    if not all(same_vocabulary((m or {}).get("tokenizer"), first[0]) and
+               (m or {}).get("vocab_size") == first[1] for m in metas):
+        detail = ", ".join(f"{s.folder}: {m and m.get('tokenizer')!r}, {m and m.get('vocab_size')} "
+                           f"ids" for s, m in zip(sources, metas))
+        raise UserError(f"the data_mix sources were not made with one tokenizer ({detail}): "
+                        f"prepare them all with the same --tokenizer.")
+    return metas[0]
+
+
+def open_splits(sources, block_size, vocab_size, log, splits=tokenfile.SPLITS):
+    """{split: the Mixture of the sources' token files}; one source is the plain case."""
+    return {split: data.mixture(
+        [tokenfile.open_split(s.folder, split, block_size, vocab_size, log=log)
+         for s in sources], [s.weight for s in sources], [s.name for s in sources])
+        for split in splits}
+
+
+def open_for_model(data_dir, split, tok, block_size, vocab_size, log):
+    """One split of data_dir, as a Mixture of one source, whose tokens must be the model's."""
+    used = (tokenfile.read_meta(data_dir) or {}).get("tokenizer")
+    if used and not same_vocabulary(used, tok.name):
+        raise UserError(f"{data_dir} holds {used!r} tokens, but the model reads "
+                        f"{tok.name!r} tokens: give a data_dir prepared with "
+                        f"--tokenizer={tok.name}.")
+    return data.mixture([tokenfile.open_split(data_dir, split, block_size, vocab_size,
+                                              log=log)])
+
+
+def identity(splits):
+    """{split: [tokens, fingerprint] of each source, sorted}: what the data is, whatever its
+    folder is called or its sources are weighed."""
+    return {split: sorted([t.n_tokens, tokenfile.sampled_fingerprint(t.paths, t.header_bytes)]
+                          for t in mix.splits) for split, mix in splits.items()}
+
+
+def same_on_all_ranks(identities, data_dir, ranks, script):
+    """Every node must read the same token files, or the global batches are not one batch.
+    identities: every rank's identity() (runtime.gather)."""
+    if all(i == identities[0] for i in identities):
+        return True
+    if ranks.master:
+        detail = "; ".join(f"rank {r}: {i}" for r, i in enumerate(identities))
+        print(f"{script}: error: the ranks do not see the same data in {data_dir} (tokens, "
+              f"fingerprint per split: {detail}): every node must hold the same files.",
+              file=sys.stderr)
+    return False
+
+
+def log_mixture(log, mix, samples, block_size):
+    """Each source's share of the samples (not of the tokens on disk), and so how many epochs
+    of it max_iters reads."""
+    for name, weight, token_split in zip(mix.names, mix.weights, mix.splits):
+        blocks = int(data.blocks_per_epoch(np.diff(token_split.starts), block_size).sum())
+        log(f"data: {name} ({os.path.dirname(token_split.paths[0])}): {weight:.2%} of the "
+            f"samples, {samples * weight / blocks:,.2f} epochs of its {blocks:,} blocks by "
+            f"max_iters")

@@ -1,0 +1,234 @@
+"""Every `init_from`: the weights a script starts or computes with, the model's arguments, and
+the tokenizer it reads.
+
+  scratch                a new model of the settings' architecture (model_args)
+  resume, auto           out_dir's newest checkpoint that loads (nanoGPT's ckpt.pt too); auto
+                         starts from scratch where there is none
+  a run's out_dir, or    for sample.py, eval.py and export.py (load, checkpoint_at)
+  one checkpoint file
+  GPT-2's weights        a name (gpt2, gpt2-medium, ...) or a Hugging Face folder (hf.py)
+
+train.py starts through for_training() and checks a resume against its data with
+check_resume(); sample.py and eval.py load through load(); export.py, which exports
+checkpoints only, through checkpoint_at(), data_meta() and tokenizer_of().
+"""
+import os
+from typing import NamedTuple, Optional
+
+from ddpgpt import checkpoint, hf, tokenfile
+from ddpgpt.errors import UserError
+from ddpgpt.settings import INIT_FROM
+from ddpgpt.tokenizer import GPT2_NAMES, Tokenizer, for_data, get_tokenizer
+
+ARCHITECTURE = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
+
+
+# ---- training: scratch, a checkpoint, or GPT-2's weights ----
+
+class Start(NamedTuple):
+    """What a training run starts from."""
+    resume: Optional[dict]  # the checkpoint it resumes, or None for a fresh start
+    args: dict  # GPTConfig's arguments
+    weights: Optional[dict]  # for GPT.load_state_dict; None: the initialisation's
+
+
+def model_args(cfg, meta):
+    """GPTConfig's arguments for a model trained from scratch on data described by meta."""
+    vocab_size = cfg.vocab_size
+    if not vocab_size:  # a multiple of 64 runs faster on GPUs; 50304 is GPT-2's, as nanoGPT
+        vocab_size = 50304 if meta is None else -(-meta["vocab_size"] // 64) * 64
+    return dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+                block_size=cfg.block_size, bias=cfg.bias, dropout=cfg.dropout,
+                vocab_size=vocab_size)
+
+
+def for_training(cfg, given, meta, log):
+    """The Start of a run with these settings (given: the keys the user set) on data described
+    by meta. GPT-2's weights are a fresh start as auto sees it: in an out_dir with a checkpoint
+    the run resumes, so that a restarted or requeued fine-tune goes on from its last checkpoint
+    instead of from iter 0 again."""
+    args = model_args(cfg, meta)
+    resume = None if cfg.init_from == "scratch" else newest_checkpoint(cfg, log)
+    if resume is not None:
+        args = take_architecture(cfg, given, args, resume["model_args"],
+                                 f"the checkpoint in {cfg.out_dir}")
+        return Start(resume, args, checkpoint.model_state(resume))
+    if cfg.init_from not in INIT_FROM:
+        return Start(None, *pretrained(cfg, given, args, meta, log))
+    return Start(None, args, None)
+
+
+def architecture(args):
+    """The settings that model arguments fix: what train.py's configuration then says."""
+    return {k: args[k] for k in ARCHITECTURE}
+
+
+def newest_checkpoint(cfg, log):
+    """out_dir's newest checkpoint that loads, or None; an error for init_from='resume'."""
+    state, path = checkpoint.load_latest(cfg.out_dir, log=log)
+    if state is None and cfg.init_from == "resume":
+        raise UserError(f"init_from='resume' but {cfg.out_dir} holds no loadable checkpoint "
+                        f"(ckpt_*.pt): train from scratch with --init_from=scratch, or use "
+                        f"--init_from=auto.")
+    if state is not None:
+        log(f"resuming from {path} (iter {state['iter_num']})")
+    return state
+
+
+def take_architecture(cfg, given, args, weights_args, source):
+    """The model arguments of existing weights (all but dropout, which is the run's), as in
+    nanoGPT. An architecture key the user set to another value is an error, not a silent
+    override."""
+    conflicts = [f"{k}={getattr(cfg, k)!r} ({weights_args[k]!r} there)" for k in ARCHITECTURE
+                 if k in given and k in weights_args and getattr(cfg, k) != weights_args[k]]
+    if conflicts:
+        raise UserError(f"{', '.join(conflicts)}: the architecture comes from {source}. Leave "
+                        f"these keys out (or set them to the values there), or train from "
+                        f"scratch in another out_dir.")
+    return {**args, **{k: v for k, v in weights_args.items() if k != "dropout"}}
+
+
+def pretrained(cfg, given, args, meta, log):
+    """(model_args, weights) of GPT-2's weights (hf.py). As in nanoGPT the architecture is
+    theirs, but a smaller block_size crops the position table (the first positions are the
+    same)."""
+    weights, weights_args = hf.load(cfg.init_from, log=log)
+    source, positions = f"the weights of {cfg.init_from}", weights_args["block_size"]
+    check_pretrained_data(cfg, meta, weights_args, source)
+    if "block_size" in given and cfg.block_size > positions:
+        raise UserError(f"block_size={cfg.block_size} is more than the {positions} positions "
+                        f"of {source}: use block_size <= {positions} (a smaller one crops them).")
+    if "block_size" in given:
+        weights_args["block_size"] = cfg.block_size
+        weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"][:cfg.block_size]
+    return take_architecture(cfg, given, args, weights_args, source), weights
+
+
+def check_pretrained_data(cfg, meta, weights_args, source):
+    """The data must be in the weights' tokens: OpenAI's read GPT-2's; a folder's must at least
+    have an embedding for every token id."""
+    tokens = (meta or {}).get("tokenizer")
+    if cfg.init_from in hf.NAMES and tokens not in (None, *GPT2_NAMES) or \
+            meta is not None and meta["vocab_size"] > weights_args["vocab_size"]:
+        raise UserError(
+            f"{cfg.data_dir} holds {tokens!r} tokens ({meta['vocab_size']} ids), which "
+            f"{source} ({weights_args['vocab_size']} token ids) cannot read: prepare the data "
+            f"with the tokenizer those weights were trained with (--tokenizer=gpt2 for "
+            f"OpenAI's GPT-2).")
+
+
+# ---- a resume against this run's data ----
+
+def samples_consumed(resume, global_batch):
+    """A checkpoint's data position; nanoGPT's checkpoints have none, but took whole steps."""
+    return resume.get("samples_consumed", resume["iter_num"] * global_batch)
+
+
+def check_resume(cfg, resume, meta, identity, n_sources, log):
+    """A resume reads the tokens it was trained on, from a whole global batch, in the data it
+    was trained on (identity: sources.identity()), unless the user says a change is meant."""
+    used = (resume.get("data_meta") or {}).get("tokenizer")
+    if meta is not None and used is not None and used != meta.get("tokenizer"):
+        raise UserError(
+            f"the checkpoint was trained on {used!r} tokens but {cfg.data_dir} holds "
+            f"{meta.get('tokenizer')!r} tokens: set data_dir to data made with {used!r}.")
+    old_mix = (resume.get("config") or {}).get("data_mix", "")
+    if old_mix != cfg.data_mix and (old_mix or n_sources > 1):
+        log(f"note: data_mix was {old_mix!r} and is now {cfg.data_mix!r}: the run goes on "
+            f"from the same global sample, but which source each sample comes from differs "
+            f"from here on from what the old mixture would have read.")
+    samples = samples_consumed(resume, cfg.global_batch)
+    if samples % cfg.global_batch:
+        raise UserError(
+            f"the checkpoint consumed {samples} samples, not a whole number of global batches "
+            f"of {cfg.global_batch} (batch_size x gradient_accumulation_steps): resume with a "
+            f"global batch that divides it.")
+    check_same_data(cfg, resume.get("data_identity"), identity, log)
+
+
+def check_same_data(cfg, before, identity, log):
+    """Resuming "at the exact data position" of other data would be a silent lie: refuse it,
+    unless the user says the change is meant."""
+    if before is None or before == identity:
+        return
+    what = f"data_mix={cfg.data_mix!r}" if cfg.data_mix else f"data_dir={cfg.data_dir!r}"
+    if not cfg.allow_data_change:
+        raise UserError(
+            f"{what} is not the data the checkpoint in {cfg.out_dir} was trained on (tokens "
+            f"and fingerprint per split: {before} then, {identity} now): point it at that data "
+            f"again, or pass --allow_data_change=True to go on from the same sample index "
+            f"in this data.")
+    log(f"warning: {what} is not the data the checkpoint was trained on; going on from the "
+        f"same sample index in it, as allow_data_change=True asks")
+
+
+# ---- sample.py, eval.py, export.py: a run, a checkpoint file, or GPT-2's weights ----
+
+class Loaded(NamedTuple):
+    args: dict  # GPTConfig's arguments
+    weights: dict  # for GPT.load_state_dict
+    tokenizer: Tokenizer
+    source: str  # what was loaded and where its tokenizer came from, for the log
+    state: Optional[dict]  # the whole checkpoint, or None for GPT-2's weights
+
+
+def data_meta(state):
+    """(the meta of a checkpoint's data, or None; where it came from). train.py keeps the data's
+    meta.json (or what nanoGPT's meta.pkl holds) in the checkpoint; older checkpoints have
+    none: read their data folder's (data_dir, or as nanoGPT's sample.py data/<dataset>)."""
+    meta, where = state.get("data_meta"), "the checkpoint's data_meta"
+    config = state.get("config") or {}
+    data_dir = config.get("data_dir") or (config.get("dataset") and
+                                          os.path.join("data", config["dataset"]))
+    if meta is None and data_dir:
+        meta, where = tokenfile.read_meta(data_dir), tokenfile.meta_path(data_dir)
+    if meta and meta.get("tokenizer"):
+        return meta, where
+    return None, "nanoGPT's default, as the checkpoint names none"
+
+
+def tokenizer_of(meta, vocab_size):
+    """The tokenizer of data described by meta (GPT-2's where there is none, as nanoGPT's raw
+    files are), which must not have more ids than the model can embed."""
+    tok = for_data(meta) if meta else get_tokenizer("gpt2")
+    if tok.vocab_size > vocab_size:
+        raise UserError(f"the model has {vocab_size} token ids, fewer than {tok.name!r}'s "
+                        f"{tok.vocab_size}: put its data's meta.json in the data_dir it names.")
+    return tok
+
+
+def checkpoint_at(source, hint, log=print):
+    """(state, path) of a checkpoint file, or of the newest loadable one in an out_dir; hint
+    says what to give instead."""
+    if os.path.isfile(source):
+        state, problem = checkpoint.read(source)
+        if state is None:
+            raise UserError(f"{source} {problem}: {hint}")
+        return state, source
+    state, path = checkpoint.load_latest(source, log=log)
+    if state is None:
+        what = ("holds no loadable checkpoint (ckpt_*.pt or nanoGPT's ckpt.pt)"
+                if os.path.isdir(source) else "does not exist")
+        raise UserError(f"{source} {what}: {hint}")
+    return state, path
+
+
+def load(init_from, out_dir, hint, log=print):
+    """Loaded for init_from='resume' (out_dir: a run's folder or one checkpoint file), else
+    for GPT-2's weights by name or folder, which read GPT-2's tokens."""
+    if init_from == "resume":
+        state, path = checkpoint_at(out_dir, hint, log)
+        meta, where = data_meta(state)
+        tok = tokenizer_of(meta, state["model_args"]["vocab_size"])
+        return Loaded(state["model_args"], checkpoint.model_state(state), tok,
+                      f"{path} (iter {state['iter_num']}), tokenizer {tok.name!r} from {where}",
+                      state)
+    weights, args = hf.load(init_from, log=log)
+    gpt2 = get_tokenizer("gpt2")
+    if args["vocab_size"] < gpt2.vocab_size:
+        raise UserError(
+            f"{init_from} has {args['vocab_size']} token ids, fewer than the {gpt2.vocab_size} "
+            f"of GPT-2's tokenizer, with which Hugging Face weights are read: use the "
+            f"checkpoint they were exported from, with --out_dir.")
+    return Loaded(args, weights, gpt2, f"{init_from}, tokenizer 'gpt2' (Hugging Face weights)",
+                  None)
