@@ -71,7 +71,8 @@ def check_value(field, typ, value):
             value >= meta.get("at_least", -math.inf) and value > meta.get("above", -math.inf) \
             and value < meta.get("below", math.inf) and value <= meta.get("at_most", math.inf)
         if not ok:
-            raise UserError(f"{name}={value!r} must be {bounds_text(meta)}")
+            raise UserError(f"{name}={value!r} must be {bounds_text(meta)} ({name}: "
+                            f"{meta.get('help', '')})")
     return value
 
 

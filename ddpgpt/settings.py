@@ -19,6 +19,8 @@ Sampling = Literal["epoch", "random"]
 INIT_FROM = ("scratch", "resume", "auto")  # train.py's; else GPT-2's weights
 DEVICE_HELP = "auto: this rank's GPU when torch sees one, else cpu; cuda: cuda:<local rank>"
 DTYPE_HELP = "auto: bfloat16 on a GPU that has it natively, else float16; float32 on a CPU"
+LOAD_HELP = ("resume: out_dir's newest checkpoint (or out_dir is one checkpoint file); or "
+             "GPT-2's weights, gpt2, gpt2-medium, ..., or a Hugging Face GPT-2 folder")
 
 
 @dataclass
@@ -123,14 +125,13 @@ class TrainConfig:
 @dataclass
 class SampleConfig:
     """Sample text from a run's newest checkpoint, one checkpoint file, or GPT-2's weights."""
-    init_from: str = key("resume", "resume: out_dir's newest checkpoint; or gpt2, "
-                                   "gpt2-medium, ..., or a Hugging Face GPT-2 folder")
+    init_from: str = key("resume", LOAD_HELP)
     out_dir: str = key("out", "a run's out_dir, or one checkpoint file")
     start: str = key("\n", "the prompt, or FILE:path to read it from a UTF-8 text file")
     num_samples: int = key(3, "how many samples", at_least=1)
     max_new_tokens: int = key(500, "tokens generated per sample", at_least=0)
-    temperature: float = key(0.8, "below 1 sharpens the distribution, above 1 flattens it "
-                                  "(top_k=1 picks the likeliest token)", above=0)
+    temperature: float = key(0.8, "below 1 sharpens the distribution, above 1 flattens it; "
+                                  "for the likeliest token, --top_k=1", above=0)
     top_k: int = key(200, "sample among the k likeliest tokens only; 0 keeps them all",
                      at_least=0)
     seed: int = key(1337, "the samples depend on it alone", at_least=0)
@@ -146,8 +147,7 @@ class SampleConfig:
 @dataclass
 class EvalConfig:
     """Evaluate a model: val loss, bits per byte and HellaSwag accuracy."""
-    init_from: str = key("resume", "resume: out_dir's newest checkpoint; or gpt2, "
-                                   "gpt2-medium, ..., or a Hugging Face GPT-2 folder")
+    init_from: str = key("resume", LOAD_HELP)
     out_dir: str = key("out", "a run's out_dir, or one checkpoint file")
     data_dir: str = key("", "val loss and bits per byte on its val split; '' leaves them out")
     eval_iters: int = key(200, "as train.py: eval_iters x batch_size windows of block_size "
