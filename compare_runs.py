@@ -31,8 +31,8 @@ def steps(out_dir):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_a")
-    parser.add_argument("run_b")
+    parser.add_argument("run_a", help="a run's out_dir (its metrics.jsonl)")
+    parser.add_argument("run_b", help="the other run's")
     parser.add_argument("--losses", action="store_true", help="also compare losses exactly")
     args = parser.parse_args()
     a, b = steps(args.run_a), steps(args.run_b)
