@@ -15,7 +15,7 @@ from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import TrainConfig
 
 TITLE = "Training"
-QUICKSTART = ["config/quickstart.py"]
+QUICKSTART = ["config/quickstart.py", "--device=cpu"]  # the quick start's CPU run, on any machine
 # GPT-2 124M is config/owt.py's model; a CPU does a few steps of one sequence in fp32
 GPT2_CPU = ["config/owt.py", "--device=cpu", "--dtype=float32", "--compile=False",
             "--batch_size=1", "--gradient_accumulation_steps=1"]
