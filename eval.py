@@ -41,6 +41,10 @@ def main(argv):
         log(f"eval.py: val loss on {where}, {cfg.eval_iters} x {cfg.batch_size} windows of "
             f"{cfg.block_size} tokens")
     ev = make_evaluation(cfg, given, val, loaded, log)
+    if not ev.splits and ev.hellaswag is None:
+        raise UserError(f"there is nothing to evaluate: hellaswag=False, and {cfg.init_from} "
+                        f"comes with no data for the val loss: give --data_dir=<a folder of "
+                        f"its tokens>.")
     runtime.init_distributed(device, ranks.world_size, cfg.backend, cfg.dist_timeout_s)
     results = evaluate(model.to(device), ev, ranks, runtime.precision(cfg.dtype, device), device)
     if ranks.master:

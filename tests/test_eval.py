@@ -257,6 +257,9 @@ def test_gpt2_folder_hellaswag_and_bits_per_byte_of_the_scored_text(gpt2_setup, 
             return theirs(torch.tensor([ids])).logits[0]
 
     check_counts(result, reference_hellaswag(logits_of, enc.encode, 128))
+    message = fails("eval.py", f"--init_from={folder}", "--hellaswag=False", env=env).stderr
+    assert f"there is nothing to evaluate: hellaswag=False, and {folder} comes with no data" \
+        in message
     # bits per byte: the summed loss in bits over the UTF-8 bytes of the scored text, each
     # end-of-text one byte, window by window over train.py's evaluation windows
     tokens = np.fromfile(os.path.join(data_dir, "val.bin"), dtype=np.uint16).astype(np.int64)
