@@ -83,9 +83,9 @@ def val_split(cfg, trained, loaded, log):
         if mix:
             found = sources.parse_mix(mix)
             return sources.open_splits(found, cfg.block_size, vocab_size, log, ("val",)), \
-                f"{where} (the checkpoint's)"
+                f"{where}, the checkpoint's"
         return {"val": sources.open_for_model(folder, "val", tok, cfg.block_size, vocab_size,
-                                              log)}, f"{where} (the checkpoint's data_dir)"
+                                              log)}, f"{where}, the checkpoint's data_dir"
     except UserError as e:
         raise UserError(f"the checkpoint trained on {where}, which cannot be read here: {e} "
                         f"Give --data_dir=<the same data's folder here>, or --val_loss=False "

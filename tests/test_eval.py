@@ -156,7 +156,7 @@ def test_eval_gives_what_training_recorded_at_the_same_checkpoint(byte_run, swag
     for key in ("val_loss", "val_bpb", "hellaswag_acc", "hellaswag_acc_norm"):
         assert result[key] == pytest.approx(trained[key], rel=1e-9), key
     assert "HellaSwag: acc_norm " in p.stdout and "ckpt_0000020.pt (iter 20)" in p.stdout
-    assert "(the checkpoint's data_dir), 4 x 4 windows of 64 tokens" in p.stderr, p.stderr
+    assert ", the checkpoint's data_dir, 4 x 4 windows of 64 tokens" in p.stderr, p.stderr
 
 
 def test_eval_of_a_checkpoint_whose_data_is_gone_says_what_to_give(corpus, swag_file, tmp_path,
