@@ -60,6 +60,12 @@ def run_part(name, args, command):
     started, t0, load_start = datetime.datetime.now().astimezone(), time.time(), common.load_1m()
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as workdir:
         numbers = PARTS[name].run(args.small, args.device, workdir)
+        runs = numbers.pop("curves", [])  # out_dirs of train.py runs, drawn by plot.py
+        if runs:
+            common.check(common.run_watched(
+                [sys.executable, "plot.py", *runs, f"--out={curves_png(args.out_dir, name)}",
+                 f"--title={PARTS[name].TITLE}: the runs' curves (plot.py)"],
+                common.child_env(), 600), "plot.py")
     result = {"part": name, "command": command, "small": args.small,
               "started": started.isoformat(timespec="seconds"),
               "elapsed_s": round(time.time() - t0, 1), "load_1m_start": load_start,
@@ -70,6 +76,10 @@ def run_part(name, args, command):
     PARTS[name].plot(result).savefig(os.path.join(args.out_dir, f"{name}.png"), dpi=100)
 
 
+def curves_png(out_dir, name):
+    return os.path.join(out_dir, f"{name}-curves.png")
+
+
 def write_report(out_dir, report_path):
     """The markdown page, from the JSON of every part that has been run into out_dir."""
     here = os.path.dirname(report_path)
@@ -78,8 +88,14 @@ def write_report(out_dir, report_path):
         path = os.path.join(out_dir, f"{name}.json")
         if os.path.exists(path):
             with open(path) as f:
-                png = os.path.relpath(os.path.join(out_dir, f"{name}.png"), here)
-                parts.append((name, module.TITLE, module.TABLES, json.load(f), png))
+                result = json.load(f)
+            png = os.path.relpath(os.path.join(out_dir, f"{name}.png"), here)
+            curves = curves_png(out_dir, name)  # a part's text places it with {curves}
+            result["curves"] = (
+                f"The runs' curves, drawn from their metrics.jsonl by `python plot.py`:\n\n"
+                f"![{module.TITLE}: the runs' curves]({os.path.relpath(curves, here)})"
+                if os.path.exists(curves) else "")
+            parts.append((name, module.TITLE, module.TABLES, result, png))
     page = report.document(parts, os.path.relpath(out_dir, here))  # a template error leaves
     with open(report_path, "w") as f:  # the page as it was, not empty
         f.write(page)

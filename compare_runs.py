@@ -4,42 +4,39 @@
   python compare_runs.py out-a out-b --losses   # and losses, exactly
 
 Reads each out_dir's metrics.jsonl, where train.py writes one row per step with `batch_fp`, a
-hash of the samples of that step's global batch. Where a run logged a step twice (it was
-restarted from an older checkpoint), its last row counts. Exits 0 when every step both runs
-logged agrees, else 1, naming the first step that differs.
+hash of the samples of that step's global batch. A run's rows are those of its last fresh start
+(each run opens its rows with a start row; an earlier run in the same out_dir is left out, and
+said so); where a resumed run took steps again, its rows count (ddpgpt/metrics.py, read).
+Exits 0 when every step both runs logged agrees, else 1, naming the first step that differs.
 """
 import argparse
-import json
-import os
 import sys
+
+from ddpgpt import errors, metrics
+from ddpgpt.errors import UserError
 
 
 def steps(out_dir):
-    rows = {}
-    path = os.path.join(out_dir, "metrics.jsonl")
-    try:
-        with open(path) as f:
-            for line in f:
-                row = json.loads(line)
-                if "batch_fp" in row:
-                    rows[row["iter"]] = row
-    except OSError as e:
-        sys.exit(f"compare_runs.py: error: cannot read {path} ({e.strerror}): give the out_dir "
-                 f"of a train.py run")
-    return rows
+    """{iter: step row} of the run in out_dir, saying so when earlier runs are left out."""
+    rows = metrics.read(out_dir)
+    if rows.earlier:
+        print(f"{out_dir}: the last run's steps (its metrics.jsonl holds {rows.earlier} rows "
+              f"of earlier runs before them)")
+    return {i: r for i, r in rows.steps.items() if "batch_fp" in r}
 
 
-def main():
+def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_a")
-    parser.add_argument("run_b")
+    parser.add_argument("run_a", help="a run's out_dir (its metrics.jsonl)")
+    parser.add_argument("run_b", help="the other run's")
     parser.add_argument("--losses", action="store_true", help="also compare losses exactly")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     a, b = steps(args.run_a), steps(args.run_b)
     keys = ["batch_fp", "loss"] if args.losses else ["batch_fp"]
     common = sorted(set(a) & set(b))
     if not common:
-        sys.exit("compare_runs.py: error: the two runs have no logged step in common")
+        raise UserError(f"{args.run_a} and {args.run_b} have no logged step in common: give the "
+                        f"out_dirs of two runs that logged the same iters")
     for i in common:
         for key in keys:
             if a[i][key] != b[i][key]:
@@ -51,4 +48,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(errors.run(main, "compare_runs.py", sys.argv[1:]))

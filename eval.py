@@ -1,50 +1,110 @@
 """Evaluate a model the way people report it: val loss and bits per byte on a data folder's val
 split, and HellaSwag accuracy, on one process or many:
 
-  python eval.py --out_dir=out-quickstart --data_dir=data/pystdlib     # a run's newest checkpoint
-  python eval.py --out_dir=out/ckpt_0002000.pt --hellaswag=False --data_dir=data/openwebtext
+  python eval.py --out_dir=out-quickstart                             # a run's newest checkpoint
+  python eval.py --out_dir=out/ckpt_0002000.pt --hellaswag=False       # one checkpoint file
   python eval.py --init_from=gpt2                                      # OpenAI's GPT-2 124M
   torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2-xl --data_dir=data/openwebtext
 
 The model is a run's out_dir (its newest checkpoint; nanoGPT's ckpt.pt too), one checkpoint file,
 or GPT-2's weights by name or as a Hugging Face folder (ddpgpt/weights.py). Keys as in
-EvalConfig (ddpgpt/settings.py; `python eval.py --help`). Progress goes to stderr; stdout gets a
-summary, then one JSON line of the numbers (`python eval.py ... | tail -n 1`). What is measured,
-and how, is ddpgpt/evaluation.py's: with train.py's eval_iters, batch_size and block_size, the
-val loss is the one train.py reported.
+EvalConfig (ddpgpt/settings.py; `python eval.py --help`). A checkpoint is evaluated by default
+on the data it trained on, with its eval_iters, batch_size and block_size: then the val loss is
+the one train.py logged at its iter (what is measured, and how, is ddpgpt/evaluation.py's).
+Progress goes to stderr; stdout gets a summary, then one JSON line of the numbers (`python
+eval.py ... | tail -n 1`).
 """
 import dataclasses
 import json
+import os
 import sys
 import time
 
-from ddpgpt import configurator, errors, evaluation, runtime, sources, weights
+from ddpgpt import configurator, errors, evaluation, hellaswag, runtime, sources, weights
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
-from ddpgpt.settings import EvalConfig
+from ddpgpt.settings import EvalConfig, TrainConfig
 
 NO_CHECKPOINT = "give --out_dir a run's out_dir or one checkpoint file, or --init_from=gpt2."
 
 
 def main(argv):
-    cfg = configurator.parse(EvalConfig, argv, "eval.py")
+    cfg, given = configurator.parse_given(EvalConfig, argv, "eval.py")
     ranks = runtime.ranks()
     log = runtime.logger(ranks, stream=sys.stderr)
     device = runtime.pick_device(cfg.device, ranks)
     model, loaded = load_model(cfg, log)
-    cfg = dataclasses.replace(cfg, block_size=cfg.block_size or loaded.args["block_size"])
-    vocab_size = loaded.args["vocab_size"]
-    val = {} if not cfg.data_dir else {"val": sources.open_for_model(
-        cfg.data_dir, "val", loaded.tokenizer, cfg.block_size, vocab_size, log)}
-    ev = evaluation.make(val, cfg, vocab_size, loaded.tokenizer, cfg.hellaswag,
-                         cfg.hellaswag_path, log)
+    trained = (loaded.state or {}).get("config") or {}  # the run's settings; {} for HF weights
+    cfg = as_trained(cfg, trained, loaded.args["block_size"])
+    val, where = val_split(cfg, trained, loaded, log) if cfg.val_loss else ({}, None)
+    if val:
+        log(f"eval.py: val loss on {where}, {cfg.eval_iters} x {cfg.batch_size} windows of "
+            f"{cfg.block_size} tokens")
+    ev = make_evaluation(cfg, given, val, loaded, log)
+    if not ev.splits and ev.hellaswag is None:
+        raise UserError(f"there is nothing to evaluate: hellaswag=False, and {cfg.init_from} "
+                        f"comes with no data for the val loss: give --data_dir=<a folder of "
+                        f"its tokens>.")
     runtime.init_distributed(device, ranks.world_size, cfg.backend, cfg.dist_timeout_s)
     results = evaluate(model.to(device), ev, ranks, runtime.precision(cfg.dtype, device), device)
     if ranks.master:
-        print(summary(cfg, results, loaded.source, ev.hellaswag))
+        print(summary(cfg, results, loaded.source, where, ev.hellaswag))
         print(json.dumps({**results, "model": loaded.source}))
     runtime.finish(ranks.world_size)
     return 0
+
+
+def as_trained(cfg, trained, positions):
+    """cfg with the evaluation settings it leaves at 0 as the checkpoint's run had them
+    (train.py's defaults for weights that come with no run), and block_size the model's."""
+    def chosen(key):
+        return getattr(cfg, key) or trained.get(key) or getattr(TrainConfig, key)
+
+    return dataclasses.replace(cfg, eval_iters=chosen("eval_iters"),
+                               batch_size=chosen("batch_size"),
+                               block_size=cfg.block_size or positions)
+
+
+def val_split(cfg, trained, loaded, log):
+    """({'val': Mixture}, where it comes from) to take the val loss on: data_dir, else the data
+    the checkpoint trained on (its data_mix, data_dir, or nanoGPT's data/<dataset>); ({}, None)
+    when there is none (GPT-2's weights without a data_dir)."""
+    tok, vocab_size = loaded.tokenizer, loaded.args["vocab_size"]
+    if cfg.data_dir:
+        return {"val": sources.open_for_model(cfg.data_dir, "val", tok, cfg.block_size,
+                                              vocab_size, log)}, cfg.data_dir
+    mix = trained.get("data_mix")
+    folder = trained.get("data_dir") or (trained.get("dataset") and
+                                         os.path.join("data", trained["dataset"]))
+    if not (mix or folder):
+        return {}, None
+    where = f"data_mix={mix!r}" if mix else folder
+    try:
+        if mix:
+            found = sources.parse_mix(mix)
+            return sources.open_splits(found, cfg.block_size, vocab_size, log, ("val",)), \
+                f"{where}, the checkpoint's"
+        return {"val": sources.open_for_model(folder, "val", tok, cfg.block_size, vocab_size,
+                                              log)}, f"{where}, the checkpoint's data_dir"
+    except UserError as e:
+        raise UserError(f"the checkpoint trained on {where}, which cannot be read here: {e} "
+                        f"Give --data_dir=<the same data's folder here>, or --val_loss=False "
+                        f"for HellaSwag alone.") from e
+
+
+def make_evaluation(cfg, given, val, loaded, log):
+    """The Evaluation: HellaSwag as asked, or left out with one line when it was not asked for
+    explicitly and its file is neither given, cached nor downloadable."""
+    tok, vocab_size = loaded.tokenizer, loaded.args["vocab_size"]
+    try:
+        return evaluation.make(val, cfg, vocab_size, tok, cfg.hellaswag, cfg.hellaswag_path,
+                               log)
+    except hellaswag.Unavailable as e:
+        if "hellaswag" in given or not val:
+            raise
+        log(f"eval.py: HellaSwag skipped: {e} --hellaswag=False leaves it out without this "
+            f"line.")
+        return evaluation.make(val, cfg, vocab_size, tok, False, "", log)
 
 
 def load_model(cfg, log):
@@ -73,12 +133,13 @@ def evaluate(model, ev, ranks, precision, device):
     return results
 
 
-def summary(cfg, results, source, hellaswag_data):
+def summary(cfg, results, source, where, hellaswag_data):
     lines = [f"model: {source}"]
     if "val_loss" in results:
         windows = cfg.eval_iters * cfg.batch_size
-        lines.append(f"val: loss {results['val_loss']:.4f}, {results['val_bpb']:.4f} bits per "
-                     f"byte ({cfg.data_dir}, {windows:,} windows of {cfg.block_size} tokens)")
+        bpb = f", {results['val_bpb']:.4f} bits per byte" if "val_bpb" in results else ""
+        lines.append(f"val: loss {results['val_loss']:.4f}{bpb} ({where}, {windows:,} windows "
+                     f"of {cfg.block_size} tokens)")
     if hellaswag_data is not None:
         n, seconds = results["hellaswag_n"], results["hellaswag_s"]
         right = {k: round(results[f"hellaswag_{k}"] * n) for k in ("acc_norm", "acc")}

@@ -6,9 +6,10 @@
 transformers loads DEST (GPT2LMHeadModel or AutoModelForCausalLM .from_pretrained(DEST)), and
 it computes the same function as the checkpoint (float32 logits within 1e-4). It holds
 config.json, generation_config.json, model.safetensors, a README.md that says what was exported
-and, for data in GPT-2's tokens, the tokenizer files, with which AutoTokenizer encodes as
-tiktoken does. Only the tokenizer's ids are exported: train.py pads the vocabulary for speed,
-and the padding rows belong to no token. DEST must not exist; it is written under a temporary
+and the tokenizer files, with which AutoTokenizer encodes and decodes as ddpgpt does: GPT-2's
+(converted from tiktoken's), the byte tokenizer's and nanoGPT's characters' (hf.py,
+save_tokenizer); other tiktoken encodings get none. Only the tokenizer's ids are exported:
+train.py pads the vocabulary for speed, and the padding rows belong to no token. DEST must not exist; it is written under a temporary
 name and renamed when complete.
 """
 import argparse
@@ -35,15 +36,21 @@ def tokenizer_note(tok, dest):
                 f"lm-evaluation-harness (`pip install \"lm_eval[hf]\"`):\n\n"
                 f"    {LM_EVAL.format(dest)}")
     if tok.name == "char":
-        return ("nanoGPT's character-level vocabulary, which transformers does not have, so "
-                "there are no tokenizer files: id i is the i-th character of this JSON string, "
-                "and there is no end-of-text:\n\n    " +
+        return ("nanoGPT's character-level vocabulary, as a Hugging Face tokenizer of single "
+                f"characters: `AutoTokenizer.from_pretrained({dest!r})` encodes and decodes as "
+                "ddpgpt does (a character outside the vocabulary is an error). Id i is the i-th "
+                "character of this JSON string, and there is no end-of-text:\n\n    " +
                 json.dumps(tok.decode(range(tok.vocab_size))))
     if tok.name == "byte":
-        return ("ddpgpt's byte tokenizer, which transformers does not have, so there are no "
-                "tokenizer files: a text's ids are its UTF-8 bytes (0..255), and 256 is "
-                "end-of-text, which followed every document in training and ends generation "
-                "(generation_config.json).\n\n"
+        return (f"ddpgpt's byte tokenizer, as a Hugging Face byte-level tokenizer with no "
+                f"merges: a text's ids are its UTF-8 bytes (0..255), and {tok.eot}, "
+                f"`<|endoftext|>`, is end-of-text, which followed every document in training "
+                f"and ends generation (generation_config.json). "
+                f"`AutoTokenizer.from_pretrained({dest!r})` encodes and decodes as ddpgpt does; "
+                f"decode with `skip_special_tokens=True` to leave end-of-text out of the text, "
+                f"as ddpgpt's decoding does, and like GPT-2's tokenizer it reads "
+                f"`<|endoftext|>` in a text as the end-of-text token "
+                f"(`split_special_tokens=True` encodes it as text). Without transformers:\n\n"
                 "    ids = list(text.encode('utf-8'))\n"
                 "    text = bytes(i for i in ids if i < 256).decode('utf-8', errors='replace')")
     return (f"tiktoken's {tok.name!r}; no tokenizer files are written for it: "
@@ -78,8 +85,7 @@ def write(dest, state, path, tok):
                                     of=os.path.basename(dest))  # a killed export's
     try:
         hf.save(checkpoint.model_state(state), state["model_args"], tok, tmp)
-        if tok.name in GPT2_NAMES:
-            hf.save_gpt2_tokenizer(tmp, state["model_args"]["block_size"])
+        hf.save_tokenizer(tok, tmp, state["model_args"]["block_size"])
         with open(os.path.join(tmp, "README.md"), "w") as f:
             f.write(readme(state, path, tok, dest))
         fileio.publish_folder(tmp, dest)

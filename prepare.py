@@ -379,8 +379,11 @@ def main(argv):
         print(f"{split:5s}: {entry['tokens']:,} tokens, {entry['documents']:,} documents -> "
               f"{where} ({size / 1e6:.1f} MB)")
     print(f"meta : {os.path.join(out_dir, tokenfile.META_NAME)}")
+    named = counts.get("undecodable_files", [])
+    which = f" ({', '.join(named[:corpus.NAMED])}{', ...' * (len(named) > corpus.NAMED)})" \
+        if named else ""
     print(f"skipped {counts['empty']:,} empty documents, {counts['undecodable']:,} undecodable "
-          f"files; {sum(e['tokens'] for e in splits.values()) / elapsed:,.0f} tokens/s, "
+          f"files{which}; {sum(e['tokens'] for e in splits.values()) / elapsed:,.0f} tokens/s, "
           f"{elapsed:.1f} s in all")
     return 0
 

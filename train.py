@@ -165,7 +165,8 @@ def make_run(cfg, ranks, device, log, found):
     micro_steps = cfg.micro_steps(ranks.world_size)
     log(f"world size {ranks.world_size}, device {device}, dtype {precision.dtype}, "
         f"{model.get_num_params() / 1e6:.2f}M parameters, global batch {cfg.global_batch} x "
-        f"{cfg.block_size} tokens ({micro_steps} micro-steps of {cfg.batch_size} per rank)")
+        f"{cfg.block_size} tokens ({micro_steps} micro-step{'s' * (micro_steps != 1)} of "
+        f"{cfg.batch_size} per rank)")
     if len(found.splits["train"].splits) > 1:
         sources.log_mixture(log, found.splits["train"], cfg.max_iters * cfg.global_batch,
                             cfg.block_size)
@@ -174,12 +175,14 @@ def make_run(cfg, ranks, device, log, found):
         micro_steps=micro_steps, rank=ranks.rank, world_size=ranks.world_size, seed=cfg.seed,
         mode=cfg.sampling, start_step=progress.samples // cfg.global_batch, device=device,
         vocab_size=cfg.vocab_size)
+    start = metrics.start_row(progress.iter_num, resume is not None, cfg.init_from,
+                              ranks.world_size)  # opens this run's rows in metrics.jsonl
     return Run(cfg=cfg, ranks=ranks, device=device, log=log, model=model,
                eval_model=eval_model, train_model=train_model, optimizer=optimizer,
                precision=precision,
                args=found.start.args, meta=found.meta, splits=found.splits,
                identity=found.identity, evaluation=found.evaluation, batches=batches,
-               metrics=metrics.open_metrics(cfg, ranks.master), progress=progress,
+               metrics=metrics.open_metrics(cfg, ranks.master, start, log), progress=progress,
                micro_steps=micro_steps,
                flops_per_step=model.flops_per_token() * cfg.global_batch * cfg.block_size,
                peak=runtime.peak_flops(device))
@@ -369,8 +372,9 @@ def skip_or_stop(cfg, log, problem, iter_num, loss, batch_fp):
 
 def report_step(run, step, dt, first):
     """A step's timings added to its row, on the console every log_interval steps with every
-    rank's numbers (the slowest rank named, but not at a run's first step, whose one-time work
-    differs between ranks), and the row in metrics.jsonl (and wandb)."""
+    rank's numbers (a rank that stays the slowest named, judged from the log steps after a
+    run's first, whose one-time work differs between ranks), and the row in metrics.jsonl (and
+    wandb)."""
     cfg, row = run.cfg, step.row
     row.update(ms=dt * 1000, tok_per_s=cfg.global_batch * cfg.block_size / dt,
                data_wait=step.data_wait_s / dt)
@@ -383,7 +387,7 @@ def report_step(run, step, dt, first):
                                           run.ranks.world_size))
         metrics.log_step(run.log, row, run.peak)
         if not first:
-            metrics.log_straggler(run.log, row)
+            metrics.log_straggler(run.log, row, run.metrics.slowest)
     metrics.record(run.metrics, row)
 
 

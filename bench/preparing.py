@@ -17,7 +17,7 @@ TITLE = "Prepare"
 FULL = {"copies": [1, 3, 9], "documents": None, "shard_tokens": 10_000_000}
 SMALL = {"copies": [1, 2], "documents": 100,  # the first 100 documents of the stdlib
          "shard_tokens": 200_000}
-SHARED_VOCAB = os.path.join(common.ROOT, "..", "shared", "tokenizers", "r50k_base.tiktoken")
+VOCAB = os.path.join(common.ROOT, "tests", "fixtures", "r50k_base.tiktoken")  # the tests' copy
 TIME_CAP_S = 1800  # only stops a hung run
 IMPLS = ("ddpgpt", "reference", "llmc")  # as text/prepare.md names them
 TABLES = {"table": [
@@ -35,11 +35,9 @@ def tiktoken_env(workdir):
     """The environment that lets tiktoken load 'gpt2' with no network, and how it was made."""
     if os.environ.get("TIKTOKEN_CACHE_DIR"):
         return {}, f"TIKTOKEN_CACHE_DIR={os.environ['TIKTOKEN_CACHE_DIR']} (from the caller)"
-    if not os.path.exists(SHARED_VOCAB):
-        return {}, "tiktoken's own cache or download"
-    tokenizer.install_tiktoken_file(SHARED_VOCAB, os.path.join(workdir, "tiktoken"))
+    tokenizer.install_tiktoken_file(VOCAB, os.path.join(workdir, "tiktoken"))
     return {"TIKTOKEN_CACHE_DIR": os.path.join(workdir, "tiktoken")}, \
-        "TIKTOKEN_CACHE_DIR set to a folder holding ../shared/tokenizers/r50k_base.tiktoken"
+        "TIKTOKEN_CACHE_DIR set to a folder holding tests/fixtures/r50k_base.tiktoken"
 
 
 def stdlib_documents(limit):

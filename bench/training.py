@@ -15,7 +15,7 @@ from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import TrainConfig
 
 TITLE = "Training"
-QUICKSTART = ["config/quickstart.py"]
+QUICKSTART = ["config/quickstart.py", "--device=cpu"]  # the quick start's CPU run, on any machine
 # GPT-2 124M is config/owt.py's model; a CPU does a few steps of one sequence in fp32
 GPT2_CPU = ["config/owt.py", "--device=cpu", "--dtype=float32", "--compile=False",
             "--batch_size=1", "--gradient_accumulation_steps=1"]
@@ -115,15 +115,21 @@ def measure(spec, workdir, out_dir):
 
 
 def run(small, device, workdir):
-    rows = []
-    for i, spec in enumerate((SMALL if small else FULL) + [GPU]):
+    """The part's numbers, and "curves": the quick-start runs' out_dirs, whose curves bench.py
+    draws with plot.py (the same losses on 1 and 2 ranks; the tokens/s of each)."""
+    rows, curves = [], []
+    for spec in (SMALL if small else FULL) + [GPU]:
         row = {k: spec[k] for k in ("name", "ranks", "data", "steps", "warmup")}
         row.update(gpu=spec.get("gpu", False), command=command(spec))
         if spec.get("gpu") and device != "cuda":
             rows.append({**row, "status": NO_GPU})
-        else:
-            rows.append({**row, **measure(spec, workdir, os.path.join(workdir, f"out-{i}"))})
-    return {"results": rows, "targets": targets(rows)}
+            continue
+        # the folder's name is the run's name in plot.py's legend
+        out_dir = os.path.join(workdir, f"{spec['name']}, {spec['ranks']} rank(s)")
+        rows.append({**row, **measure(spec, workdir, out_dir)})
+        if spec["name"] == "quick-start":
+            curves.append(out_dir)
+    return {"results": rows, "targets": targets(rows), "curves": curves}
 
 
 def targets(rows):

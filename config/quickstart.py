@@ -1,10 +1,11 @@
-# A small GPT on the Python standard library's source, byte by byte, on a CPU in minutes:
-#   python prepare.py --dataset=pystdlib --tokenizer=byte
-#   python train.py config/quickstart.py
+# A small GPT on the Python standard library's source, byte by byte: minutes on a CPU.
+#   python prepare.py --dataset=pystdlib --tokenizer=byte --val_fraction=0.02
+#   torchrun --standalone --nproc_per_node=2 train.py config/quickstart.py   # or python train.py
 #   python sample.py --out_dir=out-quickstart --start="def "
+# The device is train.py's default, auto: a GPU where torch sees one (one rank per GPU:
+# --nproc_per_node=1 on a machine with one), else the CPU.
 data_dir = "data/pystdlib"
 out_dir = "out-quickstart"
-device = "cpu"
 
 n_layer = 4
 n_head = 4

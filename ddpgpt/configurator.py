@@ -14,6 +14,7 @@ configuration built in code is checked the same way.
 import ast
 import dataclasses
 import difflib
+import inspect
 import math
 import os
 import textwrap
@@ -185,7 +186,7 @@ def help_text(config_cls, script):
     """--help: the script's usage, then each key with its type, range, default and help."""
     hints = typing.get_type_hints(config_cls)
     lines = [f"usage: python {script} [config files] [--key=value ...]", "",
-             (config_cls.__doc__ or "").strip(), "",
+             inspect.cleandoc(config_cls.__doc__ or ""), "",
              "Config files (python that assigns keys) and --key=value apply in order. Keys:"]
     for f in dataclasses.fields(config_cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING \

@@ -443,8 +443,10 @@ def text_corpus(dataset, column):
     if dataset == "pystdlib":
         root = sysconfig.get_paths()["stdlib"]
         files = stdlib_files(root)
-        return counted("pystdlib", f"{len(files)} .py files of {root}",
-                       lambda: map(python_source, files))
+        return Corpus("pystdlib", f"{len(files)} .py files of {root}",
+                      lambda: map(python_source, files),
+                      lambda: count_documents(lambda: map(python_source, files),
+                                              [os.path.relpath(p, root) for p in files]))
     if os.path.exists(dataset) or glob.has_magic(dataset) or dataset.endswith(EXTENSIONS):
         files = local_files(dataset)
         return counted(local_name(dataset), f"{dataset}, {len(files)} file(s)",
@@ -490,21 +492,28 @@ def is_document(text):
     return bool(text) and not text.isspace()
 
 
-def tally(texts):
-    """Non-empty documents, empty ones, and files that could not be decoded (None)."""
+NAMED = 3  # undecodable files named in prepare.py's summary; the rest are "..."
+
+
+def tally(texts, names=None):
+    """Non-empty documents, empty ones, and files that could not be decoded (None); with names
+    (one per text), the names of the first few undecodable ones too."""
     n = {"documents": 0, "empty": 0, "undecodable": 0}
-    for text in texts:
+    undecodable = []
+    for i, text in enumerate(texts):
         if text is None:
             n["undecodable"] += 1
+            if names is not None and len(undecodable) <= NAMED:
+                undecodable.append(names[i])
         elif is_document(text):
             n["documents"] += 1
         else:
             n["empty"] += 1
-    return n
+    return {**n, "undecodable_files": undecodable} if undecodable else n
 
 
-def count_documents(documents):
-    return tally(tqdm(documents(), desc="counting documents", unit=" docs"))
+def count_documents(documents, names=None):
+    return tally(tqdm(documents(), desc="counting documents", unit=" docs"), names)
 
 
 def count_archive(path):

@@ -69,12 +69,18 @@ def write_json(path, obj):
 
 
 def publish_folder(tmp_dir, final_dir):
-    """Make a completely written folder visible under its final name, durably. Never over an
-    existing one: a rename onto an empty folder would silently replace it."""
+    """Make a completely written folder visible under its final name, durably, every file and
+    folder in it with the mode a plain open() or mkdir gives (the umask's): a library may
+    write some private (safetensors' model.safetensors is 0600). Never over an existing
+    folder: a rename onto an empty one would silently replace it."""
+    umask = os.umask(0)
+    os.umask(umask)
     for root, _, files in os.walk(tmp_dir):
         for name in files:
             with open(os.path.join(root, name), "rb") as f:
                 os.fsync(f.fileno())
+                os.fchmod(f.fileno(), 0o666 & ~umask)
+        os.chmod(root, 0o777 & ~umask)
         fsync_dir(root)
     if os.path.lexists(final_dir):
         raise FileExistsError(f"{final_dir} exists")

@@ -62,6 +62,11 @@ class HellaSwag(NamedTuple):
 
 # ---- the file: given, cached, or fetched once ----
 
+class Unavailable(UserError):
+    """No file given, none cached, and the download failed: eval.py goes on without HellaSwag
+    when the user did not ask for it."""
+
+
 def cache_dir():
     """$DDPGPT_CACHE, else ddpgpt's folder in the user's cache ($XDG_CACHE_HOME or ~/.cache)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -87,7 +92,7 @@ def locate(path, log):
             if not os.path.exists(cached):
                 download(cached, log)
     except (OSError, http.client.HTTPException) as e:  # urllib's errors are OSErrors
-        raise UserError(
+        raise Unavailable(
             f"HellaSwag's validation set is not in {cache_dir()} and could not be downloaded "
             f"from {URL} ({getattr(e, 'reason', None) or e}). Where there is network, fetch it "
             f"once with `curl -L -o {FILE_NAME} {URL}`, copy the file here and give "

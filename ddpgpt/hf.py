@@ -20,6 +20,7 @@ import tempfile
 import torch
 
 from ddpgpt.errors import UserError
+from ddpgpt.tokenizer import GPT2_NAMES
 
 NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # nanoGPT's names for OpenAI's weights
 HUB_ORG = "openai-community"  # the hub repository that holds them
@@ -184,3 +185,65 @@ def save_gpt2_tokenizer(folder, max_length):
             tokenizer_file=os.path.join(scratch, "tokenizer.json"), bos_token=EOT,
             eos_token=EOT, unk_token=EOT, model_max_length=max_length)
         tokenizer.save_pretrained(folder)
+
+
+# ---- out: the tokenizer ----
+
+def save_tokenizer(tok, folder, max_length):
+    """Tokenizer files with which AutoTokenizer.from_pretrained(folder) encodes and decodes as
+    tok (tokenizer.py) does, where transformers can express it: GPT-2's, the byte tokenizer and
+    nanoGPT's characters. True when they were written; False for other tiktoken encodings,
+    which get none."""
+    if tok.name in GPT2_NAMES:
+        save_gpt2_tokenizer(folder, max_length)
+    elif tok.name in ("byte", "char"):
+        (save_byte_tokenizer if tok.name == "byte" else save_char_tokenizer)(
+            folder, tok, max_length)
+    else:
+        return False
+    return True
+
+
+def byte_level_alphabet():
+    """{byte: its character}: GPT-2's byte-level stand-ins (bytes_to_unicode in OpenAI's
+    encoder.py), which the tokenizers library's ByteLevel pre-tokenizer and decoder use: the
+    printable bytes stand for themselves, the others for the characters from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable},
+            **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
+def save_byte_tokenizer(folder, tok, max_length):
+    """The byte tokenizer (ids 0..255 the UTF-8 bytes, tok.eot end-of-text) as a byte-level BPE
+    with no merges: the whole text is one word of byte-level characters, each its own token,
+    whose id is its byte; decoding joins the bytes and reads them as UTF-8, replacing what is
+    not, as tokenizer.py does."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    vocab = {char: byte for byte, char in byte_level_alphabet().items()}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(EOT, special=True)])  # id 256, after the bytes
+    assert backend.token_to_id(EOT) == tok.eot
+    _save_backend(backend, folder, max_length, eos=EOT)
+
+
+def save_char_tokenizer(folder, tok, max_length):
+    """nanoGPT's characters (id i: the i-th of its meta.pkl's itos) as a BPE of single
+    characters with no merges. A character the vocabulary lacks is an error, as in
+    tokenizer.py: the model's unknown token, which is not in the vocabulary, says so."""
+    from tokenizers import Tokenizer, decoders, models
+    chars = tok.decode(list(range(tok.vocab_size)))
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[],
+                                   unk_token="[a character not in the vocabulary]"))
+    backend.decoder = decoders.Fuse()  # the characters one after the other, nothing between
+    _save_backend(backend, folder, max_length, eos=None)
+
+
+def _save_backend(backend, folder, max_length, eos):
+    transformers = _transformers()
+    special = {"bos_token": eos, "eos_token": eos} if eos else {}
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=max_length,
+                                         **special).save_pretrained(folder)

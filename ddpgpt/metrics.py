@@ -1,6 +1,11 @@
 """What a training run reports: a row per step and per evaluation in out_dir/metrics.jsonl (and
 wandb), written by rank 0; the step's console line; and every rank's own numbers (time alone in
-the step, time waiting for data, memory), gathered on log steps, with the slowest rank named.
+the step, time waiting for data, memory), gathered on log steps, with the slowest rank named
+when it stays the slowest.
+
+Each run opens its rows in metrics.jsonl with a start row, {"run": "fresh"} or {"run":
+"resumed"} and the iter it starts at, so that the file says where one run ends and the next
+begins: read() gives the rows of the run as it stands, which compare_runs.py and plot.py take.
 """
 import dataclasses
 import json
@@ -8,6 +13,8 @@ import os
 import resource
 import secrets
 import statistics
+import time
+from collections import deque
 from typing import Any, NamedTuple
 
 import torch
@@ -20,26 +27,48 @@ from ddpgpt.errors import UserError
 class Metrics(NamedTuple):
     file: Any  # metrics.jsonl, open for appending; None off rank 0
     wandb: Any  # the wandb module once initialised; None without wandb_log or off rank 0
+    slowest: deque  # the slowest rank of each log step since one was last named (straggler)
 
 
-def open_metrics(cfg, master):
-    """The Metrics of a run, on rank 0; Metrics(None, None) elsewhere."""
+STRAGGLER_STEPS = 5  # a rank is named when it is the slowest at this many log steps in a row,
+STRAGGLER_MARGIN = 1.2  # each time by this factor over the median of the other ranks
+
+
+def start_row(iter_num, resumed, init_from, world_size):
+    """The row that opens a run's rows in metrics.jsonl."""
+    return {"run": "resumed" if resumed else "fresh", "iter": iter_num, "init_from": init_from,
+            "world_size": world_size, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def open_metrics(cfg, master, start, log):
+    """The Metrics of a run: on rank 0 with metrics.jsonl open, its start row written (and
+    wandb); elsewhere with neither."""
+    slowest = deque(maxlen=STRAGGLER_STEPS)
     if not master:
-        return Metrics(None, None)
-    file = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a")
+        return Metrics(None, None, slowest)
+    path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    fresh = start["run"] == "fresh"
+    if fresh and os.path.exists(path) and os.path.getsize(path):
+        # train.py refuses a fresh start beside checkpoints: that run left none
+        log(f"note: {path} holds the rows of an earlier run, which left no checkpoint; this "
+            f"run's follow its start row ({json.dumps(start)}), and compare_runs.py and plot.py "
+            f"read those only")
+    file = open(path, "a")
+    record(Metrics(file, None, slowest), start)
     if not cfg.wandb_log:
-        return Metrics(file, None)
+        return Metrics(file, None, slowest)
     import wandb  # slow to import, and only needed here
     wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name,
-               config=dataclasses.asdict(cfg), id=wandb_run_id(cfg.out_dir), resume="allow")
-    return Metrics(file, wandb)
+               config=dataclasses.asdict(cfg), id=wandb_run_id(cfg.out_dir, new=fresh),
+               resume="allow")
+    return Metrics(file, wandb, slowest)
 
 
-def wandb_run_id(out_dir):
-    """The wandb run of out_dir, made on its first run and kept there: a resumed or requeued
+def wandb_run_id(out_dir, new):
+    """The wandb run of out_dir, made by its fresh start and kept there: a resumed or requeued
     run goes on with the same curve instead of starting a new run."""
     path = os.path.join(out_dir, "wandb_run_id")
-    if not os.path.exists(path):
+    if new or not os.path.exists(path):
         with open(fileio.tmp_path(path), "w") as f:
             f.write(secrets.token_hex(4) + "\n")
         fileio.publish(f.name, path)
@@ -100,12 +129,72 @@ def rank_telemetry(alone_s, data_wait_s, device, world_size):
     return {"rank_ms": list(ms), "rank_data_wait_ms": list(wait), "rank_mem_mib": list(mib)}
 
 
-def log_straggler(log, row):
-    """Name the slowest rank when it is more than 10% slower than the median."""
+def log_straggler(log, row, slowest):
+    """Name the slowest rank when it has been the slowest at each of the last STRAGGLER_STEPS
+    log steps, each time STRAGGLER_MARGIN times the median of the others or more, saying by
+    how much. On a busy machine the slowest rank of one step is noise that flips from rank to
+    rank; a slow disk, node or GPU stays. slowest (Metrics.slowest) holds the log steps since
+    a rank was last named: naming one empties it, so a rank that stays slow is named again
+    STRAGGLER_STEPS log steps later, not at every one."""
     ms = row["rank_ms"]
-    median = statistics.median(ms)
-    slowest = max(range(len(ms)), key=ms.__getitem__)
-    if len(ms) > 1 and ms[slowest] > 1.1 * median:
-        log(f"iter {row['iter']}: rank {slowest} is the slowest: {ms[slowest]:.1f} ms alone in "
-            f"the step against a median of {median:.1f} ms, {row['rank_data_wait_ms'][slowest]:.1f}"
-            f" ms of it waiting for data")
+    if len(ms) < 2:
+        return
+    rank = max(range(len(ms)), key=ms.__getitem__)
+    others = statistics.median(ms[:rank] + ms[rank + 1:])
+    slowest.append((rank, row["iter"], ms[rank], others, row["rank_data_wait_ms"][rank]))
+    if len(slowest) < STRAGGLER_STEPS or any(
+            r != rank or m < STRAGGLER_MARGIN * o for r, _, m, o, _ in slowest):
+        return
+    _, iters, alone, median, waits = zip(*slowest)
+    alone, median, wait = (statistics.fmean(v) for v in (alone, median, waits))
+    log(f"iter {row['iter']}: rank {rank} is the slowest, at each of the last {len(slowest)} "
+        f"log steps (iters {iters[0]} to {iters[-1]}): {alone:.1f} ms alone in the step against "
+        f"a median of {median:.1f} ms for the other ranks, {alone / median:.2f}x "
+        f"(+{alone - median:.1f} ms a step), {wait:.1f} ms of it waiting for data")
+    slowest.clear()
+
+
+# ---- reading metrics.jsonl back ----
+
+class Rows(NamedTuple):
+    """A run's rows in its metrics.jsonl, as the run stands."""
+    steps: dict  # {iter: the row of that optimizer step}
+    evals: dict  # {iter: the row of the evaluation at that iter}
+    starts: list  # its start rows: the fresh start, then each resumption
+    earlier: int  # rows of earlier runs in the file, left out
+
+
+def read(out_dir):
+    """The Rows of the run in out_dir: those after its last fresh start (an earlier run in the
+    same out_dir that left no checkpoint wrote the rows before it). A resumed run starts again
+    at its checkpoint's iter, so its rows replace those its previous attempt logged from that
+    iter on. Rows written by older versions, with no start rows, are one run, a step logged
+    twice counting last. Each row must be JSON; a partial last line (a process killed while
+    writing it) is left out."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {path} ({getattr(e, 'strerror', None) or e}): give the "
+                        f"out_dir of a train.py run") from e
+    steps, evals, starts, earlier = {}, {}, [], 0
+    for n, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            if n == len(lines):
+                break
+            raise UserError(f"{path}, line {n} is not JSON ({e}): metrics.jsonl holds one JSON "
+                            f"object per line, as train.py writes them") from e
+        if row.get("run") == "fresh":
+            steps, evals, starts, earlier = {}, {}, [], n - 1
+        if "run" in row:
+            starts.append(row)
+            steps = {i: r for i, r in steps.items() if i < row["iter"]}
+            evals = {i: r for i, r in evals.items() if i < row["iter"]}
+        elif "loss" in row:
+            steps[row["iter"]] = row
+        elif "val_loss" in row:
+            evals[row["iter"]] = row
+    return Rows(steps, evals, starts, earlier)

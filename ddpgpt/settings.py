@@ -146,16 +146,23 @@ class SampleConfig:
 
 @dataclass
 class EvalConfig:
-    """Evaluate a model: val loss, bits per byte and HellaSwag accuracy."""
+    """Evaluate a model: val loss, bits per byte and HellaSwag accuracy. For a checkpoint, the
+    data and the evaluation settings not given are those it trained with, so that its val loss
+    is the one train.py logged at its iter."""
     init_from: str = key("resume", LOAD_HELP)
     out_dir: str = key("out", "a run's out_dir, or one checkpoint file")
-    data_dir: str = key("", "val loss and bits per byte on its val split; '' leaves them out")
-    eval_iters: int = key(200, "as train.py: eval_iters x batch_size windows of block_size "
-                               "tokens", at_least=1)
-    batch_size: int = key(12, "windows per forward; a HellaSwag batch is batch_size x "
-                              "block_size tokens", at_least=1)
+    data_dir: str = key("", "val loss and bits per byte on its val split; '': the checkpoint's "
+                            "data (its data_dir or data_mix), none for GPT-2's weights")
+    val_loss: bool = key(True, "evaluate the val loss and bits per byte; False: HellaSwag only")
+    eval_iters: int = key(0, "eval_iters x batch_size windows of block_size tokens, as "
+                             "train.py; 0: the checkpoint's, or train.py's default for GPT-2's "
+                             "weights", at_least=0)
+    batch_size: int = key(0, "windows per forward, and a HellaSwag batch is batch_size x "
+                             "block_size tokens; 0: the checkpoint's, or train.py's default",
+                          at_least=0)
     block_size: int = key(0, "0: the model's", at_least=0)
-    hellaswag: bool = key(True, "score HellaSwag")
+    hellaswag: bool = key(True, "score HellaSwag (skipped, saying so, when its file is neither "
+                                "given, cached nor downloadable, unless set here)")
     hellaswag_path: str = key("", "HellaSwag's validation file; '' for the cached copy, "
                                   "downloaded once")
     device: str = key("auto", DEVICE_HELP)
@@ -165,9 +172,9 @@ class EvalConfig:
 
     def __post_init__(self):
         configurator.check(self)
-        if not (self.hellaswag or self.data_dir):
-            raise UserError(f"hellaswag={self.hellaswag!r} must be True when no data_dir is "
-                            f"given: there is nothing else to evaluate")
+        if not (self.hellaswag or self.val_loss):
+            raise UserError("hellaswag=False and val_loss=False leave nothing to evaluate: "
+                            "keep one of them")
         hf.check_init_from(self.init_from, ("resume",))
 
 

@@ -53,6 +53,7 @@ def for_training(cfg, given, meta, log):
         args = take_architecture(cfg, given, args, resume["model_args"],
                                  f"the checkpoint in {cfg.out_dir}")
         return Start(resume, args, checkpoint.model_state(resume))
+    refuse_to_mix(cfg)
     if cfg.init_from not in INIT_FROM:
         return Start(None, *pretrained(cfg, given, args, meta, log))
     return Start(None, args, None)
@@ -73,6 +74,26 @@ def newest_checkpoint(cfg, log):
     if state is not None:
         log(f"resuming from {path} (iter {state['iter_num']})")
     return state
+
+
+def refuse_to_mix(cfg):
+    """A fresh start where an earlier run left checkpoints would mix two runs in one out_dir:
+    its checkpoints overwritten where the iters meet and left beside the new ones elsewhere
+    (a later resume would pick the newest, of either run). nanoGPT would start over; torchrun's
+    and SLURM's restarts, and the Ctrl-C line, expect the run to go on: refused, naming both
+    ways."""
+    found = checkpoint.list_checkpoints(cfg.out_dir)
+    if not found:
+        return
+    names = ", ".join(os.path.basename(p) for p in found[:3]) + (", ..." if found[3:] else "")
+    why = (f"init_from={cfg.init_from!r} would start a new run beside them" if
+           cfg.init_from == "scratch" else "none of them loads (see above), and a fresh start "
+           "beside them would be a new run")
+    raise UserError(
+        f"{cfg.out_dir} holds the checkpoints of an earlier run ({names}), and {why}: two runs "
+        f"would mix there. To go on with that run: --init_from=resume (or auto, which resumes "
+        f"where there is a checkpoint and starts fresh where there is none). To start a new "
+        f"one: another --out_dir, or remove those checkpoints first.")
 
 
 def take_architecture(cfg, given, args, weights_args, source):

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 # run as a script, this file's folder is on sys.path, not the checkout that holds ddpgpt/
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ddpgpt import configurator, data, errors, optim, tokenfile
+from ddpgpt import configurator, data, errors, metrics, optim, tokenfile
 from ddpgpt.configurator import key
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
@@ -48,6 +48,7 @@ class LightningConfig:
     max_steps: int = key(100, "optimizer steps in all", at_least=1)
     ckpt_path: str = key("", "'' trains from scratch; 'last': out_dir/last.ckpt; or a path")
     checkpoint_interval: int = key(50, "save every this many steps", at_least=1)
+    log_interval: int = key(10, "print the loss every this many steps", at_least=1)
     sampling: Sampling = key("epoch", "as train.py's")
     gradient_accumulation_steps: int = key(4, "global: divided by the world size", at_least=1)
     batch_size: int = key(12, "sequences per rank and micro-step", at_least=1)
@@ -172,10 +173,10 @@ class BlockDataModule(L.LightningDataModule):
 class GPTModule(L.LightningModule):
     """model.GPT trained on (x, y, index) batches; rank 0 logs each step to metrics.jsonl."""
 
-    def __init__(self, args, learning_rate, out_dir):
+    def __init__(self, args, learning_rate, out_dir, log_interval=10):
         super().__init__()
         self.model = GPT(GPTConfig(**args))
-        self.learning_rate, self.out_dir = learning_rate, out_dir
+        self.learning_rate, self.out_dir, self.log_interval = learning_rate, out_dir, log_interval
         self.step_losses, self.step_indices, self.metrics = [], [], None
 
     def training_step(self, batch, batch_idx):
@@ -196,11 +197,19 @@ class GPTModule(L.LightningModule):
                    "batch_fp": self.trainer.datamodule.fingerprint(indices)}
             self.metrics.write(json.dumps(row) + "\n")
             self.metrics.flush()
+            if row["iter"] % self.log_interval == 0 or self.trainer.global_step == \
+                    self.trainer.max_steps:
+                print(f"step {row['iter']}: loss {loss:.4f}")
 
     def on_train_start(self):
         if self.trainer.is_global_zero:  # appended to: a resumed run adds its steps
             os.makedirs(self.out_dir, exist_ok=True)
             self.metrics = open(os.path.join(self.out_dir, "metrics.jsonl"), "a")
+            # the start row, as train.py writes it, says where a resumed run's steps begin
+            step = self.trainer.global_step
+            start = metrics.start_row(step, step > 0, self.trainer.ckpt_path or "scratch",
+                                      self.trainer.world_size)
+            self.metrics.write(json.dumps(start) + "\n")
 
     def on_train_end(self):
         if self.metrics is not None:
@@ -234,7 +243,7 @@ def build(cfg):
                                  cfg.num_workers)
     torch.manual_seed(cfg.seed)
     args = model_args(cfg, tokenfile.read_meta(cfg.data_dir))
-    return datamodule, GPTModule(args, cfg.learning_rate, cfg.out_dir)
+    return datamodule, GPTModule(args, cfg.learning_rate, cfg.out_dir, cfg.log_interval)
 
 
 def main(argv):

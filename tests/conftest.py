@@ -1,6 +1,7 @@
 """What the tests share: they run the scripts as a user would, in subprocesses, on small data.
 
   env            a user's shell, offline, one thread per process, GPT-2's vocabulary cached
+                 (from tests/fixtures/r50k_base.tiktoken: a plain clone needs nothing beside it)
   python(...)    python <script> <args>; torchrun(n, ...) the same on n ranks (gloo, CPU)
   fails(...)     a run that must end in one clear error: exit 1 and no traceback of ours
   corpus         a few standard-library modules, prepared with the byte tokenizer
@@ -11,6 +12,7 @@
   small_disk     a real 1 MiB file system (a tmpfs; skipped without root), for full disks
 """
 import glob
+import hashlib
 import json
 import os
 import subprocess
@@ -25,7 +27,10 @@ from bench.common import ROOT, child_env
 from bench.common import torchrun as torchrun_command
 from ddpgpt.tokenizer import install_tiktoken_file
 
-SHARED_VOCAB = os.path.join(ROOT, "..", "shared", "tokenizers", "r50k_base.tiktoken")
+# GPT-2's vocabulary in tiktoken's file (OpenAI's, MIT licence), shipped so that the tests need
+# no network and nothing beside the checkout; its sha256 is the one tiktoken checks for r50k_base
+VOCAB = os.path.join(ROOT, "tests", "fixtures", "r50k_base.tiktoken")
+VOCAB_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 OUTPUTS = ("train.bin", "val.bin", tokenfile.META_NAME)  # what prepare.py writes by default
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--eval_iters=4", "--device=cpu", "--learning_rate=3e-3", "--warmup_iters=2",
@@ -35,10 +40,11 @@ TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_
 @pytest.fixture(scope="session")
 def tiktoken_cache(tmp_path_factory):
     """A tiktoken cache folder holding the GPT-2 vocabulary, so 'gpt2' loads offline."""
-    if not os.path.exists(SHARED_VOCAB):
-        pytest.fail(f"{SHARED_VOCAB} is missing: the tests need ../shared beside the checkout")
+    with open(VOCAB, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    assert digest == VOCAB_SHA256, f"{VOCAB} is damaged (sha256 {digest}): git checkout it again"
     cache = str(tmp_path_factory.mktemp("tiktoken_cache"))
-    install_tiktoken_file(SHARED_VOCAB, cache)
+    install_tiktoken_file(VOCAB, cache)
     return cache
 
 

@@ -174,6 +174,9 @@ def test_training(env, tmp_path):
     assert quick["mfu"] is None  # a CPU has no known peak
     assert gpu["status"].startswith("not run: no GPU")
     assert f"`{quick['command']}`" in page
+    # the quick-start run's curves, by plot.py, on the page
+    assert (tmp_path / "bench" / "training-curves.png").stat().st_size > 0
+    assert "![Training: the runs' curves](training-curves.png)" in page
 
 
 def test_prepare(env, tmp_path):

@@ -147,16 +147,37 @@ def test_hellaswag_counts_match_a_plain_computation_on_1_and_2_ranks(byte_run, s
     assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6)
 
 
-def test_eval_gives_what_training_recorded_at_the_same_checkpoint(byte_run, swag_file, env,
-                                                                 corpus):
-    # train.py's evaluation settings (TINY): the same windows and HellaSwag batches
+def test_eval_gives_what_training_recorded_at_the_same_checkpoint(byte_run, swag_file, env):
+    # no data_dir, eval_iters, batch_size or block_size: the checkpoint's (TINY's), so the same
+    # windows and HellaSwag batches as train.py's evaluation at iter 20
     p = python("eval.py", f"--out_dir={byte_run}", f"--hellaswag_path={swag_file}",
-               "--device=cpu", "--batch_size=4", "--eval_iters=4", f"--data_dir={corpus}",
-               env=env)
+               "--device=cpu", env=env)
     result, trained = last_json(p.stdout), evals(byte_run)[-1]
     for key in ("val_loss", "val_bpb", "hellaswag_acc", "hellaswag_acc_norm"):
         assert result[key] == pytest.approx(trained[key], rel=1e-9), key
     assert "HellaSwag: acc_norm " in p.stdout and "ckpt_0000020.pt (iter 20)" in p.stdout
+    assert ", the checkpoint's data_dir, 4 x 4 windows of 64 tokens" in p.stderr, p.stderr
+
+
+def test_eval_of_a_checkpoint_whose_data_is_gone_says_what_to_give(corpus, swag_file, tmp_path,
+                                                                   env):
+    data_dir, out = tmp_path / "data", tmp_path / "out"
+    shutil.copytree(corpus, data_dir)
+    python("train.py", f"--data_dir={data_dir}", f"--out_dir={out}", *TINY,
+           "--gradient_accumulation_steps=1", "--max_iters=2", "--eval_interval=2", env=env)
+    shutil.rmtree(data_dir)
+    message = fails("eval.py", f"--out_dir={out}", env=env).stderr.strip().splitlines()[-1]
+    assert message.startswith(f"eval.py: error: the checkpoint trained on {data_dir}, which "
+                              f"cannot be read here: {data_dir}/"), message
+    assert message.endswith("Give --data_dir=<the same data's folder here>, or "
+                            "--val_loss=False for HellaSwag alone."), message
+    p = python("eval.py", f"--out_dir={out}", "--val_loss=False", f"--hellaswag_path={swag_file}",
+               "--device=cpu", env=env)
+    assert "val_loss" not in last_json(p.stdout) and "hellaswag_n" in last_json(p.stdout)
+    p = python("eval.py", f"--out_dir={out}", f"--data_dir={corpus}", "--hellaswag=False",
+               "--device=cpu", env=env)
+    assert last_json(p.stdout)["val_loss"] == pytest.approx(evals(out)[-1]["val_loss"],
+                                                            rel=1e-9)
 
 
 def test_a_mixture_reports_bits_per_byte_per_source(corpus, tmp_path, env):
@@ -164,13 +185,20 @@ def test_a_mixture_reports_bits_per_byte_per_source(corpus, tmp_path, env):
     tokenfile.write_token_files(other, {s: np.random.default_rng(0).integers(0, 256, 20_000)
                                         for s in tokenfile.SPLITS},
                                 tokenizer="byte", vocab_size=257, eot_token=256)
-    python("train.py", f"--data_mix={corpus}=0.7,{other}=0.3", f"--out_dir={tmp_path / 'out'}",
-           *TINY, "--gradient_accumulation_steps=1", "--max_iters=0", env=env)
-    (row,) = evals(tmp_path / "out")
-    for name in (os.path.basename(corpus), "other"):
+    out = tmp_path / "out"
+    python("train.py", f"--data_mix={corpus}=0.7,{other}=0.3", f"--out_dir={out}", *TINY,
+           "--gradient_accumulation_steps=1", "--max_iters=2", "--eval_interval=2", env=env)
+    row = evals(out)[-1]
+    names = (os.path.basename(corpus), "other")
+    for name in names:
         assert row[f"val_bpb/{name}"] == pytest.approx(row[f"val_loss/{name}"] / math.log(2))
     assert row["val_bpb"] == pytest.approx(
         0.7 * row[f"val_bpb/{os.path.basename(corpus)}"] + 0.3 * row["val_bpb/other"])
+    # eval.py evaluates the checkpoint on its mixture, as train.py did
+    result = last_json(python("eval.py", f"--out_dir={out}", "--hellaswag=False",
+                              "--device=cpu", env=env).stdout)
+    for key in ("val_loss", "val_bpb", *(f"val_loss/{n}" for n in names)):
+        assert result[key] == pytest.approx(row[key], rel=1e-9), key
 
 
 def test_without_the_data_tokenizer_bits_per_byte_are_left_out_and_hellaswag_refused(tmp_path,
@@ -229,6 +257,9 @@ def test_gpt2_folder_hellaswag_and_bits_per_byte_of_the_scored_text(gpt2_setup, 
             return theirs(torch.tensor([ids])).logits[0]
 
     check_counts(result, reference_hellaswag(logits_of, enc.encode, 128))
+    message = fails("eval.py", f"--init_from={folder}", "--hellaswag=False", env=env).stderr
+    assert f"there is nothing to evaluate: hellaswag=False, and {folder} comes with no data" \
+        in message
     # bits per byte: the summed loss in bits over the UTF-8 bytes of the scored text, each
     # end-of-text one byte, window by window over train.py's evaluation windows
     tokens = np.fromfile(os.path.join(data_dir, "val.bin"), dtype=np.uint16).astype(np.int64)
@@ -270,8 +301,9 @@ def test_a_missing_file_and_nothing_to_evaluate(byte_run, tmp_path, env):
     p = fails("eval.py", f"--out_dir={byte_run}", f"--hellaswag_path={tmp_path}/nope.jsonl",
               env=env)
     assert f"hellaswag_path='{tmp_path}/nope.jsonl' is not a file" in p.stderr
-    p = fails("eval.py", f"--out_dir={byte_run}", "--hellaswag=False", env=env)
-    assert "hellaswag=False must be True when no data_dir is given" in p.stderr
+    p = fails("eval.py", f"--out_dir={byte_run}", "--hellaswag=False", "--val_loss=False",
+              env=env)
+    assert "hellaswag=False and val_loss=False leave nothing to evaluate" in p.stderr
     p = fails("eval.py", f"--out_dir={tmp_path}", env=env)
     assert f"{tmp_path} holds no loadable checkpoint" in p.stderr
 
@@ -292,17 +324,26 @@ def test_fetched_once_into_the_cache_whole_or_not_at_all(swag_file, tmp_path, mo
     assert hellaswag.locate("", log=print) == cached
 
 
-def test_offline_without_the_file_says_how_to_get_it(byte_run, swag_file, tmp_path, env):
+def test_offline_without_the_file_hellaswag_is_skipped_or_says_how_to_get_it(byte_run, swag_file,
+                                                                             tmp_path, env):
     # a proxy that refuses every connection: offline, at once
     env.update(DDPGPT_CACHE=str(tmp_path / "cache"), HTTPS_PROXY="http://127.0.0.1:9",
                https_proxy="http://127.0.0.1:9", NO_PROXY="", no_proxy="")
-    p = fails("eval.py", f"--out_dir={byte_run}", env=env)
-    message = p.stderr.strip().splitlines()[-1]
-    assert message.startswith(f"eval.py: error: HellaSwag's validation set is not in "
-                              f"{tmp_path / 'cache'} and could not be downloaded from https://"
-                              f"raw.githubusercontent.com/rowanz/hellaswag/master/data/"
-                              f"hellaswag_val.jsonl"), p.stderr
-    assert "curl -L -o hellaswag_val.jsonl" in message and "--hellaswag_path=" in message
+    # not asked for: skipped with one line, and the val loss evaluated
+    p = python("eval.py", f"--out_dir={byte_run}", "--device=cpu", env=env)
+    (line,) = [line for line in p.stderr.splitlines() if "HellaSwag" in line]
+    assert line.startswith("eval.py: HellaSwag skipped: HellaSwag's validation set is not in ")
+    assert line.endswith("--hellaswag=False leaves it out without this line."), line
+    assert "val_loss" in last_json(p.stdout) and "hellaswag_n" not in last_json(p.stdout)
+    # asked for, or nothing else to evaluate: the error that says how to get the file
+    for args in (["--hellaswag=True"], ["--val_loss=False"]):
+        p = fails("eval.py", f"--out_dir={byte_run}", *args, env=env)
+        message = p.stderr.strip().splitlines()[-1]
+        assert message.startswith(f"eval.py: error: HellaSwag's validation set is not in "
+                                  f"{tmp_path / 'cache'} and could not be downloaded from "
+                                  f"https://raw.githubusercontent.com/rowanz/hellaswag/master/"
+                                  f"data/hellaswag_val.jsonl"), p.stderr
+        assert "curl -L -o hellaswag_val.jsonl" in message and "--hellaswag_path=" in message
     assert not [f for f in os.listdir(tmp_path / "cache") if f.endswith((".jsonl", ".tmp"))]
     # with the file in the cache, as the README says to put it, the same command works offline
     shutil.copy(swag_file, tmp_path / "cache" / "hellaswag_val.jsonl")

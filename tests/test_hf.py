@@ -6,6 +6,7 @@ import os
 import sys
 import sysconfig
 
+import numpy as np
 import pytest
 import tiktoken
 import torch
@@ -14,6 +15,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # read when transformers is imported: never 
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from ddpgpt import checkpoint, configurator, hf, optim, tokenfile
+from ddpgpt.tokenizer import get_tokenizer
 from ddpgpt.weights import for_training
 from ddpgpt.settings import TrainConfig
 from conftest import ROOT, TINY, fails, python, run, steps
@@ -35,6 +37,12 @@ def random_gpt2(folder, vocab_size=50257):
             p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(folder)
     return str(folder)
+
+
+def current_umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def ours(args, weights):
@@ -185,7 +193,22 @@ def test_a_byte_model_without_biases_exports_exactly(corpus, tmp_path, env):
     assert max_logit_difference(model, theirs, random_ids(32, vocab_size=257)) < 1e-4
     readme = (dest / "README.md").read_text()
     assert "list(text.encode('utf-8'))" in readme and "The 63 padding rows" in readme
-    assert not os.path.exists(dest / "tokenizer.json")
+    # the tokenizer: AutoTokenizer encodes a text into its UTF-8 bytes and decodes as ours does
+    tok, byte = AutoTokenizer.from_pretrained(dest), get_tokenizer("byte")
+    assert (len(tok), tok.eos_token_id, tok.model_max_length) == (257, 256, 32)
+    for text in ("def foo(x):\n    return x  # naïve café 日本語 🙂\r\n\t", "", "  "):
+        assert tok(text)["input_ids"] == byte.encode(text) == list(text.encode("utf-8"))
+        assert tok.decode(byte.encode(text)) == text
+    assert tok("a<|endoftext|>b", split_special_tokens=True)["input_ids"] == \
+        byte.encode("a<|endoftext|>b")
+    rng = np.random.default_rng(0)  # any ids, so split and invalid UTF-8 and end-of-text too
+    for _ in range(300):
+        ids = rng.integers(0, 257, rng.integers(1, 40)).tolist()
+        assert tok.decode(ids, skip_special_tokens=True) == byte.decode(ids), ids
+    assert tok.decode([104, 256, 105]) == "h<|endoftext|>i"
+    # every file as a plain open() writes it: readable by all, as save_pretrained's siblings
+    assert {f: oct(os.stat(dest / f).st_mode & 0o777) for f in os.listdir(dest)} == \
+        {f: oct(0o666 & ~current_umask()) for f in os.listdir(dest)}
 
 
 def test_sample_from_a_folder(hf_folder, env):

@@ -52,8 +52,9 @@ def slurm(tiktoken_cache):
     if os.geteuid() != 0:
         pytest.skip("the test SLURM cluster (../shared/slurm/up.sh) must be started as root")
     up = os.path.join(SLURM_SCRIPTS, "up.sh")
-    if not os.path.exists(up):
-        pytest.fail(f"{up} is missing: the tests need ../shared beside the checkout")
+    if not os.path.exists(up):  # a plain clone: the CI machines have it, a user's rarely
+        pytest.skip(f"no test SLURM cluster: {os.path.normpath(up)}, which starts one, is not "
+                    f"beside the checkout")
     base = tempfile.mkdtemp(prefix="ddpgpt_slurm_", dir="/tmp")  # up.sh: /two/levels deep
     os.chmod(base, 0o755)  # munged runs as the munge user and must reach its folder in it
     ctld, slurmd0 = _cluster_ports()

@@ -93,7 +93,9 @@ def test_ranks_read_train_py_batches_and_a_resumed_checkpoint_continues_them(
            "--gradient_accumulation_steps=4", "--max_iters=6", env=env)
     args = [f"--data_dir={corpus}", *TINY_LIGHTNING, "--gradient_accumulation_steps=4",
             "--checkpoint_interval=3"]
-    lightning(2, whole, *args, "--max_steps=6", "--num_workers=1", env=env)
+    p = lightning(2, whole, *args, "--max_steps=6", "--num_workers=1", env=env)
+    printed = [line for line in p.stdout.splitlines() if ": loss " in line]  # rank 0's alone
+    assert [line.split(":")[0] for line in printed] == ["step 0", "step 5"], p.stdout
     lightning(2, halves, *args, "--max_steps=3", "--num_workers=0", env=env)
     global_batch = 4 * 4
     state = torch.load(halves / "last.ckpt", map_location="cpu", weights_only=True)

@@ -1,7 +1,7 @@
 """nanoGPT's character-level data (its data/shakespeare_char): uint16 train.bin and val.bin
 beside a pickled meta.pkl of vocab_size, stoi and itos, no meta.json. Trained with its own
 vocabulary, sampled in its own characters; a meta.pkl that would run code is refused, and
-nothing runs."""
+nothing runs. An export's tokenizer is its characters."""
 import os
 import pickle
 
@@ -74,6 +74,20 @@ def test_a_prompt_with_other_characters_names_them(char_run, env):
     _, _, out = char_run
     err = fails("sample.py", f"--out_dir={out}", "--start=Café ROMEO™", env=env).stderr
     assert "(nanoGPT's meta.pkl, 65 characters) does not: 'é™'. Use only its characters." in err
+
+
+def test_an_export_carries_its_characters_as_a_hugging_face_tokenizer(char_run, env, tmp_path):
+    from transformers import AutoTokenizer
+
+    _, _, out = char_run
+    dest = tmp_path / "exported"
+    python("export.py", out, dest, env=env)
+    tok = AutoTokenizer.from_pretrained(dest)
+    text = "ROMEO:\nWhat, ho!  3 o'clock; and then?\n\n$&-."
+    ids = [CHARS.index(c) for c in text]
+    assert len(tok) == 65 and tok(text)["input_ids"] == ids and tok.decode(ids) == text
+    with pytest.raises(Exception, match="a character not in the vocabulary"):
+        tok("Café")  # as sample.py's prompt, an error, not a character silently dropped
 
 
 class RunsCode:

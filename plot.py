@@ -1,0 +1,123 @@
+"""Draw runs' curves from their metrics.jsonl into a PNG: the loss, the val loss, the learning
+rate and tokens per second, against the iter.
+
+  python plot.py out-quickstart                    # -> out-quickstart/curves.png
+  python plot.py out-a out-b --out=a_vs_b.png      # several runs, a colour each
+
+Each run's rows are those of the run as it stands (ddpgpt/metrics.py, read: from its last fresh
+start, a resumed run's rows in place of those it took again); a dotted line marks each
+resumption. The step loss and tokens/s are drawn faintly as logged and, over them, as a moving
+average of --smooth steps (by default a fiftieth of the run); the evaluations' train loss is a
+dashed line with the step loss. The figure is written whole or not at all.
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+
+from ddpgpt import errors, fileio, metrics
+from ddpgpt.errors import UserError
+
+
+def moving_average(values, window):
+    """The mean of each value and the window - 1 before it (fewer at the start)."""
+    sums = np.cumsum(np.insert(np.asarray(values, dtype=float), 0, 0.0))
+    ends = np.arange(1, len(values) + 1)
+    starts = np.maximum(ends - window, 0)
+    return (sums[ends] - sums[starts]) / (ends - starts)
+
+
+def curves(out_dir):
+    """{name: (iters, values)} of one run, and the iters it was resumed at."""
+    rows = metrics.read(out_dir)
+    if not rows.steps:
+        raise UserError(f"{out_dir}/metrics.jsonl holds no step of a run: give the out_dir of a "
+                        f"train.py run that took at least one step")
+    steps = [rows.steps[i] for i in sorted(rows.steps)]
+    evals = [rows.evals[i] for i in sorted(rows.evals)]
+    series = {key: ([r["iter"] for r in steps if key in r], [r[key] for r in steps if key in r])
+              for key in ("loss", "lr", "tok_per_s")}
+    for key in ("train_loss", "val_loss"):
+        series[key] = ([r["iter"] for r in evals if key in r], [r[key] for r in evals if key in r])
+    resumed = [r["iter"] for r in rows.starts if r["run"] == "resumed"]
+    return series, resumed
+
+
+def draw(runs, smooth, title):
+    """The figure of {label: (series, resumed)}."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    panels = {"loss": axes[0, 0], "val_loss": axes[0, 1], "lr": axes[1, 0],
+              "tok_per_s": axes[1, 1]}
+    for n, (label, (series, resumed)) in enumerate(runs.items()):
+        color = f"C{n % 10}"
+        for key in ("loss", "tok_per_s"):
+            x, y = series[key]
+            if not x:
+                continue
+            window = smooth or max(1, len(x) // 50)
+            panels[key].plot(x, y, color=color, alpha=0.25, linewidth=0.8)
+            panels[key].plot(x, moving_average(y, window), color=color, linewidth=1.5,
+                             label=label if key == "loss" else None)
+        x, y = series["train_loss"]
+        panels["loss"].plot(x, y, color=color, linestyle="--", marker=".", linewidth=1)
+        x, y = series["val_loss"]
+        panels["val_loss"].plot(x, y, color=color, marker="o", markersize=3, label=label)
+        panels["lr"].plot(*series["lr"], color=color, label=label)
+        for ax in panels.values():
+            for i in resumed:
+                ax.axvline(i, color=color, linestyle=":", linewidth=1)
+    titles = {"loss": "loss (each step; dashed: train loss at evaluations)",
+              "val_loss": "val loss", "lr": "learning rate", "tok_per_s": "tokens / s"}
+    for key, ax in panels.items():
+        ax.set_title(titles[key], fontsize=10)
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("iter")
+    panels["loss"].legend(fontsize=8)
+    panels["lr"].ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", metavar="OUT_DIR",
+                        help="a run's out_dir (its metrics.jsonl); several for one figure")
+    parser.add_argument("--out", help="the PNG to write (default: OUT_DIR/curves.png for one "
+                                      "run, curves.png for several)")
+    parser.add_argument("--smooth", type=int, default=0,
+                        help="steps in the moving average (default 0: a fiftieth of the run)")
+    parser.add_argument("--title", default="", help="a title above the panels")
+    args = parser.parse_args(argv)
+    if args.smooth < 0:
+        raise UserError(f"--smooth={args.smooth} must be at least 0 (0: a fiftieth of the run)")
+    labels = [os.path.basename(os.path.normpath(r)) or r for r in args.runs]
+    if len(set(labels)) < len(labels):  # out/a and other/a: the paths tell them apart
+        labels = args.runs
+    runs = {label: curves(r) for label, r in zip(labels, args.runs)}
+    out = args.out or (os.path.join(args.runs[0], "curves.png") if len(args.runs) == 1
+                       else "curves.png")
+    fig = draw(runs, args.smooth, args.title)
+    tmp = fileio.tmp_path(out)
+    try:
+        fig.savefig(tmp, format="png", dpi=100)
+        fileio.publish(tmp, out)
+    except OSError as e:
+        raise UserError(f"could not write {out} ({e.strerror or e}): give --out a path in a "
+                        f"folder you can write to") from e
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    print(f"plot.py: wrote {out} ({', '.join(labels)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(errors.run(main, "plot.py", sys.argv[1:]))

@@ -1,0 +1,50 @@
+"""plot.py as the README runs it: one run's curves into out_dir/curves.png, several runs into one
+figure, a colour each; clear errors for what is not a run."""
+import numpy as np
+import pytest
+from matplotlib import image
+
+from conftest import TINY, fails, python
+
+BLUE, ORANGE = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)  # matplotlib's first two colours
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory, session_env, corpus):
+    root = tmp_path_factory.mktemp("plot")
+    runs = []
+    for name, lr in (("fast", "3e-3"), ("slow", "3e-4")):
+        out = root / name
+        python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
+               "--gradient_accumulation_steps=1", "--max_iters=30", "--eval_interval=10",
+               f"--learning_rate={lr}", f"--min_lr={lr}", env=session_env)
+        runs.append(out)
+    return runs
+
+
+def pixels_of(png, rgb):
+    picture = (image.imread(png)[..., :3] * 255).round().astype(int)
+    return int(np.all(np.abs(picture - rgb) <= 2, axis=-1).sum())
+
+
+def test_one_run_into_its_out_dir_and_several_into_one_figure(two_runs, env, tmp_path):
+    fast, slow = two_runs
+    p = python("plot.py", fast, env=env)
+    assert p.stdout.strip() == f"plot.py: wrote {fast / 'curves.png'} (fast)"
+    one = fast / "curves.png"
+    assert image.imread(one).shape[:2] == (700, 1100)
+    assert pixels_of(one, BLUE) > 1000 and pixels_of(one, ORANGE) == 0
+    both = tmp_path / "both.png"
+    python("plot.py", fast, slow, f"--out={both}", "--smooth=5", "--title=lr", env=env)
+    assert pixels_of(both, BLUE) > 1000 and pixels_of(both, ORANGE) > 1000
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_what_is_not_a_run(env, tmp_path):
+    message = fails("plot.py", tmp_path, env=env).stderr.strip()
+    assert message == (f"plot.py: error: cannot read {tmp_path}/metrics.jsonl (No such file "
+                       f"or directory): give the out_dir of a train.py run"), message
+    (tmp_path / "metrics.jsonl").write_text('{"run": "fresh", "iter": 0}\n')
+    message = fails("plot.py", tmp_path, env=env).stderr.strip()
+    assert message.startswith(f"plot.py: error: {tmp_path}/metrics.jsonl holds no step of a "
+                              f"run"), message
