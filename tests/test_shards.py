@@ -208,6 +208,73 @@ def test_a_stopped_sharded_prepare_resumes_and_writes_the_same_bytes(stop, env, 
     assert len(docs) == 12_000
 
 
+def start_and_kill(env, corpus_path, out_dir, *extra):
+    """A sharded prepare killed outright once it has published its second train shard."""
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "prepare.py"),
+                             f"--dataset={corpus_path}", f"--out_dir={out_dir}",
+                             "--tokenizer=gpt2", "--val_fraction=0.01", "--num_proc=1",
+                             *extra], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (out_dir / "train_000001.bin").exists():
+        assert proc.poll() is None and time.time() < deadline, "it ended before the kill"
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+
+
+def test_a_resume_after_the_corpus_changed_starts_over(env, tmp_path):
+    """Resumed with the old document count, it wrote other data than a fresh prepare does."""
+    docs, shard = tmp_path / "docs", ["--shard_tokens=50000"]
+    docs.mkdir()
+    for k in range(6):
+        write_corpus(docs / f"part{k}.jsonl", 400, seed=k)
+    out = tmp_path / "out"
+    start_and_kill(env, docs, out, *shard)
+    for k in range(3):
+        (docs / f"part{k + 3}.jsonl").unlink()
+    p = prepare_shards(env, docs, out, *shard)
+    assert f"prepare.py: {out} holds an interrupted run of a corpus that has changed since " \
+           f"(files added, removed or edited: corpus '6 files, " in p.stdout, p.stdout
+    assert "starting over" in p.stdout and "resuming" not in p.stdout
+    prepare_shards(env, docs, tmp_path / "fresh", *shard)
+    assert read_all(out) == read_all(tmp_path / "fresh")
+
+
+def test_a_sharded_prepare_never_starts_over_a_complete_output(env, tmp_path):
+    """Re-prepared with another seed and stopped at its first shard, it had deleted the old
+    meta.json and replaced a shard: neither dataset was left. Now it is refused before it
+    touches anything; the same command again has nothing to do."""
+    write_corpus(tmp_path / "docs.jsonl", 2000)
+    out, shard = tmp_path / "out", ["--shard_tokens=50000"]
+    prepare_shards(env, tmp_path / "docs.jsonl", out, *shard)
+    before = read_all(out)
+    message = fails("prepare.py", f"--dataset={tmp_path / 'docs.jsonl'}", f"--out_dir={out}",
+                    "--tokenizer=gpt2", "--val_fraction=0.01", "--num_proc=1", "--seed=7",
+                    *shard, env=env).stderr.strip().splitlines()[-1]
+    assert message == (
+        f"prepare.py: error: {out} holds a complete prepared dataset ({out / 'meta.json'}: "
+        f"'gpt2' tokens of '{tmp_path / 'docs.jsonl'}', with other settings (seed 2357 then, 7 "
+        f"now)), which this sharded prepare would replace shard by shard, so that a stop "
+        f"midway would leave neither dataset. Remove it first (rm -r {out}), or give another "
+        f"--out_dir."), message
+    assert read_all(out) == before
+    p = prepare_shards(env, tmp_path / "docs.jsonl", out, *shard)
+    assert "already holds this output, complete" in p.stdout and read_all(out) == before
+
+
+def test_llmc_format_is_for_gpt2_tokens_only(env, tmp_path):
+    """Its header says GPT-2: byte ids in it were trained as GPT-2 tokens."""
+    write_corpus(tmp_path / "docs.jsonl", 100)
+    message = fails("prepare.py", f"--dataset={tmp_path / 'docs.jsonl'}", "--format=llmc",
+                    "--tokenizer=byte", f"--out_dir={tmp_path / 'out'}",
+                    env=env).stderr.strip().splitlines()[-1]
+    assert message.startswith("prepare.py: error: --format=llmc writes llm.c's GPT-2 shards, "
+                              "whose header (magic 20240520) says the ids are GPT-2's") and \
+        "'byte' ids (257 of them)" in message and "--format=raw" in message, message
+    assert not (tmp_path / "out").exists()
+
+
 def decoded_shards(out_dir):
     """Every document of both splits, decoded shard by shard: each holds whole documents."""
     tok = get_tokenizer("gpt2")
