@@ -10,6 +10,7 @@ logged agrees, else 1, naming the first step that differs.
 """
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -19,14 +20,26 @@ def steps(out_dir):
     path = os.path.join(out_dir, "metrics.jsonl")
     try:
         with open(path) as f:
-            for line in f:
-                row = json.loads(line)
-                if "batch_fp" in row:
-                    rows[row["iter"]] = row
+            lines = f.read().split("\n")
     except OSError as e:
         sys.exit(f"compare_runs.py: error: cannot read {path} ({e.strerror}): give the out_dir "
                  f"of a train.py run")
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line) if line.strip() else {}
+        except ValueError:  # a run killed while writing it cuts a line off (a resumed run
+            # then appends after it)
+            print(f"compare_runs.py: note: {path}, line {number} is not whole JSON (cut off "
+                  f"when a run was stopped?): left out", file=sys.stderr)
+            continue
+        if isinstance(row, dict) and "batch_fp" in row:
+            rows[row["iter"]] = row
     return rows
+
+
+def same(a, b):
+    """Equal, a NaN loss included: two runs that both diverged at a step agree there."""
+    return a == b or all(isinstance(x, float) and math.isnan(x) for x in (a, b))
 
 
 def main():
@@ -42,8 +55,8 @@ def main():
         sys.exit("compare_runs.py: error: the two runs have no logged step in common")
     for i in common:
         for key in keys:
-            if a[i][key] != b[i][key]:
-                print(f"first difference at iter {i}: {key} {a[i][key]} vs {b[i][key]}")
+            if not same(a[i].get(key), b[i].get(key)):
+                print(f"first difference at iter {i}: {key} {a[i].get(key)} vs {b[i].get(key)}")
                 return 1
     print(f"identical {' and '.join(keys)} over {len(common)} steps "
           f"(iter {common[0]} to {common[-1]})")

@@ -1,6 +1,7 @@
 """Faults survived and nothing lost: a killed rank, another world size on resume, killed or
 corrupt checkpoint writes, a full disk, a failing rank, NaN losses."""
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -93,6 +94,27 @@ def test_compare_runs_names_the_first_step_that_differs(env, corpus, tmp_path):
                                    "--init_from=resume", "--seed=5"), env=env)
     diff = compare(env, a, b)
     assert diff.returncode == 1 and "first difference at iter 2: batch_fp" in diff.stdout
+
+
+def test_compare_runs_counts_nan_losses_as_equal_and_leaves_out_a_cut_off_line(env, tmp_path):
+    """Two runs that diverged alike were 'first difference at iter 1: loss nan vs nan'; a
+    line cut off by a kill was a JSONDecodeError traceback."""
+    rows = [{"iter": i, "loss": 5.0 if i == 0 else float("nan"), "batch_fp": f"fp{i}"}
+            for i in range(3)]
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows))
+    with open(tmp_path / "b" / "metrics.jsonl", "a") as f:
+        f.write('{"iter": 3, "loss": 4.9, "batch_')  # killed mid-write
+    p = compare(env, tmp_path / "a", tmp_path / "b", "--losses")
+    assert p.returncode == 0 and "identical batch_fp and loss over 3 steps" in p.stdout, p
+    assert p.stderr == (f"compare_runs.py: note: {tmp_path / 'b' / 'metrics.jsonl'}, line 4 is "
+                        f"not whole JSON (cut off when a run was stopped?): left out\n")
+    rows[2]["loss"] = 4.0  # a number where the other diverged is a difference
+    (tmp_path / "a" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p = compare(env, tmp_path / "a", tmp_path / "b", "--losses")
+    assert p.returncode == 1 and "first difference at iter 2: loss 4.0 vs nan" in p.stdout
 
 
 def save_big_checkpoint(out_dir, iter_num):

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -351,3 +352,72 @@ def test_bad_llmc_shards_are_named(case, named, env, llmc_data, tmp_path):
     err = fails("train.py", f"--data_dir={folder}", f"--out_dir={tmp_path / 'out'}", *TINY,
                 "--max_iters=1", env=env).stderr
     assert all(n in err for n in named), err
+
+
+@pytest.fixture
+def byte_shards(env, tmp_path):
+    """A small corpus prepared with the byte tokenizer as shards of about 20,000 tokens."""
+    write_corpus(tmp_path / "docs.jsonl", 300)
+    out = tmp_path / "shards"
+    python("prepare.py", f"--dataset={tmp_path / 'docs.jsonl'}", f"--out_dir={out}",
+           "--tokenizer=byte", "--val_docs=20", "--num_proc=1", "--shard_tokens=20000",
+           env=env)
+    return out
+
+
+def unclear_folder(case, shards, llmc_data):
+    """A folder as the hostile probe left it, and the block_size it trains with."""
+    if case == "no meta.json":
+        (shards / "meta.json").unlink()
+    elif case == "a killed prepare's":
+        (shards / "meta.json").unlink()
+        (shards / "prepare.progress.json").write_text("{}")
+    elif case == "a listed shard deleted":
+        (shards / "train_000002.bin").unlink()
+    elif case == "shards shorter than a block":
+        return shards, 30000
+    else:
+        folder = Path(llmc_data)
+        if case == "a stray train.bin":
+            (folder / "train.bin").write_bytes(b"\0" * 1000)
+        else:  # "two llm.c datasets"
+            shutil.copy(folder / "fineweb_train_000002.bin",
+                        folder / "tinystories_train_000001.bin")
+        return folder, 32
+    return shards, 32
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no meta.json", "{d} holds shards (train_000000.bin and |more) but no meta.json, which "
+                     "lists each split's shards in order"),
+    ("a killed prepare's", "{d} holds an unfinished prepare: prepare.progress.json and the "
+                           "shards it has published so far, but no meta.json"),
+    ("a listed shard deleted", "{d}/train_000002.bin is listed in meta.json but does not "
+                               "exist: it was deleted or moved"),
+    ("shards shorter than a block", "and no window crosses from one shard into the next: "
+                                    "prepare the data again with larger shards "
+                                    "(--shard_tokens=30001 or more), or set block_size"),
+    ("a stray train.bin", "{d} holds llm.c shards (fineweb_train_000001.bin and 3 more) and a "
+                          "stray train.bin, but no val.bin"),
+    ("two llm.c datasets", "{d} holds llm.c shards of 2 datasets (fineweb_*, tinystories_*), "
+                           "which would be read as one train split"),
+])
+def test_what_a_shard_folder_lacks_is_said(case, message, env, byte_shards, llmc_data,
+                                           tmp_path):
+    """Each said `train.bin does not exist`, advised a smaller block_size, raised
+    FileNotFoundError, or read two datasets as one, while the folder told what was wrong."""
+    folder, block_size = unclear_folder(case, byte_shards, llmc_data)
+    err = fails("train.py", f"--data_dir={folder}", f"--out_dir={tmp_path / 'out'}", *TINY,
+                f"--block_size={block_size}", "--max_iters=1", env=env).stderr
+    assert all(part in err for part in message.format(d=folder).split("|")), err
+
+
+def test_a_gap_in_llmc_shard_numbers_is_noted_and_the_shards_counted(env, llmc_data, tmp_path):
+    os.rename(os.path.join(llmc_data, "fineweb_train_000002.bin"),
+              os.path.join(llmc_data, "fineweb_train_000004.bin"))
+    p = python("train.py", f"--data_dir={llmc_data}", f"--out_dir={tmp_path / 'out'}", *TINY,
+               "--max_iters=1", "--eval_iters=1", "--gradient_accumulation_steps=1", env=env)
+    assert f"data: note: the llm.c train shards in {llmc_data} skip 1 number(s) (000002): " \
+           f"read as they are, in name order." in p.stdout, p.stdout
+    assert f"data: train: the 3 shards fineweb_train_000001.bin to fineweb_train_000004.bin " \
+           f"in {llmc_data}, " in p.stdout
