@@ -52,7 +52,7 @@ def validation_size(cfg, given, n_docs, description):
                         f"document), which cannot be split into training and validation "
                         f"data: pass several files (a folder or a glob), or a .jsonl file "
                         f"with one document per line.")
-    if {"val_docs", "val_fraction"} <= given:
+    if {"val_docs", "val_fraction"} <= given.keys():
         raise UserError("--val_docs and --val_fraction both choose the validation documents: "
                         "give one of them.")
     n_val = cfg.val_docs or max(1, round(n_docs * cfg.val_fraction))

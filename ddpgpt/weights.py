@@ -15,7 +15,7 @@ checkpoints only, through checkpoint_at(), data_meta() and tokenizer_of().
 import os
 from typing import NamedTuple, Optional
 
-from ddpgpt import checkpoint, hf, tokenfile
+from ddpgpt import checkpoint, hf, optim, tokenfile
 from ddpgpt.errors import UserError
 from ddpgpt.settings import INIT_FROM
 from ddpgpt.tokenizer import GPT2_NAMES, Tokenizer, for_data, get_tokenizer
@@ -144,6 +144,7 @@ def check_resume(cfg, resume, meta, identity, n_sources, log):
             f"of {cfg.global_batch} (batch_size x gradient_accumulation_steps): resume with a "
             f"global batch that divides it.")
     check_same_data(cfg, resume.get("data_identity"), identity, log)
+    optim.check_extension(resume.get("config") or {}, cfg, resume["iter_num"], cfg.out_dir)
 
 
 def check_same_data(cfg, before, identity, log):

@@ -382,3 +382,19 @@ def test_a_nan_loss_stops_without_touching_the_last_good_checkpoint(env, corpus,
     for path in saved:
         state = torch.load(path, weights_only=True)
         assert all(torch.isfinite(v).all() for v in state["model"].values()), path
+
+
+def test_skipping_nan_steps_gives_up_when_it_cannot_recover(env, corpus, tmp_path):
+    """With weights gone non-finite, nan_policy='skip' skipped 29 of 30 steps, exited 0 with no
+    checkpoint, and said 'the previous ones are kept' when there were none."""
+    out = tmp_path / "out"
+    explode = ["--learning_rate=1e9", "--grad_clip=0", "--decay_lr=False", "--max_iters=30",
+               "--eval_interval=30", "--nan_policy=skip", "--gradient_accumulation_steps=1"]
+    err = fails("train.py", *train_args(corpus, out, *explode), env=env).stderr
+    assert re.search(r"train.py: error: nan_policy='skip' cannot recover at iter \d+: (the "
+                     r"weights themselves are no longer finite|10 steps in a row had a "
+                     r"non-finite loss or gradient norm), so every step from here on would be "
+                     r"skipped and nothing saved. There is no checkpoint in " +
+                     re.escape(str(out)) + r" yet: start again with a lower learning_rate",
+                     err), err
+    assert not checkpoint.list_checkpoints(str(out))
