@@ -31,6 +31,24 @@ def main(argv):
     ranks = runtime.ranks()
     log = runtime.logger(ranks, stream=sys.stderr)
     device = runtime.pick_device(cfg.device, ranks)
+    runtime.init_distributed(device, ranks.world_size, cfg.backend, cfg.dist_timeout_s)
+    try:  # every rank checks its start-up; rank 0 reports each problem once (runtime.agree)
+        cfg, model, loaded, ev = start_up(cfg, log)
+        error = None
+    except UserError as e:
+        error = str(e)
+    if not runtime.agree(error, ranks, "eval.py"):
+        return 1
+    results = evaluate(model.to(device), ev, ranks, runtime.precision(cfg.dtype, device), device)
+    if ranks.master:
+        print(summary(cfg, results, loaded.source, ev.hellaswag))
+        print(json.dumps({**results, "model": loaded.source}))
+    runtime.finish(ranks.world_size)
+    return 0
+
+
+def start_up(cfg, log):
+    """(the settings with the model's block_size, the model, weights.Loaded, the Evaluation)."""
     model, loaded = load_model(cfg, log)
     cfg = dataclasses.replace(cfg, block_size=cfg.block_size or loaded.args["block_size"])
     vocab_size = loaded.args["vocab_size"]
@@ -38,13 +56,7 @@ def main(argv):
         cfg.data_dir, "val", loaded.tokenizer, cfg.block_size, vocab_size, log)}
     ev = evaluation.make(val, cfg, vocab_size, loaded.tokenizer, cfg.hellaswag,
                          cfg.hellaswag_path, log)
-    runtime.init_distributed(device, ranks.world_size, cfg.backend, cfg.dist_timeout_s)
-    results = evaluate(model.to(device), ev, ranks, runtime.precision(cfg.dtype, device), device)
-    if ranks.master:
-        print(summary(cfg, results, loaded.source, ev.hellaswag))
-        print(json.dumps({**results, "model": loaded.source}))
-    runtime.finish(ranks.world_size)
-    return 0
+    return cfg, model, loaded, ev
 
 
 def load_model(cfg, log):

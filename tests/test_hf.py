@@ -227,6 +227,34 @@ def test_bad_weights(init_from, args, message, bad_folders, hf_folder, gpt2_data
     assert message in p.stderr.strip().splitlines()[-1], p.stderr
 
 
+def test_a_gpt2_folder_is_not_fine_tuned_on_other_tokens(hf_folder, corpus, tmp_path, env):
+    """By name (gpt2) this was refused; a folder of GPT-2's 50257 ids fine-tuned on byte ids,
+    each read as another GPT-2 token."""
+    p = fails("train.py", f"--init_from={hf_folder}", f"--data_dir={corpus}",
+              f"--out_dir={tmp_path}", *RUN, env=env)
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"train.py: error: {corpus} holds 'byte' tokens (257 ids), which the weights of "
+        f"{hf_folder} (50257 token ids, GPT-2's) cannot read: prepare the data with the "
+        f"tokenizer those weights were trained with (--tokenizer=gpt2 for OpenAI's GPT-2).")
+
+
+def test_a_fine_tune_into_another_runs_out_dir_says_to_use_a_new_one(hf_folder, gpt2_data,
+                                                                     corpus, tmp_path, env):
+    """It resumed the byte run's checkpoint there and failed on its vocab_size."""
+    out = tmp_path / "out"
+    python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
+           "--gradient_accumulation_steps=1", "--max_iters=1", "--eval_interval=1", env=env)
+    p = fails("train.py", f"--init_from={hf_folder}", f"--data_dir={gpt2_data}",
+              f"--out_dir={out}", *RUN, env=env)
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"train.py: error: {out} holds a checkpoint of another model (iter 1: n_layer=2, "
+        f"n_head=2, n_embd=32, vocab_size=320, trained on 'byte' tokens), not a fine-tune of "
+        f"{hf_folder} (n_layer=2, n_head=2, n_embd=32, vocab_size=50257): init_from="
+        f"{hf_folder} resumes the checkpoints in its out_dir, so that a restarted fine-tune "
+        f"goes on. Give this fine-tune a new out_dir, or use --init_from=resume to go on with "
+        f"that run.")
+
+
 @pytest.mark.parametrize("script", ["train.py", "sample.py"])
 def test_gpt2_offline_without_cached_weights(script, gpt2_data, tmp_path, env):
     env.update(HF_HOME=str(tmp_path / "empty_hf_home"), HF_HUB_OFFLINE="1")
