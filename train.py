@@ -235,6 +235,7 @@ def evaluate_and_save(run, may_save):
     one to keep (not the one just resumed from)."""
     cfg, progress = run.cfg, run.progress
     autocast = run.precision.autocast
+    watchdog.beat(progress.iter_num, doing="evaluation")  # a whole limit of its own
     results = evaluation.losses(run.eval_model, run.evaluation, run.ranks, autocast, run.device)
     if run.evaluation.hellaswag is not None and progress.iter_num % cfg.hellaswag_interval == 0:
         results.update(evaluation.hellaswag_scores(run.model, run.evaluation, run.ranks,
@@ -254,7 +255,7 @@ def evaluate_and_save(run, may_save):
 
 
 def save(run):
-    watchdog.beat(run.progress.iter_num)  # the save gets a whole limit of its own
+    watchdog.beat(run.progress.iter_num, doing="checkpoint save")  # a whole limit of its own
     t = time.perf_counter()
     state = checkpoint.contents(
         model=run.model, optimizer=run.optimizer, scaler=run.precision.scaler,

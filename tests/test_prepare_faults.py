@@ -211,3 +211,18 @@ def test_only_temporary_files_of_dead_writers_of_this_host_are_removed(tmp_path)
     assert fileio.remove_stale_temporaries(str(tmp_path)) == [names["dead"]]
     assert sorted(os.listdir(tmp_path)) == sorted(n for k, n in names.items() if k != "dead")
     assert fileio.tmp_path("d/train.bin") == f"d/train.bin.{os.getpid()}@{fileio.HOST}.tmp"
+
+
+@pytest.mark.parametrize("script", ["prepare.py", "train.py"])
+def test_a_folder_where_the_lock_file_goes_is_named(script, env, corpus, tmp_path):
+    """It said 'cannot write in <out_dir> (Is a directory)'."""
+    out = tmp_path / "out"
+    (out / lock.LOCK_NAME).mkdir(parents=True)
+    args = ([f"--dataset={write_jsonl(tmp_path / 'docs.jsonl', 20)}", "--tokenizer=byte",
+             "--val_docs=2", "--num_proc=1"] if script == "prepare.py" else
+            [f"--data_dir={corpus}", "--device=cpu"])
+    message = last_line(fails(script, *args, f"--out_dir={out}", env=env).stderr)
+    assert message == (f"{script}: error: {out / lock.LOCK_NAME} is a folder, where {script} "
+                       f"keeps its lock file (one writer per folder): it is not ddpgpt's. Move "
+                       f"or rename it, then run again."), message
+    assert os.listdir(out) == [lock.LOCK_NAME]
