@@ -3,6 +3,7 @@ export.py, and nanoGPT's checkpoints. The GPT-2s are small random ones made here
 needs the network."""
 import json
 import os
+import subprocess
 import sys
 import sysconfig
 
@@ -186,6 +187,30 @@ def test_a_byte_model_without_biases_exports_exactly(corpus, tmp_path, env):
     readme = (dest / "README.md").read_text()
     assert "list(text.encode('utf-8'))" in readme and "The 63 padding rows" in readme
     assert not os.path.exists(dest / "tokenizer.json")
+
+
+def test_two_exports_into_one_dest_and_a_users_dest_tmp(corpus, tmp_path, env):
+    """A folder of the user's named like export's temporary one is left alone (export's own
+    carries its pid and host), and the loser of two exports into one DEST is told so, not to
+    free space."""
+    out, dest = tmp_path / "out", tmp_path / "exported"
+    python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY, "--max_iters=1",
+           "--eval_interval=1", "--gradient_accumulation_steps=1", env=env)
+    (tmp_path / "exported.tmp").mkdir()
+    (tmp_path / "exported.tmp" / "notes.txt").write_text("mine")
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "export.py"), out, dest],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    ends = [p.communicate(timeout=600) for p in procs]
+    assert sorted(p.returncode for p in procs) == [0, 1], ends
+    loser = ends[[p.returncode for p in procs].index(1)][1].strip().splitlines()[-1]
+    assert loser.startswith((f"export.py: error: {dest} was made by another process while "
+                             f"this export wrote it (a second export.py into the same DEST?)",
+                             f"export.py: error: {dest} exists")), loser
+    assert "free space" not in loser and "Traceback" not in ends[0][1] + ends[1][1]
+    GPT2LMHeadModel.from_pretrained(dest)  # the winner's, whole
+    assert sorted(os.listdir(tmp_path)) == ["exported", "exported.tmp", "out"]
+    assert (tmp_path / "exported.tmp" / "notes.txt").read_text() == "mine"
 
 
 def test_sample_from_a_folder(hf_folder, env):
