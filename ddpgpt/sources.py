@@ -106,6 +106,22 @@ def identity(splits):
                           for t in mix.splits) for split, mix in splits.items()}
 
 
+def check_same_data(what, before, now, checkpoint, allow, log):
+    """Resuming "at the exact data position" of other data would be a silent lie: refuse it,
+    unless the user says the change is meant (allow). before, now: identity() of the data the
+    checkpoint (as the message names it) was trained on, and of this run's; what: the key
+    that names this run's data."""
+    if before is None or before == now:
+        return
+    if not allow:
+        raise UserError(
+            f"{what} is not the data {checkpoint} was trained on (tokens and fingerprint per "
+            f"split: {before} then, {now} now): point it at that data again, or pass "
+            f"--allow_data_change=True to go on from the same sample index in this data.")
+    log(f"warning: {what} is not the data {checkpoint} was trained on; going on from the "
+        f"same sample index in it, as allow_data_change=True asks")
+
+
 def same_on_all_ranks(identities, data_dir, ranks, script):
     """Every node must read the same token files, or the global batches are not one batch.
     identities: every rank's identity() (runtime.gather)."""

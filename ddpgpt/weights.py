@@ -15,7 +15,7 @@ checkpoints only, through checkpoint_at(), data_meta() and tokenizer_of().
 import os
 from typing import NamedTuple, Optional
 
-from ddpgpt import checkpoint, hf, optim, tokenfile
+from ddpgpt import checkpoint, hf, optim, sources, tokenfile
 from ddpgpt.errors import UserError
 from ddpgpt.settings import INIT_FROM
 from ddpgpt.tokenizer import GPT2_NAMES, Tokenizer, for_data, get_tokenizer
@@ -168,24 +168,10 @@ def check_resume(cfg, resume, meta, identity, n_sources, log):
             f"the checkpoint consumed {samples} samples, not a whole number of global batches "
             f"of {cfg.global_batch} (batch_size x gradient_accumulation_steps): resume with a "
             f"global batch that divides it.")
-    check_same_data(cfg, resume.get("data_identity"), identity, log)
-    optim.check_extension(resume.get("config") or {}, cfg, resume["iter_num"], cfg.out_dir)
-
-
-def check_same_data(cfg, before, identity, log):
-    """Resuming "at the exact data position" of other data would be a silent lie: refuse it,
-    unless the user says the change is meant."""
-    if before is None or before == identity:
-        return
     what = f"data_mix={cfg.data_mix!r}" if cfg.data_mix else f"data_dir={cfg.data_dir!r}"
-    if not cfg.allow_data_change:
-        raise UserError(
-            f"{what} is not the data the checkpoint in {cfg.out_dir} was trained on (tokens "
-            f"and fingerprint per split: {before} then, {identity} now): point it at that data "
-            f"again, or pass --allow_data_change=True to go on from the same sample index "
-            f"in this data.")
-    log(f"warning: {what} is not the data the checkpoint was trained on; going on from the "
-        f"same sample index in it, as allow_data_change=True asks")
+    sources.check_same_data(what, resume.get("data_identity"), identity,
+                            f"the checkpoint in {cfg.out_dir}", cfg.allow_data_change, log)
+    optim.check_extension(resume.get("config") or {}, cfg, resume["iter_num"], cfg.out_dir)
 
 
 # ---- sample.py, eval.py, export.py: a run, a checkpoint file, or GPT-2's weights ----
