@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from ddpgpt import fileio, lock
@@ -101,6 +102,29 @@ def test_sigterm_to_the_whole_process_group_never_hangs(env, tmp_path):
         assert last_line(stderr).startswith("prepare.py: interrupted (SIGTERM); this run's "
                                             "temporary files were removed, and the "), stderr
         assert not glob.glob(f"{out}/*.tmp") and not (out / lock.LOCK_NAME).exists()
+
+
+def test_a_worker_killed_outright_is_named_and_nothing_is_left(env, tmp_path):
+    """The OOM killer's SIGKILL to one tokenizer worker: the run ends at once with a line that
+    names it (multiprocessing.Pool would start another worker and lose its task's documents,
+    or hang), and cleans up as for a signal."""
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "prepare.py"), "--dataset=pystdlib",
+                          "--tokenizer=byte", "--num_proc=2", "--out_dir", out], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not any(os.path.getsize(f) for f in glob.glob(f"{out}/train.bin.*.tmp")):
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.05)
+    worker = psutil.Process(p.pid).children()[0]
+    worker.kill()
+    _, stderr = p.communicate(timeout=60)
+    assert p.returncode == 1 and "Traceback" not in stderr, stderr
+    assert last_line(stderr) == (
+        f"prepare.py: error: a worker process (pid {worker.pid}) was killed by SIGKILL (the "
+        f"system's OOM killer, when memory runs out: try a lower --num_proc), so its tasks are "
+        f"lost: run the same command again"), stderr
+    assert os.listdir(out) == []
 
 
 # ---- a full disk ----
