@@ -35,19 +35,26 @@ def last_line(stderr):
 
 # ---- stop signals ----
 
+def tokenizing(env, out, *launcher):
+    """prepare.py of the standard library on 2 workers, once it is writing tokens."""
+    p = subprocess.Popen([*launcher, sys.executable, os.path.join(ROOT, "prepare.py"),
+                          "--dataset=pystdlib", "--tokenizer=byte", "--num_proc=2",
+                          "--out_dir", out], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not any(os.path.getsize(f) for f in glob.glob(f"{out}/train.bin.*.tmp")):
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.05)
+    return p
+
+
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
                          ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_stopped_run_publishes_nothing_and_leaves_nothing(stop, env, tmp_path):
     """Ctrl-C, kill or a closed terminal while tokenizing: one line, the workers stopped
     quietly, the temporary files and the lock gone, no final-named file, status 128 + signal."""
     out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "prepare.py"), "--dataset=pystdlib",
-                          "--tokenizer=byte", "--num_proc=2", "--out_dir", out], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not any(os.path.getsize(f) for f in glob.glob(f"{out}/train.bin.*.tmp")):
-        assert p.poll() is None and time.time() < deadline, p.communicate()
-        time.sleep(0.05)
+    p = tokenizing(env, out)
     p.send_signal(stop)
     _, stderr = p.communicate(timeout=60)
     assert p.returncode == 128 + stop, stderr
@@ -62,14 +69,7 @@ def test_a_stopped_run_publishes_nothing_and_leaves_nothing(stop, env, tmp_path)
 def test_under_nohup_a_closed_terminal_does_not_stop_it(env, tmp_path):
     """nohup ignores SIGHUP so that a run outlives its terminal: prepare.py keeps it so."""
     out = tmp_path / "out"
-    p = subprocess.Popen(["nohup", sys.executable, os.path.join(ROOT, "prepare.py"),
-                          "--dataset=pystdlib", "--tokenizer=byte", "--num_proc=2",
-                          "--out_dir", out], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not any(os.path.getsize(f) for f in glob.glob(f"{out}/train.bin.*.tmp")):
-        assert p.poll() is None and time.time() < deadline, p.communicate()
-        time.sleep(0.05)
+    p = tokenizing(env, out, "nohup")
     p.send_signal(signal.SIGHUP)
     _, stderr = p.communicate(timeout=300)
     assert p.returncode == 0, stderr
@@ -109,13 +109,7 @@ def test_a_worker_killed_outright_is_named_and_nothing_is_left(env, tmp_path):
     names it (multiprocessing.Pool would start another worker and lose its task's documents,
     or hang), and cleans up as for a signal."""
     out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "prepare.py"), "--dataset=pystdlib",
-                          "--tokenizer=byte", "--num_proc=2", "--out_dir", out], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not any(os.path.getsize(f) for f in glob.glob(f"{out}/train.bin.*.tmp")):
-        assert p.poll() is None and time.time() < deadline, p.communicate()
-        time.sleep(0.05)
+    p = tokenizing(env, out)
     worker = psutil.Process(p.pid).children()[0]
     worker.kill()
     _, stderr = p.communicate(timeout=60)
