@@ -10,6 +10,7 @@ said so); where a resumed run took steps again, its rows count (ddpgpt/metrics.p
 Exits 0 when every step both runs logged agrees, else 1, naming the first step that differs.
 """
 import argparse
+import math
 import sys
 
 from ddpgpt import errors, metrics
@@ -23,6 +24,11 @@ def steps(out_dir):
         print(f"{out_dir}: the last run's steps (its metrics.jsonl holds {rows.earlier} rows "
               f"of earlier runs before them)")
     return {i: r for i, r in rows.steps.items() if "batch_fp" in r}
+
+
+def same(a, b):
+    """Equal, a NaN loss included: two runs that both diverged at a step agree there."""
+    return a == b or all(isinstance(x, float) and math.isnan(x) for x in (a, b))
 
 
 def main(argv):
@@ -39,8 +45,8 @@ def main(argv):
                         f"out_dirs of two runs that logged the same iters")
     for i in common:
         for key in keys:
-            if a[i][key] != b[i][key]:
-                print(f"first difference at iter {i}: {key} {a[i][key]} vs {b[i][key]}")
+            if not same(a[i].get(key), b[i].get(key)):
+                print(f"first difference at iter {i}: {key} {a[i].get(key)} vs {b[i].get(key)}")
                 return 1
     print(f"identical {' and '.join(keys)} over {len(common)} steps "
           f"(iter {common[0]} to {common[-1]})")

@@ -33,6 +33,25 @@ def main(argv):
     ranks = runtime.ranks()
     log = runtime.logger(ranks, stream=sys.stderr)
     device = runtime.pick_device(cfg.device, ranks)
+    runtime.init_distributed(device, ranks.world_size, cfg.backend, cfg.dist_timeout_s)
+    try:  # every rank checks its start-up; rank 0 reports each problem once (runtime.agree)
+        cfg, model, loaded, ev, where = start_up(cfg, given, log)
+        error = None
+    except UserError as e:
+        error = str(e)
+    if not runtime.agree(error, ranks, "eval.py"):
+        return 1
+    results = evaluate(model.to(device), ev, ranks, runtime.precision(cfg.dtype, device), device)
+    if ranks.master:
+        print(summary(cfg, results, loaded.source, where, ev.hellaswag))
+        print(json.dumps({**results, "model": loaded.source}))
+    runtime.finish(ranks.world_size)
+    return 0
+
+
+def start_up(cfg, given, log):
+    """(the settings as the checkpoint trained with, the model, weights.Loaded, the Evaluation,
+    where its val split comes from)."""
     model, loaded = load_model(cfg, log)
     trained = (loaded.state or {}).get("config") or {}  # the run's settings; {} for HF weights
     cfg = as_trained(cfg, trained, loaded.args["block_size"])
@@ -45,13 +64,7 @@ def main(argv):
         raise UserError(f"there is nothing to evaluate: hellaswag=False, and {cfg.init_from} "
                         f"comes with no data for the val loss: give --data_dir=<a folder of "
                         f"its tokens>.")
-    runtime.init_distributed(device, ranks.world_size, cfg.backend, cfg.dist_timeout_s)
-    results = evaluate(model.to(device), ev, ranks, runtime.precision(cfg.dtype, device), device)
-    if ranks.master:
-        print(summary(cfg, results, loaded.source, where, ev.hellaswag))
-        print(json.dumps({**results, "model": loaded.source}))
-    runtime.finish(ranks.world_size)
-    return 0
+    return cfg, model, loaded, ev, where
 
 
 def as_trained(cfg, trained, positions):

@@ -90,8 +90,14 @@ def write(dest, state, path, tok):
             f.write(readme(state, path, tok, dest))
         fileio.publish_folder(tmp, dest)
     except OSError as e:
-        raise UserError(f"could not write {dest} ({e}); nothing is left there: free space or "
-                        f"give another DEST.") from e
+        if os.path.lexists(dest):  # it was not there when this export began
+            raise UserError(f"{dest} was made by another process while this export wrote it "
+                            f"(a second export.py into the same DEST?), and export.py never "
+                            f"writes over a folder: this export's copy was removed, and {dest} "
+                            f"is the other's. Remove it and run again, or give another "
+                            f"DEST.") from e
+        raise UserError(f"could not write {dest} ({fileio.disk_full(e, dest) or e}); nothing is "
+                        f"left there: free space or give another DEST.") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -30,17 +30,15 @@ import math
 import os
 import sys
 import time
-from collections import deque
-from multiprocessing import Pool
 
 import numpy as np
 from tqdm import tqdm
 
-from ddpgpt import configurator, corpus, data, errors, fileio, lock, signals, tokenfile
+from ddpgpt import configurator, corpus, data, errors, fileio, lock, signals, tokenfile, workers
 from ddpgpt.errors import UserError
 from ddpgpt.settings import PrepareConfig
 from ddpgpt.signals import Interrupted
-from ddpgpt.tokenizer import get_tokenizer
+from ddpgpt.tokenizer import GPT2_NAMES, get_tokenizer
 
 CHUNK_CHARS = 1 << 20  # text sent to a worker at a time: big enough to amortise the pickling
 
@@ -54,7 +52,7 @@ def validation_size(cfg, given, n_docs, description):
                         f"document), which cannot be split into training and validation "
                         f"data: pass several files (a folder or a glob), or a .jsonl file "
                         f"with one document per line.")
-    if {"val_docs", "val_fraction"} <= given:
+    if {"val_docs", "val_fraction"} <= given.keys():
         raise UserError("--val_docs and --val_fraction both choose the validation documents: "
                         "give one of them.")
     n_val = cfg.val_docs or max(1, round(n_docs * cfg.val_fraction))
@@ -97,7 +95,6 @@ _tokenizer = None  # each worker's own
 
 
 def init_worker(tokenizer_name):
-    signals.worker_signals()
     global _tokenizer
     _tokenizer = get_tokenizer(tokenizer_name)
 
@@ -116,18 +113,6 @@ def encode_chunk(task):
     dtype = tokenfile.token_dtype(_tokenizer.vocab_size)
     return {split: (np.array(ids, dtype=dtype), lengths, where)
             for split, (ids, lengths, where) in out.items()}
-
-
-def ordered_map(pool, fn, items, ahead):
-    """pool.imap, reading at most `ahead` items ahead of the results: imap's feeder thread
-    would pull the whole corpus into memory whenever reading is faster than encoding."""
-    pending = deque()
-    for item in items:
-        pending.append(pool.apply_async(fn, (item,)))
-        if len(pending) >= ahead:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
 
 
 # ---- output: each file written under a temporary name and renamed when complete ----
@@ -213,9 +198,10 @@ class SplitWriter:
 
 # ---- resuming: prepare.progress.json, rewritten after each published shard ----
 
-def output_settings(cfg, llmc_name):
-    """What decides the bytes of the output: a run resumes only with the same."""
-    return {"dataset": cfg.dataset, "hub_config": cfg.hub_config or None,
+def output_settings(cfg, llmc_name, docs):
+    """What decides the bytes of the output: a run resumes only with the same, corpus
+    included (the same files, of the same sizes and times: corpus.files_identity)."""
+    return {"corpus": docs.identity, "dataset": cfg.dataset, "hub_config": cfg.hub_config or None,
             "text_column": cfg.text_column, "tokenizer": cfg.tokenizer,
             "val_fraction": cfg.val_fraction, "val_docs": cfg.val_docs or None, "seed": cfg.seed,
             "shard_tokens": cfg.shard_tokens, "format": cfg.format, "llmc_name": llmc_name,
@@ -241,13 +227,25 @@ def read_progress(out_dir, settings):
         print(f"prepare.py: resuming an interrupted run in {out_dir}: "
               f"{len(shards)} complete shard(s) kept")
         return progress
-    print(f"prepare.py: {out_dir} holds an interrupted run with other settings, or with "
-          f"shards missing or changed: starting over")
+    why = differences(progress["settings"], settings) if intact else \
+        "whose shards are missing or changed"
+    print(f"prepare.py: {out_dir} holds an interrupted run {why}: starting over")
     for s in shards:
         if os.path.isfile(os.path.join(out_dir, s["file"])):
             os.remove(os.path.join(out_dir, s["file"]))
     os.remove(path)
     return None
+
+
+def differences(before, now):
+    """How the settings of an interrupted run differ from this one's, for the log."""
+    if not isinstance(before, dict):
+        return "whose settings are not recorded"
+    changed = [k for k in now if before.get(k) != now[k]]
+    detail = "; ".join(f"{k} {before.get(k)!r} then, {now[k]!r} now" for k in changed)
+    if "corpus" in changed:
+        return f"of a corpus that has changed since (files added, removed or edited: {detail})"
+    return f"with other settings ({detail})"
 
 
 def save_progress(out_dir, settings, counts, writers):
@@ -262,21 +260,46 @@ def write_tokens(writers, texts, counts, n_val, cfg, on_publish):
                 for split, w in writers.items()}
     done = sum(s["documents"] for w in writers.values() for s in w.shards)
     work = chunks(texts, counts["documents"], n_val, data.hash_key(cfg.seed), next_doc)
-    with Pool(cfg.num_proc, init_worker, (cfg.tokenizer,)) as pool, \
+    with workers.ordered_map(encode_chunk, work, cfg.num_proc, init_worker,
+                             (cfg.tokenizer,)) as results, \
             tqdm(total=counts["documents"], initial=done, desc="tokenizing",
                  unit=" docs") as bar:
-        for result in ordered_map(pool, encode_chunk, work, ahead=2 * cfg.num_proc):
+        for result in results:
             for split, tokens in result.items():
                 writers[split].write(*tokens, on_publish)
             bar.update(sum(len(lengths) for _, lengths, _ in result.values()))
 
 
+def complete_output(out_dir, settings):
+    """Does out_dir hold this very output, complete (the same settings, the same corpus)? A
+    sharded run publishes each shard as it completes, over the shard of that name, so it must
+    not start over another complete output: stopped midway, it would leave neither."""
+    meta_path = os.path.join(out_dir, tokenfile.META_NAME)
+    if not os.path.exists(meta_path):
+        return False
+    meta = tokenfile.read_meta(out_dir)
+    if meta.get("prepared_with") == settings:
+        return True
+    how = differences(meta.get("prepared_with"), settings)
+    raise UserError(
+        f"{out_dir} holds a complete prepared dataset ({meta_path}: {meta.get('tokenizer')!r} "
+        f"tokens of {meta.get('source')!r}, {how}), which this sharded prepare would replace shard by shard, so that a stop midway "
+        f"would leave neither dataset. Remove it first (rm -r {out_dir}), or give another "
+        f"--out_dir.")
+
+
 def prepare(cfg, given):
-    """(out_dir, meta.json's splits, the corpus's counts) of a complete prepare."""
+    """(out_dir, meta.json's splits, the corpus's counts) of a complete prepare; splits and
+    counts are None when out_dir already held its output."""
     tokenizer = get_tokenizer(cfg.tokenizer)
-    if cfg.format == "llmc" and tokenizer.vocab_size > 2**16:
-        raise UserError(f"--format=llmc holds uint16 GPT-2 tokens; {cfg.tokenizer!r} has "
-                        f"{tokenizer.vocab_size} ids: use --format=raw.")
+    if cfg.format == "llmc" and tokenizer.name not in GPT2_NAMES:
+        # llm.c's header names no tokenizer: its magic says uint16 GPT-2 ids
+        raise UserError(f"--format=llmc writes llm.c's GPT-2 shards, whose header (magic "
+                        f"{tokenfile.LLMC_MAGIC}) says the ids are GPT-2's: llm.c, "
+                        f"modded-nanogpt and train.py would read {cfg.tokenizer!r} ids "
+                        f"({tokenizer.vocab_size} of them) as GPT-2 tokens. Use "
+                        f"--tokenizer=gpt2, or --format=raw, whose meta.json names the "
+                        f"tokenizer.")
     docs = corpus.open_corpus(cfg.dataset, cfg.text_column, cfg.num_proc, cfg.streaming,
                               cfg.hub_config)
     out_dir = cfg.out_dir or os.path.join("data", docs.name)
@@ -287,13 +310,16 @@ def prepare(cfg, given):
                         f"outside it, or a folder inside it (which prepare.py skips when it "
                         f"reads the corpus).")
     llmc_name = docs.name.replace("_", "-")  # llm.c's names are <name>_<split>_<index>.bin
-    settings = output_settings(cfg, llmc_name)
+    settings = output_settings(cfg, llmc_name, docs)
     with lock.locked(out_dir, "prepare.py"):  # a second prepare would destroy this one's output
         stale = fileio.remove_stale_temporaries(out_dir)
         if stale:
             print(f"prepare.py: removed {len(stale)} temporary file(s) that a killed run left "
                   f"in {out_dir}")
         progress = read_progress(out_dir, settings)
+        if progress is None and (cfg.shard_tokens or cfg.format == "llmc") and \
+                complete_output(out_dir, settings):
+            return out_dir, None, None
         counts = progress["counts"] if progress else docs.count()
         n_val = validation_size(cfg, given, counts["documents"], docs.description)
         published = (progress or {}).get("splits", {})
@@ -320,7 +346,7 @@ def write_outputs(out_dir, writers, tokenizer, docs, counts, n_val, cfg, setting
             val_selection=f"non-empty document d (from 0, in corpus order) is in val iff "
                           f"data.permute(d, {counts['documents']}, data.hash_key({cfg.seed})) "
                           f"< {n_val}",
-            skipped_empty_documents=counts["empty"],
+            skipped_empty_documents=counts["empty"], prepared_with=settings,
             skipped_undecodable_files=counts["undecodable"],
             **({"format": "llmc"} if cfg.format == "llmc" else {}),
             **({"shard_tokens": cfg.shard_tokens} if cfg.shard_tokens else {}))
@@ -365,6 +391,11 @@ def main(argv):
     t0 = time.time()
     try:
         out_dir, splits, counts = prepare(cfg, given)
+        if splits is None:
+            print(f"prepare.py: {out_dir} already holds this output, complete (its "
+                  f"{tokenfile.META_NAME} was made with the same settings from the same "
+                  f"corpus files): nothing to do")
+            return 0
     except OSError as e:  # a disk's error reading the corpus or writing: what it said
         raise UserError(str(e)) from e
     except Interrupted as e:  # the shell's convention: 128 + the signal's number

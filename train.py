@@ -34,6 +34,10 @@ from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import TrainConfig
 
 SPIKE_WINDOW, SPIKE_WARMUP = 100, 20  # steps a spike is judged against; fewer: no judging
+# a spread below this share of the mean counts as this share: after a flat history (lr=0,
+# say) any rise would be infinitely many standard deviations
+SPIKE_MIN_SPREAD = 1e-3
+NAN_STREAK = 10  # nan_policy='skip' gives up after this many non-finite steps in a row
 
 
 @dataclass
@@ -124,7 +128,7 @@ def start_up(cfg, given, ranks, log):
     GPT-2's, or none) and the model, each checked. Runs no collective, so that every rank gets
     to agree() with its error, if any."""
     cfg.micro_steps(ranks.world_size)  # the global batch must share out over the ranks
-    data_sources = sources.of(cfg, given)
+    cfg, data_sources = sources.of(cfg, given, log)
     meta = sources.read_meta(data_sources)
     start = weights.for_training(cfg, given, meta, log)
     # the configuration says what is trained (the architecture of the weights resumed or
@@ -197,7 +201,7 @@ def train(run, stop_signals):
     start_iter = progress.iter_num
     history = deque(maxlen=SPIKE_WINDOW)  # (loss, gradient norm) of the last applied steps
     # ---------------------------------------------------------------- TRAINING LOOP BEGIN
-    t_last = time.perf_counter()
+    t_last, skipped = time.perf_counter(), 0  # non-finite steps skipped in a row
     while True:
         if progress.iter_num % cfg.eval_interval == 0 or progress.iter_num >= cfg.max_iters \
                 or cfg.eval_only:
@@ -210,6 +214,9 @@ def train(run, stop_signals):
         t_now = time.perf_counter()
         dt, t_last = t_now - t_last, t_now
         report_step(run, step, dt, first=progress.iter_num == start_iter)
+        skipped = skipped + 1 if step.row.get("skipped") == "non-finite" else 0
+        if skipped:
+            check_skipping(run, skipped)
         progress.iter_num += 1
         progress.samples += cfg.global_batch
         watchdog.beat(progress.iter_num, step_s=dt)
@@ -231,6 +238,7 @@ def evaluate_and_save(run, may_save):
     one to keep (not the one just resumed from)."""
     cfg, progress = run.cfg, run.progress
     autocast = run.precision.autocast
+    watchdog.beat(progress.iter_num, doing="evaluation")  # a whole limit of its own
     results = evaluation.losses(run.eval_model, run.evaluation, run.ranks, autocast, run.device)
     if run.evaluation.hellaswag is not None and progress.iter_num % cfg.hellaswag_interval == 0:
         results.update(evaluation.hellaswag_scores(run.model, run.evaluation, run.ranks,
@@ -240,15 +248,17 @@ def evaluate_and_save(run, may_save):
     improved = results["val_loss"] < progress.best_val
     progress.best_val = min(progress.best_val, results["val_loss"])  # a NaN leaves it
     if not all(map(math.isfinite, results.values())):
+        kept = "the previous ones are kept" if checkpoint.list_checkpoints(cfg.out_dir) else \
+            f"and there is none in {cfg.out_dir} yet"
         run.log(f"warning: non-finite evaluation loss at iter {progress.iter_num}: no "
-                f"checkpoint written, the previous ones are kept")
+                f"checkpoint written, {kept}")
     elif run.ranks.master and may_save and (
             improved or cfg.always_save_checkpoint or progress.iter_num >= cfg.max_iters):
         save(run)
 
 
 def save(run):
-    watchdog.beat(run.progress.iter_num)  # the save gets a whole limit of its own
+    watchdog.beat(run.progress.iter_num, doing="checkpoint save")  # a whole limit of its own
     t = time.perf_counter()
     state = checkpoint.contents(
         model=run.model, optimizer=run.optimizer, scaler=run.precision.scaler,
@@ -345,8 +355,9 @@ def step_problem(cfg, loss, grad_norm, history, fp16):
         return None
     for name, value, seen in (("loss", loss, [h[0] for h in history]),
                               ("gradient norm", grad_norm, [h[1] for h in history])):
-        mean, spread = statistics.fmean(seen), statistics.pstdev(seen)
-        if value > mean + cfg.spike_zscore * spread:
+        mean = statistics.fmean(seen)
+        spread = max(statistics.pstdev(seen), SPIKE_MIN_SPREAD * abs(mean))
+        if spread > 0 and value > mean + cfg.spike_zscore * spread:
             return (f"{name} spike: {value:.4g}, {(value - mean) / spread:.1f} standard "
                     f"deviations above the last {len(seen)} steps' {mean:.4g}")
     return None
@@ -366,6 +377,24 @@ def skip_or_stop(cfg, log, problem, iter_num, loss, batch_fp):
                         f"dtype=bfloat16, and check the data at that batch; nan_policy='skip' "
                         f"skips such steps.")
     log(f"warning: {what}: step skipped (nan_policy='skip')")
+
+
+def check_skipping(run, skipped):
+    """nan_policy='skip' skips a bad batch; it cannot mend weights that are no longer finite
+    (an applied step overflowed them), nor a run whose every batch is now non-finite: such a
+    run would skip to its end and save nothing."""
+    params = list(run.model.parameters())
+    finite = bool(torch.stack([p.isfinite().all() for p in params]).all())
+    if finite and skipped < NAN_STREAK:
+        return
+    why = ("the weights themselves are no longer finite" if not finite else
+           f"{skipped} steps in a row had a non-finite loss or gradient norm")
+    saved = checkpoint.list_checkpoints(run.cfg.out_dir)
+    where = (f"The last checkpoint is {saved[0]}: resume from it (--init_from=resume)" if saved
+             else f"There is no checkpoint in {run.cfg.out_dir} yet: start again")
+    raise UserError(f"nan_policy='skip' cannot recover at iter {run.progress.iter_num}: {why}, "
+                    f"so every step from here on would be skipped and nothing saved. {where} "
+                    f"with a lower learning_rate, grad_clip=1.0 or dtype=bfloat16.")
 
 
 # ---- what a step reports ----

@@ -146,15 +146,16 @@ def arguments(argv, hints):
 
 
 def parse_given(config_cls, argv, script):
-    """(the configuration, the keys that config files and arguments set): a run that takes its
-    architecture from weights must tell a key the user chose from a default. -h or --help
-    prints the keys and exits, as argparse does."""
+    """(the configuration, {each key that config files and arguments set: where it was last
+    set}, in the order they were last set): a run that takes its architecture from weights
+    must tell a key the user chose from a default, and one of two keys that replace each other
+    (data_dir, data_mix) the later. -h or --help prints the keys and exits, as argparse does."""
     if any(arg in HELP for arg in argv):
         print(help_text(config_cls, script))
         raise SystemExit(0)
     hints = typing.get_type_hints(config_cls)
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
-    values = {}
+    values, given = {}, {}
     for key, raw, where in arguments(argv, hints):
         pairs = read_config_file(raw).items() if key is None else [(key, raw)]
         for name, value in pairs:
@@ -167,7 +168,9 @@ def parse_given(config_cls, argv, script):
                 values[name] = check_value(fields[name], hints[name], value)
             except UserError as e:
                 raise UserError(f"{where}: {e}") from None
-    return config_cls(**values), frozenset(values)
+            given.pop(name, None)
+            given[name] = where
+    return config_cls(**values), given
 
 
 def parse(config_cls, argv, script):

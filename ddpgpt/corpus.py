@@ -12,6 +12,7 @@ string per document (None for a file that cannot be decoded), and a function tha
                   than the disk; each pass streams it again); local .parquet files stream too
 """
 import glob
+import hashlib
 import io
 import itertools
 import json
@@ -24,14 +25,13 @@ import sysconfig
 import tarfile
 import tokenize
 from collections import Counter
-from multiprocessing import Pool
 from typing import Callable, NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from ddpgpt import lock, signals, tokenfile
+from ddpgpt import lock, tokenfile, workers
 from ddpgpt.errors import UserError
 
 EXTENSIONS = (".txt", ".jsonl", ".json", ".parquet")
@@ -413,13 +413,26 @@ class Corpus(NamedTuple):
     description: str  # what it is, for the log and meta.json
     documents: Callable  # () -> an iterator of the documents, in corpus order
     count: Callable  # () -> {"documents": non-empty ones, "empty": ..., "undecodable": ...}
+    identity: str = ""  # what it is now (files_identity), so that a resume sees a change; ''
+    # where that cannot be told without reading it all (a streamed hub dataset)
+
+
+def files_identity(paths):
+    """A corpus of files as a resumed prepare compares it: each file's path, size and
+    modification time (reading them would cost a whole pass). A file added, removed,
+    replaced or edited changes it."""
+    h = hashlib.blake2b(digest_size=16)
+    for path in paths:
+        info = os.stat(path)
+        h.update(f"{os.path.abspath(path)}\0{info.st_size}\0{info.st_mtime_ns}\n".encode())
+    return f"{len(paths)} files, {h.hexdigest()}"
 
 
 def openwebtext_corpus(name, archives, num_proc):
     return Corpus(name, f"OpenWebText, {len(archives)} archives in "
                         f"{os.path.dirname(archives[0])}",
                   lambda: (text for path in archives for text in archive_documents(path)),
-                  lambda: count_archives(archives, num_proc))
+                  lambda: count_archives(archives, num_proc), files_identity(archives))
 
 
 def open_corpus(dataset, column, num_proc, streaming=False, hub_config=""):
@@ -433,9 +446,9 @@ def open_corpus(dataset, column, num_proc, streaming=False, hub_config=""):
     return text_corpus(dataset, column)
 
 
-def counted(name, description, documents):
+def counted(name, description, documents, identity=""):
     """A Corpus whose documents are counted by reading them all once."""
-    return Corpus(name, description, documents, lambda: count_documents(documents))
+    return Corpus(name, description, documents, lambda: count_documents(documents), identity)
 
 
 def text_corpus(dataset, column):
@@ -446,14 +459,17 @@ def text_corpus(dataset, column):
         return Corpus("pystdlib", f"{len(files)} .py files of {root}",
                       lambda: map(python_source, files),
                       lambda: count_documents(lambda: map(python_source, files),
-                                              [os.path.relpath(p, root) for p in files]))
+                                              [os.path.relpath(p, root) for p in files]),
+                      files_identity(files))
     if os.path.exists(dataset) or glob.has_magic(dataset) or dataset.endswith(EXTENSIONS):
         files = local_files(dataset)
         return counted(local_name(dataset), f"{dataset}, {len(files)} file(s)",
-                       lambda: (doc for path in files for doc in file_documents(path, column)))
+                       lambda: (doc for path in files for doc in file_documents(path, column)),
+                       files_identity(files))
     ds = hub_dataset(dataset, column)
     return counted(dataset.split("/")[-1], f"hub dataset {dataset} ({len(ds):,} rows)",
-                   lambda: arrow_documents(ds.iter(batch_size=1024), column))
+                   lambda: arrow_documents(ds.iter(batch_size=1024), column),
+                   f"{len(ds)} rows, {ds.info.download_checksums}")
 
 
 def streamed_corpus(dataset, hub_config, column):
@@ -483,7 +499,8 @@ def streamed_corpus(dataset, hub_config, column):
     text_field(first, column, f"the first row of {dataset}")
     name = local_name(dataset) if local else (hub_config or dataset.split("/")[-1])
     return counted(name, f"{dataset}{f' ({hub_config})' if hub_config else ''}, streamed",
-                   lambda: (row[column] or "" for row in ds))
+                   lambda: (row[column] or "" for row in ds),
+                   files_identity(files) if local else "")
 
 
 # ---- pass 1: counting the documents ----
@@ -522,10 +539,12 @@ def count_archive(path):
 
 def count_archives(archives, num_proc):
     """count_documents for OpenWebText, one archive per process: decompressing is the work."""
-    counts = Counter()
-    with Pool(min(num_proc, len(archives)), signals.worker_signals) as pool, \
+    counts, num_proc = Counter(), min(num_proc, len(archives))
+    # in order, so that the first damaged archive is the one named
+    with workers.ordered_map(count_archive, archives, num_proc,
+                             ahead=-(-len(archives) // num_proc)) as results, \
             tqdm(total=len(archives), desc="counting documents", unit=" archives") as bar:
-        for n in pool.imap(count_archive, archives):  # in order: the first damaged one is named
+        for n in results:
             counts.update(n)
             bar.set_postfix(documents=f"{counts['documents']:,}")
             bar.update()

@@ -125,7 +125,9 @@ class Mixture(NamedTuple):
 def mixture(splits, weights=(1.0,), names=("",)):
     """A Mixture with these weights (shares of the samples), rounded to whole samples per
     MIX_BLOCK by largest remainder; one split alone is the plain case."""
-    exact = np.asarray(weights, dtype=np.float64) / np.sum(weights) * MIX_BLOCK
+    shares = np.asarray(weights, dtype=np.float64)
+    shares = shares / shares.max()  # first: the sum of weights near 1e308 would overflow
+    exact = shares / shares.sum() * MIX_BLOCK
     counts = np.floor(exact).astype(np.int64)
     counts[np.argsort(counts - exact, kind="stable")[:MIX_BLOCK - counts.sum()]] += 1
     if not counts.all():

@@ -23,6 +23,9 @@ from ddpgpt.errors import UserError
 from ddpgpt.tokenizer import GPT2_NAMES
 
 NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # nanoGPT's names for OpenAI's weights
+# (n_layer, n_head, n_embd, vocab_size) of each: nanoGPT's table, and GPT2Config's defaults
+SHAPES = {"gpt2": (12, 12, 768, 50257), "gpt2-medium": (24, 16, 1024, 50257),
+          "gpt2-large": (36, 20, 1280, 50257), "gpt2-xl": (48, 25, 1600, 50257)}
 HUB_ORG = "openai-community"  # the hub repository that holds them
 EOT = "<|endoftext|>"
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -119,6 +122,18 @@ def check_folder(folder):
         raise UserError(f"{folder} holds a {model_type!r} model (config.json's model_type), "
                         f"not a GPT-2, the one model model.py computes: give a GPT-2 folder "
                         f"or one of {', '.join(NAMES)}.")
+
+
+def shape(init_from):
+    """(n_layer, n_head, n_embd, vocab_size) of GPT-2 weights by name or folder, without
+    loading them (nor transformers): a folder's from its config.json."""
+    if init_from in NAMES:
+        return SHAPES[init_from]
+    check_folder(init_from)
+    with open(os.path.join(init_from, "config.json")) as f:
+        config = json.load(f)
+    return tuple(config.get(k, default) for k, default in
+                 zip(("n_layer", "n_head", "n_embd", "vocab_size"), SHAPES["gpt2"]))
 
 
 def repo_of(init_from):

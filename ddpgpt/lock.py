@@ -11,6 +11,7 @@ from ddpgpt.errors import UserError
 from ddpgpt.fileio import HOST, alive, disk_full
 
 LOCK_NAME = "ddpgpt.lock"
+_held = {}  # {path: open descriptor} of the locks this process holds, for release_held
 
 
 @contextlib.contextmanager
@@ -33,6 +34,9 @@ def locked(folder, script, log=print):
     it does not: programs that do not take it (rm, cp, an older ddpgpt), and readers (a
     train.py reading the data prepare.py is rewriting)."""
     path = os.path.join(folder, LOCK_NAME)
+    if os.path.isdir(path):
+        raise UserError(f"{path} is a folder, where {script} keeps its lock file (one writer "
+                        f"per folder): it is not ddpgpt's. Move or rename it, then run again.")
     try:
         os.makedirs(folder, exist_ok=True)
         fd = acquire(path, script, log)
@@ -40,12 +44,25 @@ def locked(folder, script, log=print):
         why = disk_full(e, folder) or e.strerror or str(e)
         raise UserError(f"cannot write in {folder} ({why}): choose a folder that you can create "
                         f"and write files in.") from e
+    _held[path] = fd
     try:
         yield
     finally:
-        if same_file(fd, path):  # removed while locked: whoever opens it next makes a new one
-            os.remove(path)
-        os.close(fd)
+        release(path, _held.pop(path))
+
+
+def release(path, fd):
+    if same_file(fd, path):  # removed while locked: whoever opens it next makes a new one
+        os.remove(path)
+    os.close(fd)
+
+
+def release_held():
+    """Release this process's locks now: for a process about to end with os._exit (the hang
+    watchdog), which runs no `finally`."""
+    for path in list(_held):
+        with contextlib.suppress(OSError, KeyError):
+            release(path, _held.pop(path))
 
 
 def acquire(path, script, log):

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from ddpgpt import configurator, hf
+from ddpgpt import configurator, hf, optim
 from ddpgpt.configurator import key
 from ddpgpt.errors import UserError
 
@@ -17,6 +17,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Backend = Literal["", "nccl", "gloo"]
 Sampling = Literal["epoch", "random"]
 INIT_FROM = ("scratch", "resume", "auto")  # train.py's; else GPT-2's weights
+YEAR_S = 365 * 24 * 3600  # a watchdog limit beyond it is an error, not an OverflowError; 0: off
 DEVICE_HELP = "auto: this rank's GPU when torch sees one, else cpu; cuda: cuda:<local rank>"
 DTYPE_HELP = "auto: bfloat16 on a GPU that has it natively, else float16; float32 on a CPU"
 LOAD_HELP = ("resume: out_dir's newest checkpoint (or out_dir is one checkpoint file); or "
@@ -95,9 +96,10 @@ class TrainConfig:
     dist_timeout_s: int = key(600, "how long a collective may wait before the run fails",
                               at_least=1)
     hang_timeout_s: int = key(300, "no step for max(this, 10 x the median step): each rank's "
-                                   "stacks, then exit (watchdog.py); 0: off", at_least=0)
+                                   "stacks, then exit (watchdog.py); 0: off", at_least=0,
+                              at_most=YEAR_S)
     startup_timeout_s: int = key(1800, "the same limit until the first step completes; 0: off",
-                                 at_least=0)
+                                 at_least=0, at_most=YEAR_S)
     seed: int = key(1337, "the data order, the initial weights and dropout", at_least=0)
 
     def __post_init__(self):
@@ -105,6 +107,15 @@ class TrainConfig:
         if self.n_embd % self.n_head:
             raise UserError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
         hf.check_init_from(self.init_from, INIT_FROM)
+        cooldown = optim.cooldown_start(self)
+        if self.decay_lr and self.lr_schedule == "wsd" and self.max_iters and \
+                not self.eval_only and self.warmup_iters > cooldown:
+            raise UserError(
+                f"lr_schedule='wsd': warmup_iters={self.warmup_iters} does not end before the "
+                f"cooldown, which starts at iter {cooldown} (the last cooldown_frac="
+                f"{self.cooldown_frac} of max_iters={self.max_iters}), so the learning rate "
+                f"would still be rising where it should decay: set warmup_iters to at most "
+                f"{cooldown}, or raise max_iters.")
 
     @property
     def global_batch(self):

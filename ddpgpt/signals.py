@@ -5,7 +5,7 @@ preemption), SIGHUP (a closed terminal) and SIGUSR1 (SLURM's warning before a ti
                     and rank 0 saves; a second Ctrl-C stops at once, unsaved
   prepare.py        raises Interrupted wherever the main process is, so that every way out
                     runs the cleanup that Ctrl-C runs (raise_on_stop_signals)
-  prepare's workers leave stopping to the main process (worker_signals)
+  prepare's workers ignore them: the main process ends them (workers.py)
 """
 import os
 import signal
@@ -52,12 +52,3 @@ def raise_on_stop_signals():
     for s in PREPARE_SIGNALS:
         if signal.getsignal(s) is not signal.SIG_IGN:
             signal.signal(s, stop)
-
-
-def worker_signals():
-    """A worker process leaves stopping to the main process, which terminates it: it ignores
-    Ctrl-C and a closed terminal, which reach the whole process group, and dies of SIGTERM
-    quietly, without the handler it inherited."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -2,6 +2,7 @@
 split opened as a data.Mixture of the sources' token files, and what that data is (its
 identity), which checkpoints keep and every rank must share.
 """
+import dataclasses
 import math
 import os
 import sys
@@ -20,15 +21,27 @@ class Source(NamedTuple):
     name: str  # in metrics: val_loss/<name>; '' for data_dir alone
 
 
-def of(cfg, given):
-    """The Sources of a run: data_mix's, else data_dir alone."""
+def of(cfg, given, log):
+    """(the settings, the Sources of a run): data_mix's, else data_dir alone. Each replaces the
+    other, so where both are set the later counts, as config files and arguments apply in
+    order (config/owt.py's data_dir, then --data_mix), with a note; set in one place (both
+    arguments, or one config file), they are an error."""
+    if "data_dir" in given and cfg.data_mix:
+        order = list(given)
+        later, earlier = sorted(("data_dir", "data_mix"), key=order.index, reverse=True)
+        if given[later].startswith("argument") and given[earlier].startswith("argument") or \
+                given[later] == given[earlier]:
+            raise UserError(
+                f"data_dir={cfg.data_dir!r} and data_mix={cfg.data_mix!r} are both set "
+                f"({given['data_dir']}, {given['data_mix']}): keep data_mix (each source and "
+                f"its weight) to train on the mixture, or drop it to train on data_dir alone.")
+        log(f"note: {later}={getattr(cfg, later)!r} ({given[later]}) replaces "
+            f"{earlier}={getattr(cfg, earlier)!r} ({given[earlier]})")
+        if later == "data_dir":
+            cfg = dataclasses.replace(cfg, data_mix="")
     if not cfg.data_mix:
-        return [Source(cfg.data_dir, 1.0, "")]
-    if "data_dir" in given:
-        raise UserError(f"data_dir={cfg.data_dir!r} and data_mix={cfg.data_mix!r} are both set: "
-                        f"keep data_mix (each source and its weight) to train on the mixture, "
-                        f"or drop it to train on data_dir alone.")
-    return parse_mix(cfg.data_mix)
+        return cfg, [Source(cfg.data_dir, 1.0, "")]
+    return cfg, parse_mix(cfg.data_mix)
 
 
 def parse_mix(data_mix):
@@ -91,6 +104,22 @@ def identity(splits):
     folder is called or its sources are weighed."""
     return {split: sorted([t.n_tokens, tokenfile.sampled_fingerprint(t.paths, t.header_bytes)]
                           for t in mix.splits) for split, mix in splits.items()}
+
+
+def check_same_data(what, before, now, checkpoint, allow, log):
+    """Resuming "at the exact data position" of other data would be a silent lie: refuse it,
+    unless the user says the change is meant (allow). before, now: identity() of the data the
+    checkpoint (as the message names it) was trained on, and of this run's; what: the key
+    that names this run's data."""
+    if before is None or before == now:
+        return
+    if not allow:
+        raise UserError(
+            f"{what} is not the data {checkpoint} was trained on (tokens and fingerprint per "
+            f"split: {before} then, {now} now): point it at that data again, or pass "
+            f"--allow_data_change=True to go on from the same sample index in this data.")
+    log(f"warning: {what} is not the data {checkpoint} was trained on; going on from the "
+        f"same sample index in it, as allow_data_change=True asks")
 
 
 def same_on_all_ranks(identities, data_dir, ranks, script):

@@ -43,6 +43,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 from typing import NamedTuple
 
 import numpy as np
@@ -236,10 +237,7 @@ def split_files(data_dir, split, meta):
     single = os.path.join(data_dir, f"{split}.bin")
     if os.path.isfile(single) or meta is None or meta.get("format") != "llmc":
         if not os.path.isfile(single):
-            raise UserError(
-                f"{single} does not exist (nor does {data_dir} hold {split} shards): make the "
-                f"token files with `{PREPARE_HINT.format(data_dir)}` or set data_dir to a folder "
-                f"that holds train.bin and val.bin, or llm.c shards *_train_*.bin and *_val_*.bin.")
+            raise UserError(missing_split(data_dir, split, meta))
         return [single], 0, [info["tokens"]] if "tokens" in info else None
     shards = llmc_shards(data_dir, split)
     if not shards:
@@ -249,6 +247,61 @@ def split_files(data_dir, split, meta):
             f"fineweb_val_000000.bin; copy it there, or make the data with `"
             f"{PREPARE_HINT.format(data_dir)} --format=llmc`.")
     return shards, LLMC_HEADER_BYTES, None
+
+
+def missing_split(data_dir, split, meta):
+    """Why <split>.bin is not there, as far as the folder tells: an unfinished prepare, shards
+    without their meta.json, llm.c shards beside a stray train.bin, or nothing at all."""
+    hint = PREPARE_HINT.format(data_dir)
+    progress = os.path.join(data_dir, PROGRESS_NAME)
+    ours = sorted(glob.glob(os.path.join(glob.escape(data_dir), f"{split}_[0-9]*.bin")))
+    llmc = [p for s in SPLITS for p in llmc_shards(data_dir, s)]
+    if meta is None and os.path.exists(progress):
+        return (f"{data_dir} holds an unfinished prepare: {PROGRESS_NAME} and the shards it "
+                f"has published so far, but no {META_NAME}, which prepare.py writes last. Run "
+                f"the prepare.py command that wrote it again: it resumes after those shards, "
+                f"and train.py reads the folder once it has finished.")
+    if meta is None and ours:
+        return (f"{data_dir} holds shards ({os.path.basename(ours[0])} and "
+                f"{len(ours) - 1} more) but no {META_NAME}, which lists each split's shards "
+                f"in order with their token counts and dtype: it was deleted, or the folder "
+                f"was copied without it. Put it back, or make the data again with `{hint} "
+                f"--shard_tokens=N`.")
+    if meta is None and llmc:
+        stray = [n for n in ("train.bin", "val.bin") if os.path.isfile(os.path.join(data_dir, n))]
+        return (f"{data_dir} holds llm.c shards ({os.path.basename(llmc[0])} and "
+                f"{len(llmc) - 1} more) and a stray {' and '.join(stray)}, but no {split}.bin: "
+                f"a folder with train.bin or val.bin is read as nanoGPT's train.bin and val.bin. "
+                f"Move {' and '.join(stray)} out of it to train on the llm.c shards, or the "
+                f"shards out to train on nanoGPT's files.")
+    return (f"{os.path.join(data_dir, split + '.bin')} does not exist (nor does {data_dir} hold "
+            f"{split} shards): make the token files with `{hint}` or set data_dir to a folder "
+            f"that holds train.bin and val.bin, or llm.c shards *_train_*.bin and *_val_*.bin.")
+
+
+def llmc_datasets(paths, split):
+    """The datasets' names of llm.c shards, <name>_<split>_<index>.bin."""
+    return sorted({os.path.basename(p).rsplit(f"_{split}_", 1)[0] for p in paths})
+
+
+def check_llmc_shards(data_dir, split, paths, log):
+    """llm.c shards of one dataset only (two would be read as one split, in name order), and
+    a notice where their numbering has gaps (a download that left some out?)."""
+    names = sorted({n for s in SPLITS for n in llmc_datasets(llmc_shards(data_dir, s), s)})
+    if len(names) > 1:
+        raise UserError(
+            f"{data_dir} holds llm.c shards of {len(names)} datasets ("
+            f"{', '.join(n + '_*' for n in names)}), which would be read as one {split} split: "
+            f"keep one dataset per folder, and train on several with "
+            f"data_mix='<folder>=<weight>,...'.")
+    numbers = sorted(int(m.group(1)) for p in paths
+                     if (m := re.search(r"_(\d+)\.bin$", os.path.basename(p))))
+    missing = sorted(set(range(numbers[0], numbers[-1] + 1)) - set(numbers)) if numbers else []
+    if missing:
+        shown = ", ".join(f"{i:06d}" for i in missing[:5]) + (", ..." if len(missing) > 5
+                                                              else "")
+        log(f"data: note: the llm.c {split} shards in {data_dir} skip {len(missing)} number(s) "
+            f"({shown}): read as they are, in name order. A download that left some out?")
 
 
 def check_llmc_header(path, n_tokens):
@@ -272,7 +325,12 @@ def check_llmc_header(path, n_tokens):
 
 def file_tokens(path, dtype, header_bytes, listed, hint):
     """The number of tokens in one file, checked against its size, header and meta.json."""
-    size = os.path.getsize(path) - header_bytes
+    try:
+        size = os.path.getsize(path) - header_bytes
+    except FileNotFoundError:  # split_files checked a single file: a shard meta.json lists
+        raise UserError(f"{path} is listed in {META_NAME} but does not exist: it was deleted or "
+                        f"moved after prepare.py wrote the folder. Restore it, or run `{hint}` "
+                        f"again.") from None
     if size < 0 or size % dtype.itemsize:
         raise UserError(
             f"{path} is {size + header_bytes} bytes, which is not "
@@ -302,10 +360,14 @@ def open_split(data_dir, split, block_size, vocab_size=None, log=print):
     elif meta.get("tokenizer") == "char":
         log(f"data: {data_dir} has nanoGPT's {NANOGPT_META}: {meta['vocab_size']} characters; "
             f"reading {split}.bin as uint16")
+    elif meta.get("format") == "llmc" and listed is None:
+        check_llmc_shards(data_dir, split, paths, log)
     dtype = np.dtype(meta["dtype"] if meta else np.uint16)
     counts = [file_tokens(p, dtype, header, None if listed is None else listed[k], hint)
               for k, p in enumerate(paths)]
     token_split = TokenSplit(tuple(paths), dtype, header, np.cumsum([0, *counts]))
+    if len(paths) > 1:
+        log(f"data: {split}: {describe(token_split)}, {token_split.n_tokens:,} tokens")
     expected = (meta or {}).get("splits", {}).get(split, {}).get("fingerprint")
     sizes = [n * dtype.itemsize for n in counts]
     if expected is not None and expected != sampled_fingerprint(paths, header, sizes):
@@ -334,13 +396,18 @@ def check_block_size(token_split, block_size):
     """A window (a block and its shifted target, block_size + 1 tokens) lies inside one file:
     at least one file must hold one, or sampling has nothing to draw from."""
     longest = int(np.diff(token_split.starts).max())
-    if longest < block_size + 1:
-        holds = f"{longest} tokens" if len(token_split.paths) == 1 else \
-            f"at most {longest} tokens a shard"
+    if longest < block_size + 1 and len(token_split.paths) == 1:
         raise UserError(
-            f"{describe(token_split)} holds {holds}, fewer than one block of "
+            f"{describe(token_split)} holds {longest} tokens, fewer than one block of "
             f"block_size={block_size} plus the shifted target: set block_size to at most "
             f"{max(longest - 1, 0)} or prepare more data.")
+    if longest < block_size + 1:
+        raise UserError(
+            f"{describe(token_split)} hold at most {longest} tokens a shard, fewer than one "
+            f"block of block_size={block_size} plus the shifted target, and no window crosses "
+            f"from one shard into the next: prepare the data again with larger shards "
+            f"(--shard_tokens={block_size + 1} or more), or set block_size to at most "
+            f"{max(longest - 1, 0)}.")
 
 
 def read(token_split, offsets, length):

@@ -31,7 +31,7 @@ import time
 import traceback
 from collections import deque
 
-from ddpgpt import fileio
+from ddpgpt import fileio, lock
 
 EXIT_CODE = 124  # as coreutils' timeout: the run timed out
 WARMUP_STEPS = 5  # compiling, allocator and autotuning make the first steps slow
@@ -56,11 +56,12 @@ def start(out_dir, rank, world_size, hang_timeout_s, startup_timeout_s):
         _watchdog = Watchdog(out_dir, rank, world_size, hang_timeout_s, startup_timeout_s)
 
 
-def beat(iter_num, step_s=None):
+def beat(iter_num, step_s=None, doing=None):
     """Progress: a step of step_s seconds completed (this rank is now at iter_num), or, with
-    no step_s, an evaluation or a save begins or ends."""
+    no step_s, an evaluation or a save begins (doing: 'evaluation', 'checkpoint save') or
+    ends."""
     if _watchdog is not None:
-        _watchdog.beat(iter_num, step_s)
+        _watchdog.beat(iter_num, step_s, doing)
 
 
 def stop():
@@ -88,13 +89,14 @@ class Watchdog:
         self.found = {}  # {rank: its report}, as they come in
         self.steps, self.step_times = 0, deque(maxlen=STEP_WINDOW)
         self.iter_num, self.limit = None, startup_timeout_s or None
+        self.doing = None  # what began at the last beat: an evaluation, a save, or steps
         self.last = time.monotonic()
         self.stopped = threading.Event()
         self.arm_backstop()
         threading.Thread(target=self.watch, name="hang-watchdog", daemon=True).start()
 
-    def beat(self, iter_num, step_s):
-        self.iter_num, self.last = iter_num, time.monotonic()
+    def beat(self, iter_num, step_s, doing):
+        self.iter_num, self.last, self.doing = iter_num, time.monotonic(), doing
         if step_s is not None:
             self.steps += 1
             if self.steps > WARMUP_STEPS:
@@ -115,6 +117,8 @@ class Watchdog:
                 self.fire(idle)
 
     def at(self):
+        if self.doing:
+            return f"the {self.doing} at iter {self.iter_num}"
         return "start-up" if self.steps == 0 else f"iter {self.iter_num}"
 
     def fire(self, idle):
@@ -124,6 +128,7 @@ class Watchdog:
             traceback.print_exc()
         self.say(f"exiting with code {EXIT_CODE}, so that torchrun or SLURM ends the run (and "
                  f"can restart it)")
+        lock.release_held()  # os._exit runs no cleanup
         os._exit(EXIT_CODE)
 
     def report(self, idle):
@@ -133,6 +138,10 @@ class Watchdog:
         self.say(stacks())
         where = where_now(threading.get_ident(), self.world_size)
         self.say(f"where: {where}")
+        if self.doing:
+            key = "startup_timeout_s" if self.steps == 0 else "hang_timeout_s"
+            self.say(f"the limit holds for each {self.doing} too: if it is only slow, raise "
+                     f"{key} above the time one takes")
         # the files may be on the mount that hangs: exit whether or not this finishes
         in_thread(lambda: self.share(where), REPORT_WAIT_S + 5)
 
@@ -268,14 +277,23 @@ def place(frame):
     frames = stack(frame)
     ours = next((f for f in frames if is_ours(f)), None)
     beyond = calling(frames[0]) if is_ours(frames[0]) else qualname(frames[0])
+    # an import (start-up, often) runs in frozen importlib frames: name the modules
+    loading = [f.f_locals.get("name") for f in frames[:frames.index(ours) if ours else None]
+               if f.f_code.co_name == "_find_and_load" and
+               f.f_code.co_filename.startswith("<frozen importlib")]
+    if loading:
+        beyond = f"import {loading[-1]}" + (f" (loading {loading[0]})" if len(loading) > 1
+                                            else "")
     if ours is None:
         return "", beyond
     return f"{os.path.basename(ours.f_code.co_filename)[:-3]}.{qualname(ours)}", beyond
 
 
 def is_ours(frame):
-    path = os.path.abspath(frame.f_code.co_filename)
-    return os.path.dirname(path) in OURS and os.path.basename(path) != "watchdog.py"
+    name = frame.f_code.co_filename  # '<frozen importlib._bootstrap>' is no file of ours
+    path = os.path.abspath(name)
+    return name.endswith(".py") and os.path.dirname(path) in OURS and \
+        os.path.basename(path) != "watchdog.py"
 
 
 def qualname(frame):

@@ -15,11 +15,12 @@ checkpoints only, through checkpoint_at(), data_meta() and tokenizer_of().
 import os
 from typing import NamedTuple, Optional
 
-from ddpgpt import checkpoint, hf, tokenfile
+from ddpgpt import checkpoint, hf, optim, sources, tokenfile
 from ddpgpt.errors import UserError
 from ddpgpt.settings import INIT_FROM
 from ddpgpt.tokenizer import GPT2_NAMES, Tokenizer, for_data, get_tokenizer
 
+GPT2_VOCAB_SIZE = 50257  # GPT-2's tokenizer: 256 bytes, 50,000 merges and end-of-text
 ARCHITECTURE = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
 
 
@@ -50,6 +51,8 @@ def for_training(cfg, given, meta, log):
     args = model_args(cfg, meta)
     resume = None if cfg.init_from == "scratch" else newest_checkpoint(cfg, log)
     if resume is not None:
+        if cfg.init_from not in INIT_FROM:
+            check_fine_tune(cfg, resume)
         args = take_architecture(cfg, given, args, resume["model_args"],
                                  f"the checkpoint in {cfg.out_dir}")
         return Start(resume, args, checkpoint.model_state(resume))
@@ -57,6 +60,24 @@ def for_training(cfg, given, meta, log):
     if cfg.init_from not in INIT_FROM:
         return Start(None, *pretrained(cfg, given, args, meta, log))
     return Start(None, args, None)
+
+
+def check_fine_tune(cfg, resume):
+    """The checkpoint that init_from=<GPT-2's weights> resumes must be of a fine-tune of them:
+    of their shape (its vocabulary may be padded), not another run's left in out_dir."""
+    keys = ("n_layer", "n_head", "n_embd", "vocab_size")
+    theirs, ours = hf.shape(cfg.init_from), tuple(resume["model_args"].get(k) for k in keys)
+    if ours[:3] == theirs[:3] and ours[3] is not None and 0 <= ours[3] - theirs[3] < 64:
+        return
+    data = (resume.get("data_meta") or {}).get("tokenizer")
+    raise UserError(
+        f"{cfg.out_dir} holds a checkpoint of another model (iter {resume['iter_num']}: "
+        f"{', '.join(f'{k}={v}' for k, v in zip(keys, ours))}"
+        f"{f', trained on {data!r} tokens' if data else ''}), not a fine-tune of "
+        f"{cfg.init_from} ({', '.join(f'{k}={v}' for k, v in zip(keys, theirs))}): "
+        f"init_from={cfg.init_from} resumes the checkpoints in its out_dir, so that a restarted "
+        f"fine-tune goes on. Give this fine-tune a new out_dir, or use --init_from=resume to "
+        f"go on with that run.")
 
 
 def architecture(args):
@@ -126,14 +147,18 @@ def pretrained(cfg, given, args, meta, log):
 
 
 def check_pretrained_data(cfg, meta, weights_args, source):
-    """The data must be in the weights' tokens: OpenAI's read GPT-2's; a folder's must at least
-    have an embedding for every token id."""
+    """The data must be in the weights' tokens. OpenAI's read GPT-2's, and so does a folder of
+    GPT-2's vocabulary size or more (a folder names no tokenizer; sample.py and eval.py read
+    such weights with GPT-2's); a smaller folder's must at least have an embedding for every
+    token id of the data."""
     tokens = (meta or {}).get("tokenizer")
-    if cfg.init_from in hf.NAMES and tokens not in (None, *GPT2_NAMES) or \
+    gpt2_ids = cfg.init_from in hf.NAMES or weights_args["vocab_size"] >= GPT2_VOCAB_SIZE
+    if gpt2_ids and tokens not in (None, *GPT2_NAMES) or \
             meta is not None and meta["vocab_size"] > weights_args["vocab_size"]:
+        ids = f"{weights_args['vocab_size']} token ids" + (", GPT-2's" if gpt2_ids else "")
         raise UserError(
             f"{cfg.data_dir} holds {tokens!r} tokens ({meta['vocab_size']} ids), which "
-            f"{source} ({weights_args['vocab_size']} token ids) cannot read: prepare the data "
+            f"{source} ({ids}) cannot read: prepare the data "
             f"with the tokenizer those weights were trained with (--tokenizer=gpt2 for "
             f"OpenAI's GPT-2).")
 
@@ -164,23 +189,10 @@ def check_resume(cfg, resume, meta, identity, n_sources, log):
             f"the checkpoint consumed {samples} samples, not a whole number of global batches "
             f"of {cfg.global_batch} (batch_size x gradient_accumulation_steps): resume with a "
             f"global batch that divides it.")
-    check_same_data(cfg, resume.get("data_identity"), identity, log)
-
-
-def check_same_data(cfg, before, identity, log):
-    """Resuming "at the exact data position" of other data would be a silent lie: refuse it,
-    unless the user says the change is meant."""
-    if before is None or before == identity:
-        return
     what = f"data_mix={cfg.data_mix!r}" if cfg.data_mix else f"data_dir={cfg.data_dir!r}"
-    if not cfg.allow_data_change:
-        raise UserError(
-            f"{what} is not the data the checkpoint in {cfg.out_dir} was trained on (tokens "
-            f"and fingerprint per split: {before} then, {identity} now): point it at that data "
-            f"again, or pass --allow_data_change=True to go on from the same sample index "
-            f"in this data.")
-    log(f"warning: {what} is not the data the checkpoint was trained on; going on from the "
-        f"same sample index in it, as allow_data_change=True asks")
+    sources.check_same_data(what, resume.get("data_identity"), identity,
+                            f"the checkpoint in {cfg.out_dir}", cfg.allow_data_change, log)
+    optim.check_extension(resume.get("config") or {}, cfg, resume["iter_num"], cfg.out_dir)
 
 
 # ---- sample.py, eval.py, export.py: a run, a checkpoint file, or GPT-2's weights ----

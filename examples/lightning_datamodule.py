@@ -11,7 +11,8 @@ What Lightning needs, all in make_trainer() and BlockDataModule (docs/lightning.
   - rank and world size from the trainer; accumulate_grad_batches = gradient_accumulation_steps
     (global micro-steps) / world size, so the global batch does not depend on the world size.
   - the data position (global samples consumed) in the DataModule's state_dict, which Lightning
-    saves in its checkpoints, so a resumed run continues at the exact sample.
+    saves in its checkpoints, so a resumed run continues at the exact sample; and what the
+    data is, so that a resume on other data is refused, as train.py refuses it.
 
 Rank 0 writes out_dir/metrics.jsonl, one row per step with `batch_fp`, the fingerprint of the
 samples all ranks read in that step, as train.py does: `python compare_runs.py` compares a
@@ -30,7 +31,7 @@ from torch.utils.data import DataLoader
 # run as a script, this file's folder is on sys.path, not the checkout that holds ddpgpt/
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ddpgpt import configurator, data, errors, metrics, optim, tokenfile
+from ddpgpt import configurator, data, errors, metrics, optim, sources, tokenfile
 from ddpgpt.configurator import key
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
@@ -47,6 +48,7 @@ class LightningConfig:
                        at_least=1)
     max_steps: int = key(100, "optimizer steps in all", at_least=1)
     ckpt_path: str = key("", "'' trains from scratch; 'last': out_dir/last.ckpt; or a path")
+    allow_data_change: bool = key(False, "resume on other data than the checkpoint's")
     checkpoint_interval: int = key(50, "save every this many steps", at_least=1)
     log_interval: int = key(10, "print the loss every this many steps", at_least=1)
     sampling: Sampling = key("epoch", "as train.py's")
@@ -66,6 +68,11 @@ class LightningConfig:
 
     def __post_init__(self):
         configurator.check(self)
+        if self.ckpt_path not in ("", "last") and not os.path.isfile(self.ckpt_path):
+            raise UserError(
+                f"ckpt_path={self.ckpt_path!r} is not a file: give a checkpoint that Lightning "
+                f"saved (such as {os.path.join(self.out_dir, 'step=0000050.ckpt')}), 'last' for "
+                f"the newest in out_dir, or '' to train from scratch.")
         if self.gradient_accumulation_steps % self.devices:
             raise UserError(
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps} is the global "
@@ -85,17 +92,20 @@ class BlockDataModule(L.LightningDataModule):
     same batches as train.py for the same seed and global batch, on any world size."""
 
     def __init__(self, data_dir, block_size, batch_size, global_micro_steps, seed,
-                 mode="epoch", num_workers=2):
+                 mode="epoch", num_workers=2, allow_data_change=False):
         super().__init__()
         self.data_dir, self.block_size, self.seed, self.mode = data_dir, block_size, seed, mode
         self.batch_size, self.global_micro_steps = batch_size, global_micro_steps
         self.global_batch = batch_size * global_micro_steps
-        self.num_workers = num_workers
+        self.num_workers, self.allow_data_change = num_workers, allow_data_change
         self.samples_at_start, self.steps_at_start = 0, 0  # where this fit began
-        self.train_file = None
+        self.identity_at_start = None  # of the data a resumed checkpoint was trained on
+        self.train_file, self.train_identity = None, None
 
     def setup(self, stage):
         self.train_file = tokenfile.open_split(self.data_dir, "train", self.block_size)
+        # what the data is, as train.py's checkpoints keep it, for this one's
+        self.train_identity = sources.identity({"train": data.mixture([self.train_file])})
 
     def train_dataloader(self):
         trainer = self.trainer
@@ -132,6 +142,9 @@ class BlockDataModule(L.LightningDataModule):
                 f"the checkpoint consumed {self.samples_at_start} samples, not a whole number "
                 f"of global batches of {self.global_batch}: resume with a global batch "
                 f"(batch_size x gradient_accumulation_steps) that divides it.")
+        sources.check_same_data(f"data_dir={self.data_dir!r}", self.identity_at_start,
+                                self.train_identity, f"the checkpoint {trainer.ckpt_path}",
+                                self.allow_data_change, print)
         done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         if done % trainer.accumulate_grad_batches:
             raise UserError(
@@ -160,10 +173,11 @@ class BlockDataModule(L.LightningDataModule):
         return self.samples_at_start + steps * self.global_batch
 
     def state_dict(self):
-        return {"samples_consumed": self.position()}
+        return {"samples_consumed": self.position(), "data_identity": self.train_identity}
 
     def load_state_dict(self, state):
         self.samples_at_start = state["samples_consumed"]
+        self.identity_at_start = state.get("data_identity")
 
     def fingerprint(self, sample_indices):
         return data.samples_fingerprint(sample_indices, data.mixture([self.train_file]),
@@ -240,7 +254,7 @@ def build(cfg):
     """(the DataModule, the LightningModule) for a configuration."""
     datamodule = BlockDataModule(cfg.data_dir, cfg.block_size, cfg.batch_size,
                                  cfg.gradient_accumulation_steps, cfg.seed, cfg.sampling,
-                                 cfg.num_workers)
+                                 cfg.num_workers, cfg.allow_data_change)
     torch.manual_seed(cfg.seed)
     args = model_args(cfg, tokenfile.read_meta(cfg.data_dir))
     return datamodule, GPTModule(args, cfg.learning_rate, cfg.out_dir, cfg.log_interval)

@@ -57,6 +57,27 @@ def test_a_loss_spike_is_skipped_and_the_data_goes_on_as_before(env, corpus, tmp
     assert skip[61]["loss"] < 2 * clean[61]["loss"]
 
 
+def test_a_spike_after_a_flat_history_is_judged_without_dividing_by_zero(env, tmp_path):
+    """lr=0 on data of one repeated byte: the same loss at every step, a spread of 0, and
+    then the batch of step 25 of random bytes was a ZeroDivisionError."""
+    ids = {s: np.full(n, ord("a"), dtype=np.uint16) for s, n in (("train", 6401), ("val", 400))}
+    train = data.mixture([tokenfile.TokenSplit(("train.bin",), np.dtype(np.uint16), 0,
+                                               np.array([0, 6401]))])  # 200 blocks, 50 steps
+    _, offsets = data.sample_windows(np.arange(25 * 4, 26 * 4), train, 32, 1337, "epoch")
+    rng = np.random.default_rng(0)
+    for o in offsets:  # inside its block: the windows of the other steps stay all 'a'
+        ids["train"][o + 1:o + 32] = rng.integers(0, 256, 31)
+    folder = str(tmp_path / "flat")
+    tokenfile.write_token_files(folder, ids, tokenizer="byte", vocab_size=257, eot_token=256)
+    p = python("train.py", f"--data_dir={folder}", f"--out_dir={tmp_path / 'out'}", *RUN,
+               "--max_iters=30", "--learning_rate=0", "--decay_lr=False",
+               "--spike_policy=skip", env=env)
+    rows = steps(tmp_path / "out")
+    assert len({rows[i]["loss"] for i in range(25)}) == 1  # flat
+    assert [i for i, r in rows.items() if "skipped" in r] == [25], p.stdout
+    assert "spike" in rows[25]["skipped"] and "Traceback" not in p.stderr
+
+
 def test_each_rank_reports_and_the_slowest_is_named_when_it_stays_the_slowest(env, corpus,
                                                                              tmp_path):
     """tests/slow_rank.py makes rank 1's reads of token files 200 ms slower; the batches read
@@ -151,6 +172,24 @@ def test_each_step_is_taken_at_the_schedules_learning_rate(env, corpus, tmp_path
         [optim.lr_at(cfg, it) for it in range(12)]
 
 
+def test_a_wsd_run_is_not_extended_from_inside_its_cooldown(env, corpus, tmp_path):
+    """Raising max_iters of a finished wsd run jumped its lr from min_lr back to 78% of the
+    peak, without a word; from a checkpoint before the cooldown it goes on smoothly."""
+    out = tmp_path / "out"
+    schedule = [f"--data_dir={corpus}", f"--out_dir={out}", *RUN, "--lr_schedule=wsd",
+                "--cooldown_frac=0.25", "--warmup_iters=2", "--eval_interval=4",
+                "--min_lr=1e-4"]
+    python("train.py", *schedule, "--max_iters=8", env=env)
+    err = fails("train.py", *schedule, "--max_iters=16", "--init_from=resume", env=env).stderr
+    assert f"the checkpoint in {out} is at iter 8, past the start of its wsd cooldown (iter 6 " \
+           f"of max_iters=8), where the learning rate decays to min_lr: with max_iters=16 it " \
+           f"would jump from 1.00e-04 to " in err and "keep max_iters=8." in err, err
+    os.rename(out / "ckpt_0000008.pt", tmp_path / "ckpt_0000008.pt")  # resume from iter 4
+    python("train.py", *schedule, "--max_iters=16", "--init_from=resume", env=env)
+    lr = [r["lr"] for _, r in sorted(steps(out).items())]
+    assert lr[2:12] == [3e-3] * 10 and lr[-1] == 1e-4  # stable until the new cooldown
+
+
 def test_a_resumed_run_goes_on_with_the_same_wandb_run(env, corpus, tmp_path):
     out = tmp_path / "out"
     args = [f"--data_dir={corpus}", f"--out_dir={out}", *RUN, "--eval_interval=2",
@@ -169,6 +208,12 @@ def test_a_resumed_run_goes_on_with_the_same_wandb_run(env, corpus, tmp_path):
     (["--spike_zscore=0"], "spike_zscore=0.0 must be above 0"),
     (["--lr_schedule=linear"], "lr_schedule='linear' is not one of 'cosine', 'wsd'"),
     (["--spike_policy=clip"], "spike_policy='clip' is not one of 'off', 'skip'"),
+    (["--lr_schedule=wsd", "--max_iters=20", "--warmup_iters=2000"],
+     "lr_schedule='wsd': warmup_iters=2000 does not end before the cooldown, which starts at "
+     "iter 16 (the last cooldown_frac=0.2 of max_iters=20), so the learning rate would still "
+     "be rising where it should decay: set warmup_iters to at most 16, or raise max_iters."),
+    (["--startup_timeout_s=99999999999"],
+     "startup_timeout_s=99999999999 must be at least 0 and at most 31536000"),
 ])
 def test_bad_schedule_and_spike_keys(env, corpus, args, message):
     assert message in fails("train.py", f"--data_dir={corpus}", *TINY, *args, env=env).stderr

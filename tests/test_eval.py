@@ -308,6 +308,13 @@ def test_a_missing_file_and_nothing_to_evaluate(byte_run, tmp_path, env):
     assert f"{tmp_path} holds no loadable checkpoint" in p.stderr
 
 
+def test_a_start_up_error_on_two_ranks_is_reported_once(tmp_path, env):
+    """It was printed by every rank, where train.py reports it once."""
+    p = fails("eval.py", f"--out_dir={tmp_path}", nproc=2, env=env)
+    assert p.stderr.count("holds no loadable checkpoint") == 1, p.stderr
+    assert f"eval.py: error (ranks 0, 1): {tmp_path} holds no loadable checkpoint" in p.stderr
+
+
 def test_fetched_once_into_the_cache_whole_or_not_at_all(swag_file, tmp_path, monkeypatch):
     monkeypatch.setenv("DDPGPT_CACHE", str(tmp_path / "cache"))
     bad = tmp_path / "bad.jsonl"

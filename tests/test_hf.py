@@ -3,6 +3,7 @@ export.py, and nanoGPT's checkpoints. The GPT-2s are small random ones made here
 needs the network."""
 import json
 import os
+import subprocess
 import sys
 import sysconfig
 
@@ -211,6 +212,30 @@ def test_a_byte_model_without_biases_exports_exactly(corpus, tmp_path, env):
         {f: oct(0o666 & ~current_umask()) for f in os.listdir(dest)}
 
 
+def test_two_exports_into_one_dest_and_a_users_dest_tmp(corpus, tmp_path, env):
+    """A folder of the user's named like export's temporary one is left alone (export's own
+    carries its pid and host), and the loser of two exports into one DEST is told so, not to
+    free space."""
+    out, dest = tmp_path / "out", tmp_path / "exported"
+    python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY, "--max_iters=1",
+           "--eval_interval=1", "--gradient_accumulation_steps=1", env=env)
+    (tmp_path / "exported.tmp").mkdir()
+    (tmp_path / "exported.tmp" / "notes.txt").write_text("mine")
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "export.py"), out, dest],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    ends = [p.communicate(timeout=600) for p in procs]
+    assert sorted(p.returncode for p in procs) == [0, 1], ends
+    loser = ends[[p.returncode for p in procs].index(1)][1].strip().splitlines()[-1]
+    assert loser.startswith((f"export.py: error: {dest} was made by another process while "
+                             f"this export wrote it (a second export.py into the same DEST?)",
+                             f"export.py: error: {dest} exists")), loser
+    assert "free space" not in loser and "Traceback" not in ends[0][1] + ends[1][1]
+    GPT2LMHeadModel.from_pretrained(dest)  # the winner's, whole
+    assert sorted(os.listdir(tmp_path)) == ["exported", "exported.tmp", "out"]
+    assert (tmp_path / "exported.tmp" / "notes.txt").read_text() == "mine"
+
+
 def test_sample_from_a_folder(hf_folder, env):
     p = python("sample.py", f"--init_from={hf_folder}", "--start=Hello", "--num_samples=2",
                "--max_new_tokens=5", env=env)
@@ -248,6 +273,34 @@ def test_bad_weights(init_from, args, message, bad_folders, hf_folder, gpt2_data
     p = fails("train.py", f"--init_from={init_from}", f"--data_dir={gpt2_data}",
               f"--out_dir={tmp_path}", "--device=cpu", *args, env=env)
     assert message in p.stderr.strip().splitlines()[-1], p.stderr
+
+
+def test_a_gpt2_folder_is_not_fine_tuned_on_other_tokens(hf_folder, corpus, tmp_path, env):
+    """By name (gpt2) this was refused; a folder of GPT-2's 50257 ids fine-tuned on byte ids,
+    each read as another GPT-2 token."""
+    p = fails("train.py", f"--init_from={hf_folder}", f"--data_dir={corpus}",
+              f"--out_dir={tmp_path}", *RUN, env=env)
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"train.py: error: {corpus} holds 'byte' tokens (257 ids), which the weights of "
+        f"{hf_folder} (50257 token ids, GPT-2's) cannot read: prepare the data with the "
+        f"tokenizer those weights were trained with (--tokenizer=gpt2 for OpenAI's GPT-2).")
+
+
+def test_a_fine_tune_into_another_runs_out_dir_says_to_use_a_new_one(hf_folder, gpt2_data,
+                                                                     corpus, tmp_path, env):
+    """It resumed the byte run's checkpoint there and failed on its vocab_size."""
+    out = tmp_path / "out"
+    python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
+           "--gradient_accumulation_steps=1", "--max_iters=1", "--eval_interval=1", env=env)
+    p = fails("train.py", f"--init_from={hf_folder}", f"--data_dir={gpt2_data}",
+              f"--out_dir={out}", *RUN, env=env)
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"train.py: error: {out} holds a checkpoint of another model (iter 1: n_layer=2, "
+        f"n_head=2, n_embd=32, vocab_size=320, trained on 'byte' tokens), not a fine-tune of "
+        f"{hf_folder} (n_layer=2, n_head=2, n_embd=32, vocab_size=50257): init_from="
+        f"{hf_folder} resumes the checkpoints in its out_dir, so that a restarted fine-tune "
+        f"goes on. Give this fine-tune a new out_dir, or use --init_from=resume to go on with "
+        f"that run.")
 
 
 @pytest.mark.parametrize("script", ["train.py", "sample.py"])

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from bench.datapath import sparse_token_file
+from ddpgpt import data, sources, tokenfile
 from bench.datapath_rank import BLOCK
 from conftest import TINY, fails, python, steps
 
@@ -99,13 +100,29 @@ def test_ranks_read_train_py_batches_and_a_resumed_checkpoint_continues_them(
     lightning(2, halves, *args, "--max_steps=3", "--num_workers=0", env=env)
     global_batch = 4 * 4
     state = torch.load(halves / "last.ckpt", map_location="cpu", weights_only=True)
-    assert state["BlockDataModule"] == {"samples_consumed": 3 * global_batch}
+    assert state["BlockDataModule"] == {"samples_consumed": 3 * global_batch,
+                                        "data_identity": sources.identity({"train": data.mixture(
+                                            [tokenfile.open_split(corpus, "train", 1)])})}
+    # on other data, it resumed "at the exact sample" of that data: refused, as train.py does
+    other = tmp_path / "other"
+    tokenfile.write_token_files(str(other), {s: np.random.default_rng(1).integers(0, 256, 9000)
+                                             for s in ("train", "val")},
+                                tokenizer="byte", vocab_size=257, eot_token=256)
+    err = fails(EXAMPLE, "--devices=2", f"--out_dir={halves}", *args, f"--data_dir={other}",
+                "--max_steps=6", "--ckpt_path=last", env=env).stderr
+    assert f"data_dir='{other}' is not the data the checkpoint {halves / 'last.ckpt'} was " \
+           f"trained on" in err and "--allow_data_change=True" in err, err
     # on one process, 4 micro-steps a step: the checkpoint's 6 micro-batches per rank are not
     # whole steps there, and Lightning would step the optimizer mid-batch
     err = fails(EXAMPLE, "--devices=1", f"--out_dir={halves}", *args, "--max_steps=6",
                 "--ckpt_path=last", env=env).stderr
     assert "saved after 6 micro-batches per rank" in err and "Resume with the devices" in err
     lightning(2, halves, *args, "--max_steps=6", "--num_workers=0", "--ckpt_path=last", env=env)
+    err = fails(EXAMPLE, f"--out_dir={halves}", "--ckpt_path=lats", env=env).stderr
+    assert err.strip().splitlines()[-1] == (  # it was Lightning's FileNotFoundError
+        f"lightning_datamodule.py: error: ckpt_path='lats' is not a file: give a checkpoint that "
+        f"Lightning saved (such as {halves / 'step=0000050.ckpt'}), 'last' for the newest in "
+        f"out_dir, or '' to train from scratch.")
 
     a, b, c = steps(ref), steps(whole), steps(halves)
     assert sorted(a) == sorted(b) == sorted(c) == list(range(6))

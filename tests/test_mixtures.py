@@ -129,3 +129,30 @@ def test_bad_mixtures(case, named, env, sources, tmp_path):
 def test_a_weight_too_small_for_any_sample_is_an_error():
     with pytest.raises(data.UserError, match="below 1/1,048,576 of the total gets no samples"):
         data.mixture([None, None], (1.0, 1e-9), ("big", "tiny"))
+
+
+def test_weights_near_the_largest_float_are_shares_like_any_others():
+    """a=1e308,b=1e308 summed to infinity: '0.00% of the samples', then an IndexError."""
+    huge = data.mixture([None, None], (1e308, 1e308), ("a", "b"))
+    assert huge.counts == data.mixture([None, None], (1, 1), ("a", "b")).counts
+
+
+def test_a_config_files_data_dir_gives_way_to_a_later_data_mix(env, sources, tmp_path):
+    """The README's `train.py config/owt.py --data_mix=...` was refused: data_dir and data_mix
+    'both set', with no word that data_dir came from the config file."""
+    args = [f"--out_dir={tmp_path / 'out'}", *TINY, "--compile=False", "--max_iters=1",
+            "--gradient_accumulation_steps=1", "--eval_iters=1", "--log_interval=1"]
+    p = python("train.py", "config/owt.py", mix_arg(sources[1:], (1, 1)), *args, env=env)
+    assert f"note: data_mix='{sources[1]}=1,{sources[2]}=1' (argument --data_mix=" \
+           f"{sources[1]}=1,{sources[2]}=1) replaces data_dir='data/openwebtext' (config file " \
+           f"config/owt.py)" in p.stdout, p.stdout
+    assert "50.00% of the samples" in p.stdout
+
+
+def test_gpt2_and_r50k_base_sources_are_one_vocabulary(env, tmp_path):
+    """tiktoken's two names of GPT-2's vocabulary were refused as different tokenizers."""
+    folders = [byte_folder(tmp_path / name, 20_000, k, tokenizer=name, vocab=50257)
+               for k, name in enumerate(("gpt2", "r50k_base"))]
+    p = python("train.py", mix_arg(folders, (1, 1)), f"--out_dir={tmp_path / 'out'}", *TINY,
+               "--max_iters=1", "--gradient_accumulation_steps=1", "--eval_iters=1", env=env)
+    assert "r50k_base (" in p.stdout and "50.00% of the samples" in p.stdout

@@ -1,6 +1,7 @@
 """Faults survived and nothing lost: a killed rank, another world size on resume, killed or
 corrupt checkpoint writes, a full disk, a failing rank, NaN losses."""
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -93,6 +94,26 @@ def test_compare_runs_names_the_first_step_that_differs(env, corpus, tmp_path):
                                    "--init_from=resume", "--seed=5"), env=env)
     diff = compare(env, a, b)
     assert diff.returncode == 1 and "first difference at iter 2: batch_fp" in diff.stdout
+
+
+def test_compare_runs_counts_nan_losses_as_equal_and_leaves_out_a_cut_off_line(env, tmp_path):
+    """Two runs that diverged alike were 'first difference at iter 1: loss nan vs nan'; a
+    line cut off by a kill was a JSONDecodeError traceback."""
+    rows = [{"iter": i, "loss": 5.0 if i == 0 else float("nan"), "batch_fp": f"fp{i}"}
+            for i in range(3)]
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows))
+    with open(tmp_path / "b" / "metrics.jsonl", "a") as f:
+        f.write('{"iter": 3, "loss": 4.9, "batch_')  # killed mid-write
+    p = compare(env, tmp_path / "a", tmp_path / "b", "--losses")
+    assert p.returncode == 0 and "identical batch_fp and loss over 3 steps" in p.stdout, p
+    assert p.stderr == ""  # metrics.read leaves out a last line cut off mid-write
+    rows[2]["loss"] = 4.0  # a number where the other diverged is a difference
+    (tmp_path / "a" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p = compare(env, tmp_path / "a", tmp_path / "b", "--losses")
+    assert p.returncode == 1 and "first difference at iter 2: loss 4.0 vs nan" in p.stdout
 
 
 def save_big_checkpoint(out_dir, iter_num):
@@ -360,3 +381,19 @@ def test_a_nan_loss_stops_without_touching_the_last_good_checkpoint(env, corpus,
     for path in saved:
         state = torch.load(path, weights_only=True)
         assert all(torch.isfinite(v).all() for v in state["model"].values()), path
+
+
+def test_skipping_nan_steps_gives_up_when_it_cannot_recover(env, corpus, tmp_path):
+    """With weights gone non-finite, nan_policy='skip' skipped 29 of 30 steps, exited 0 with no
+    checkpoint, and said 'the previous ones are kept' when there were none."""
+    out = tmp_path / "out"
+    explode = ["--learning_rate=1e9", "--grad_clip=0", "--decay_lr=False", "--max_iters=30",
+               "--eval_interval=30", "--nan_policy=skip", "--gradient_accumulation_steps=1"]
+    err = fails("train.py", *train_args(corpus, out, *explode), env=env).stderr
+    assert re.search(r"train.py: error: nan_policy='skip' cannot recover at iter \d+: (the "
+                     r"weights themselves are no longer finite|10 steps in a row had a "
+                     r"non-finite loss or gradient norm), so every step from here on would be "
+                     r"skipped and nothing saved. There is no checkpoint in " +
+                     re.escape(str(out)) + r" yet: start again with a lower learning_rate",
+                     err), err
+    assert not checkpoint.list_checkpoints(str(out))

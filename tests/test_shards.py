@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -208,6 +209,73 @@ def test_a_stopped_sharded_prepare_resumes_and_writes_the_same_bytes(stop, env, 
     assert len(docs) == 12_000
 
 
+def start_and_kill(env, corpus_path, out_dir, *extra):
+    """A sharded prepare killed outright once it has published its second train shard."""
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "prepare.py"),
+                             f"--dataset={corpus_path}", f"--out_dir={out_dir}",
+                             "--tokenizer=gpt2", "--val_fraction=0.01", "--num_proc=1",
+                             *extra], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (out_dir / "train_000001.bin").exists():
+        assert proc.poll() is None and time.time() < deadline, "it ended before the kill"
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+
+
+def test_a_resume_after_the_corpus_changed_starts_over(env, tmp_path):
+    """Resumed with the old document count, it wrote other data than a fresh prepare does."""
+    docs, shard = tmp_path / "docs", ["--shard_tokens=50000"]
+    docs.mkdir()
+    for k in range(6):
+        write_corpus(docs / f"part{k}.jsonl", 400, seed=k)
+    out = tmp_path / "out"
+    start_and_kill(env, docs, out, *shard)
+    for k in range(3):
+        (docs / f"part{k + 3}.jsonl").unlink()
+    p = prepare_shards(env, docs, out, *shard)
+    assert f"prepare.py: {out} holds an interrupted run of a corpus that has changed since " \
+           f"(files added, removed or edited: corpus '6 files, " in p.stdout, p.stdout
+    assert "starting over" in p.stdout and "resuming" not in p.stdout
+    prepare_shards(env, docs, tmp_path / "fresh", *shard)
+    assert read_all(out) == read_all(tmp_path / "fresh")
+
+
+def test_a_sharded_prepare_never_starts_over_a_complete_output(env, tmp_path):
+    """Re-prepared with another seed and stopped at its first shard, it had deleted the old
+    meta.json and replaced a shard: neither dataset was left. Now it is refused before it
+    touches anything; the same command again has nothing to do."""
+    write_corpus(tmp_path / "docs.jsonl", 2000)
+    out, shard = tmp_path / "out", ["--shard_tokens=50000"]
+    prepare_shards(env, tmp_path / "docs.jsonl", out, *shard)
+    before = read_all(out)
+    message = fails("prepare.py", f"--dataset={tmp_path / 'docs.jsonl'}", f"--out_dir={out}",
+                    "--tokenizer=gpt2", "--val_fraction=0.01", "--num_proc=1", "--seed=7",
+                    *shard, env=env).stderr.strip().splitlines()[-1]
+    assert message == (
+        f"prepare.py: error: {out} holds a complete prepared dataset ({out / 'meta.json'}: "
+        f"'gpt2' tokens of '{tmp_path / 'docs.jsonl'}', with other settings (seed 2357 then, 7 "
+        f"now)), which this sharded prepare would replace shard by shard, so that a stop "
+        f"midway would leave neither dataset. Remove it first (rm -r {out}), or give another "
+        f"--out_dir."), message
+    assert read_all(out) == before
+    p = prepare_shards(env, tmp_path / "docs.jsonl", out, *shard)
+    assert "already holds this output, complete" in p.stdout and read_all(out) == before
+
+
+def test_llmc_format_is_for_gpt2_tokens_only(env, tmp_path):
+    """Its header says GPT-2: byte ids in it were trained as GPT-2 tokens."""
+    write_corpus(tmp_path / "docs.jsonl", 100)
+    message = fails("prepare.py", f"--dataset={tmp_path / 'docs.jsonl'}", "--format=llmc",
+                    "--tokenizer=byte", f"--out_dir={tmp_path / 'out'}",
+                    env=env).stderr.strip().splitlines()[-1]
+    assert message.startswith("prepare.py: error: --format=llmc writes llm.c's GPT-2 shards, "
+                              "whose header (magic 20240520) says the ids are GPT-2's") and \
+        "'byte' ids (257 of them)" in message and "--format=raw" in message, message
+    assert not (tmp_path / "out").exists()
+
+
 def decoded_shards(out_dir):
     """Every document of both splits, decoded shard by shard: each holds whole documents."""
     tok = get_tokenizer("gpt2")
@@ -284,3 +352,72 @@ def test_bad_llmc_shards_are_named(case, named, env, llmc_data, tmp_path):
     err = fails("train.py", f"--data_dir={folder}", f"--out_dir={tmp_path / 'out'}", *TINY,
                 "--max_iters=1", env=env).stderr
     assert all(n in err for n in named), err
+
+
+@pytest.fixture
+def byte_shards(env, tmp_path):
+    """A small corpus prepared with the byte tokenizer as shards of about 20,000 tokens."""
+    write_corpus(tmp_path / "docs.jsonl", 300)
+    out = tmp_path / "shards"
+    python("prepare.py", f"--dataset={tmp_path / 'docs.jsonl'}", f"--out_dir={out}",
+           "--tokenizer=byte", "--val_docs=20", "--num_proc=1", "--shard_tokens=20000",
+           env=env)
+    return out
+
+
+def unclear_folder(case, shards, llmc_data):
+    """A folder as the hostile probe left it, and the block_size it trains with."""
+    if case == "no meta.json":
+        (shards / "meta.json").unlink()
+    elif case == "a killed prepare's":
+        (shards / "meta.json").unlink()
+        (shards / "prepare.progress.json").write_text("{}")
+    elif case == "a listed shard deleted":
+        (shards / "train_000002.bin").unlink()
+    elif case == "shards shorter than a block":
+        return shards, 30000
+    else:
+        folder = Path(llmc_data)
+        if case == "a stray train.bin":
+            (folder / "train.bin").write_bytes(b"\0" * 1000)
+        else:  # "two llm.c datasets"
+            shutil.copy(folder / "fineweb_train_000002.bin",
+                        folder / "tinystories_train_000001.bin")
+        return folder, 32
+    return shards, 32
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no meta.json", "{d} holds shards (train_000000.bin and |more) but no meta.json, which "
+                     "lists each split's shards in order"),
+    ("a killed prepare's", "{d} holds an unfinished prepare: prepare.progress.json and the "
+                           "shards it has published so far, but no meta.json"),
+    ("a listed shard deleted", "{d}/train_000002.bin is listed in meta.json but does not "
+                               "exist: it was deleted or moved"),
+    ("shards shorter than a block", "and no window crosses from one shard into the next: "
+                                    "prepare the data again with larger shards "
+                                    "(--shard_tokens=30001 or more), or set block_size"),
+    ("a stray train.bin", "{d} holds llm.c shards (fineweb_train_000001.bin and 3 more) and a "
+                          "stray train.bin, but no val.bin"),
+    ("two llm.c datasets", "{d} holds llm.c shards of 2 datasets (fineweb_*, tinystories_*), "
+                           "which would be read as one train split"),
+])
+def test_what_a_shard_folder_lacks_is_said(case, message, env, byte_shards, llmc_data,
+                                           tmp_path):
+    """Each said `train.bin does not exist`, advised a smaller block_size, raised
+    FileNotFoundError, or read two datasets as one, while the folder told what was wrong."""
+    folder, block_size = unclear_folder(case, byte_shards, llmc_data)
+    err = fails("train.py", f"--data_dir={folder}", f"--out_dir={tmp_path / 'out'}", *TINY,
+                f"--block_size={block_size}", "--max_iters=1", env=env).stderr
+    assert all(part in err for part in message.format(d=folder).split("|")), err
+
+
+def test_a_gap_in_llmc_shard_numbers_is_noted_and_the_shards_counted(env, llmc_data, tmp_path):
+    os.rename(os.path.join(llmc_data, "fineweb_train_000002.bin"),
+              os.path.join(llmc_data, "fineweb_train_000004.bin"))
+    p = python("train.py", f"--data_dir={llmc_data}", f"--out_dir={tmp_path / 'out'}", *TINY,
+               "--max_iters=1", "--eval_iters=1", "--gradient_accumulation_steps=1", env=env)
+    assert f"data: note: the llm.c train shards in {llmc_data} skip 1 number(s) (000002): " \
+           f"read as they are, in name order." in p.stdout, p.stdout
+    assert f"data: train: the 3 shards fineweb_train_000001.bin to fineweb_train_000004.bin " \
+           f"in {llmc_data}, " in p.stdout

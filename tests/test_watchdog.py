@@ -124,6 +124,36 @@ def test_hang_timeout_0_turns_it_off(env, corpus, tmp_path, hang_timeout_s):
         assert not (out / "hang").exists()
 
 
+def test_a_slow_evaluation_is_named_as_one_and_the_lock_released(env, corpus, tmp_path):
+    """It said 'where: model.GPT.forward', and the exit with code 124 left out_dir's lock.
+    The first evaluation, before any step, is under startup_timeout_s."""
+    out = tmp_path / "out"
+    p = python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
+               "--gradient_accumulation_steps=1", "--max_iters=4", "--eval_iters=1000000",
+               "--startup_timeout_s=15", env=env, check=False)
+    assert p.returncode == watchdog.EXIT_CODE, p.stderr
+    assert re.search(r"train.py: hang \(rank 0\): no progress for \d+ s \(limit 15 s\) in the "
+                     r"evaluation at iter 0;", p.stderr), p.stderr
+    assert "train.py: hang (rank 0): the limit holds for each evaluation too: if it is only " \
+           "slow, raise startup_timeout_s above the time one takes" in p.stderr
+    assert not (out / "ddpgpt.lock").exists()
+
+
+def test_a_start_up_hang_in_an_import_names_the_module(env, corpus, tmp_path):
+    """Frozen importlib frames counted as ours: 'where: <frozen importlib._bootstrap_extern'.
+    Importing transformers for a GPT-2 folder takes longer than a 1 s limit."""
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 257}))
+    p = python("train.py", f"--init_from={folder}", f"--data_dir={corpus}",
+               f"--out_dir={tmp_path / 'out'}", *TINY, "--startup_timeout_s=1", env=env,
+               check=False)
+    assert p.returncode == watchdog.EXIT_CODE, p.stderr
+    assert re.search(r"hang \(rank 0\): where: hf\._transformers -> import transformers",
+                     p.stderr), p.stderr
+    assert "<frozen" not in p.stderr.split("where:")[1]
+
+
 def test_a_rank_stuck_where_python_cannot_run_still_dumps_its_stacks_and_exits(env, tmp_path):
     """A regular expression that backtracks for hours holds the GIL, so the watchdog's thread
     cannot run: faulthandler's own thread dumps the stacks and exits 1 (its margin made short
