@@ -39,7 +39,9 @@ def main(argv):
     ev = evaluation.make(val, cfg, vocab_size, loaded.tokenizer, cfg.hellaswag,
                          cfg.hellaswag_path, log)
     runtime.init_distributed(device, ranks.world_size, cfg.backend, cfg.dist_timeout_s)
-    results = evaluate(model.to(device), ev, ranks, runtime.precision(cfg.dtype, device), device)
+    with runtime.peers_watched(ranks, lambda: ("", "Nothing is lost: run it again.")):
+        results = evaluate(model.to(device), ev, ranks, runtime.precision(cfg.dtype, device),
+                           device)
     if ranks.master:
         print(summary(cfg, results, loaded.source, ev.hellaswag))
         print(json.dumps({**results, "model": loaded.source}))
