@@ -125,7 +125,8 @@ def test_two_agents_as_two_nodes_restart_after_a_kill_on_either(env, corpus, uni
     assert_same_run(env, uninterrupted, out, logs[0].read_text(), restarts=2)
 
 
-@pytest.mark.parametrize("nproc, victim, sig", [(3, 2, signal.SIGKILL), (2, 0, signal.SIGSEGV)])
+@pytest.mark.parametrize("nproc, victim, sig", [(3, 2, signal.SIGKILL), (2, 0, signal.SIGSEGV)],
+                         ids=["kill -9 of rank 2 of 3", "segfault of rank 0 of 2"])
 def test_the_survivors_of_a_dead_rank_say_whom_they_lost_and_end(env, corpus, tmp_path, nproc,
                                                                victim, sig):
     """kill -9 (the out-of-memory killer's signal) or a segfault of one rank mid-run: within
@@ -188,7 +189,7 @@ def hung_rank_0(env, corpus, tmp_path):
     return proc
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_before_the_first_step_ends_the_run_at_once(env, corpus, tmp_path, sig):
     """Hung in init_process_group, the ranks used to record SIGTERM and wait for a step that
     never came, until torchrun's SIGKILL: there is nothing to save yet."""
