@@ -310,8 +310,11 @@ def this_peer():
     its listening socket or the one it connected from, so both kinds are listed."""
     import psutil  # here only: the one use of it in the package
 
-    return Peer(socket.gethostname(), os.getpid(),
-                [tuple(c.laddr) for c in psutil.Process().net_connections("tcp") if c.laddr])
+    try:
+        sockets = psutil.Process().net_connections("tcp")
+    except psutil.Error:  # where listing them is not allowed: the ranks go unnamed
+        sockets = []
+    return Peer(socket.gethostname(), os.getpid(), [tuple(c.laddr) for c in sockets if c.laddr])
 
 
 class Lost(NamedTuple):
