@@ -162,11 +162,12 @@ def init_distributed(device, world_size, backend="", timeout_s=600):
         torch.backends.cudnn.allow_tf32 = True
     if world_size > 1:
         backend = check_backend(backend, device)
-        timeout = timedelta(seconds=timeout_s)
-        with this_restarts_store(world_size, timeout) as store:
-            dist.init_process_group(backend, timeout=timeout, **store,
+        timeout, rank = timedelta(seconds=timeout_s), int(os.environ["RANK"])
+        with this_restarts_store(rank, world_size, timeout) as store:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timeout,
                                     device_id=torch.device(device) if backend == "nccl" else None)
-        PEERS[:] = gather(this_peer(), world_size)
+        GROUP.update(store=store, peers=gather(this_peer(), world_size))
 
 
 def check_backend(backend, device):
@@ -245,14 +246,14 @@ ATTEMPT_REPUBLISH_S = 0.05
 
 
 @contextlib.contextmanager
-def this_restarts_store(world_size, timeout):
-    """init_process_group's store arguments for this restart: {} (env://) when rank 0 makes a
-    new store for each attempt itself, as it does outside torchrun and with
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; else the agent's store under this attempt's prefix."""
+def this_restarts_store(rank, world_size, timeout):
+    """The store the process group of this restart is made in: the agent's under this
+    attempt's prefix; or, where rank 0 makes a new store for each attempt itself (outside
+    torchrun, and with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), that one, as env:// makes it."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        yield {}
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+        yield dist.PrefixStore("default_pg", store)  # init_process_group's own prefix
         return
-    rank = int(os.environ["RANK"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           world_size, is_master=False, timeout=timeout)
     joined = threading.Event()
@@ -266,8 +267,7 @@ def this_restarts_store(world_size, timeout):
         store.delete_key(ATTEMPT_KEY)
         attempt = store.get(ATTEMPT_KEY).decode()
     try:
-        yield {"store": dist.PrefixStore(f"ddpgpt/{attempt}", store), "rank": rank,
-               "world_size": world_size}
+        yield dist.PrefixStore(f"ddpgpt/{attempt}", store)
     finally:
         joined.set()
 
@@ -282,7 +282,7 @@ def publish(store, attempt, joined):
 #
 # A rank that dies (kill -9, the out-of-memory killer, a segfault) closes its connections, and
 # the others' next collective fails with the backend's own words; lost_peer() knows them.
-# gloo (pair.cc) names the peer's address, which PEERS maps to a rank. NCCL's come from
+# gloo (pair.cc) names the peer's address, which GROUP's peers map to a rank. NCCL's come from
 # ProcessGroupNCCL and NCCLUtils: with TORCH_NCCL_ASYNC_ERROR_HANDLING=3, torch's default, its
 # watchdog thread ends the process itself on such an error or a timeout, printing
 # "Process group watchdog thread terminated with exception: ..." (and the flight recorder's
@@ -296,7 +296,9 @@ GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
 SILENT = ("Timed out waiting", "timed out connecting",  # gloo
           "Watchdog caught collective operation timeout")  # NCCL
 
-PEERS = []  # every rank's Peer, in rank order, once the group stands (init_distributed)
+# once the group stands (init_distributed): its store, where a rank that lost a peer leaves a
+# note of it (lost_first), and every rank's Peer, in rank order
+GROUP = {"store": None, "peers": []}
 
 
 class Peer(NamedTuple):
@@ -344,7 +346,7 @@ def which_rank(text, rank, world_size):
     for ip, port in re.findall(r"\[([0-9A-Fa-f.:]+)\]:(\d+)", text):
         # gloo (torch 2.13) prints the port in network byte order
         ports = (int(port), int.from_bytes(int(port).to_bytes(2, "big"), "little"))
-        found = [r for r, peer in enumerate(PEERS) if r != rank and any(
+        found = [r for r, peer in enumerate(GROUP["peers"]) if r != rank and any(
             p in ports and same_ip(a, ip) for a, p in peer.addresses)]
         if len(found) == 1:
             return found[0], named(found[0])
@@ -360,35 +362,75 @@ def same_ip(own, named_ip):
 
 
 def named(rank):
-    if rank >= len(PEERS):
-        return f"rank {rank}"
-    return f"rank {rank} (pid {PEERS[rank].pid} on {PEERS[rank].host})"
+    peers = GROUP["peers"]
+    return f"rank {rank}" if rank >= len(peers) else \
+        f"rank {rank} (pid {peers[rank].pid} on {peers[rank].host})"
+
+
+NOTE = "ddpgpt_lost/{}"
+NOTE_WAIT_S = 2  # for the store: one whose host is gone would make a survivor wait for ever
+
+
+def lost_first(lost, rank):
+    """The rank lost first as far as the notes in the store tell, after leaving this rank's
+    note of it. A survivor leaves its note before it exits, and its exit breaks the
+    connections of the ranks that wait for it: those follow the notes back to the rank that
+    went first. `lost` where there are none, or the store does not answer in time."""
+    def follow():
+        first, seen = lost, {rank}
+        while first is not None:
+            key = NOTE.format(first)
+            note = store.get(key).decode() if store.check([key]) else ""
+            if not note or int(note) in seen:
+                break
+            seen.add(first)
+            first = int(note)
+        store.set(NOTE.format(rank), "" if first is None else str(first))
+        found.append(first)
+
+    def in_thread():
+        try:
+            follow()
+        except Exception:  # a store gone with its host: this rank's own view stands
+            pass
+
+    store, found = GROUP["store"], []
+    if store is not None:
+        thread = threading.Thread(target=in_thread, daemon=True)
+        thread.start()
+        thread.join(NOTE_WAIT_S)
+    return found[0] if found else lost
 
 
 @contextlib.contextmanager
 def peers_watched(ranks, standing):
     """A collective that fails because another rank is gone becomes a PeerLost: which rank
-    this one lost, in which of our functions, and standing(): (where the run is, e.g. 'at
-    iter 57', and how to go on). The lowest rank that survives says all of it; the others say
-    in one line that they lost it too, so that a log of many ranks holds one paragraph."""
+    was lost first (lost_first), in which of our functions, and standing(): (where the run
+    is, e.g. 'at iter 57', and how to go on). The lowest rank that survives says all of it;
+    the others say in one line that they lost it too, so that a log of many ranks holds one
+    paragraph."""
     try:
         yield
     except RuntimeError as e:
         lost = lost_peer(e, ranks.rank, ranks.world_size)
         if lost is None:
             raise
+        first = lost_first(lost.rank, ranks.rank)
+        who = lost.who if first == lost.rank else named(first)
         at, advice = standing()
         where = " ".join(filter(None, (watchdog.where_raised(e.__traceback__, ranks.world_size),
                                        at)))
-        if not (ranks.rank == 0 or (ranks.rank == 1 and lost.rank == 0)):
-            raise PeerLost(f"lost {lost.who} too, in {where} ({lost.said}); the lowest "
-                           f"rank that survives says what to do.") from None
+        if not (ranks.rank == 0 or (ranks.rank == 1 and first == 0)):
+            raise PeerLost(f"lost {who} too, in {where} ({lost.said}); the lowest rank that "
+                           f"survives says what to do.") from None
+        if first != lost.rank:
+            who += f", which rank {lost.rank} had lost before it left,"
         how = ("has gone: it failed, was killed (kill -9, the out-of-memory killer), crashed "
                "or lost its node; its own log and the launcher's report say which"
                if lost.gone else
                "did not answer within dist_timeout_s: it is stuck or stopped, or its node went "
                "away without closing its connections")
-        raise PeerLost(f"lost {lost.who} in {where}: that rank {how}. The backend said: "
+        raise PeerLost(f"lost {who} in {where}: that rank {how}. The backend said: "
                        f"{lost.said}. {advice}") from None
 
 

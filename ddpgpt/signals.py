@@ -30,6 +30,9 @@ def catch_stop_signals(script="train.py"):
 
     def on_signal(signum, frame):
         if signum in EXIT_AT_ONCE and _before_steps is not None:
+            if signal.SIGTERM in received or signal.SIGINT in received:
+                return  # already on the way out: a second signal must not cut that short
+            received.append(signum)
             raise Interrupted(signum, before_steps(script, signum))
         if signum == signal.SIGINT and signal.SIGINT in received:
             print(f"{script}: interrupted again: stopping now, without saving", file=sys.stderr)
@@ -90,11 +93,9 @@ def steps_begin():
 
 
 def say_once(line):
-    """Print the line to stderr unless it was said already; True if this call said it."""
-    if not _said.acquire(blocking=False):
-        return False
-    print(line, file=sys.stderr, flush=True)
-    return True
+    """Print the line to stderr unless it was said already."""
+    if _said.acquire(blocking=False):
+        print(line, file=sys.stderr, flush=True)
 
 
 class Interrupted(KeyboardInterrupt):
