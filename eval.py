@@ -41,7 +41,9 @@ def main(argv):
         error = str(e)
     if not runtime.agree(error, ranks, "eval.py"):
         return 1
-    results = evaluate(model.to(device), ev, ranks, runtime.precision(cfg.dtype, device), device)
+    with runtime.peers_watched(ranks, lambda: ("", "Nothing is lost: run it again.")):
+        results = evaluate(model.to(device), ev, ranks, runtime.precision(cfg.dtype, device),
+                           device)
     if ranks.master:
         print(summary(cfg, results, loaded.source, where, ev.hellaswag))
         print(json.dumps({**results, "model": loaded.source}))

@@ -17,6 +17,7 @@ one optimizer step, and what a step reports.
 import contextlib
 import dataclasses
 import math
+import os
 import statistics
 import sys
 import time
@@ -102,9 +103,11 @@ def main(argv):
     log = runtime.logger(ranks)
     device = runtime.pick_device(cfg.device, ranks)
     runtime.init_distributed(device, ranks.world_size, cfg.backend, cfg.dist_timeout_s)
+    run = None  # once made: a rank that is lost says where the run stands (standing)
     # rank 0 holds out_dir's lock for the run: a second run there would delete this one's
     # checkpoints and interleave its metrics (refused like any start-up error, by agree())
-    with contextlib.ExitStack() as out_dir_lock:
+    with contextlib.ExitStack() as out_dir_lock, \
+            runtime.peers_watched(ranks, lambda: standing(cfg, run)):
         try:
             if ranks.master:
                 out_dir_lock.enter_context(lock.locked(cfg.out_dir, "train.py", log))
@@ -121,6 +124,29 @@ def main(argv):
         train(run, stop_signals)
     runtime.finish(ranks.world_size)
     return 0
+
+
+def standing(cfg, run):
+    """(where the run is, how to go on from there), for a rank that lost another one."""
+    if run is None:
+        return "in start-up, before the first step", (
+            "Nothing was trained: run the same command again (torchrun --max-restarts=N does "
+            "so by itself).")
+    newest = checkpoint.list_checkpoints(cfg.out_dir)
+    saved = f"The newest checkpoint is {newest[0]}" if newest else \
+        f"{cfg.out_dir} holds no checkpoint yet, so the run starts over"
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if cfg.init_from == "scratch":
+        how = ("run the same command with --init_from=auto (init_from=scratch would start "
+               "over, in torchrun's restarts too)")
+    elif restarts > 0:
+        how = (f"torchrun restarts the run by itself ({restarts} restart(s) left of "
+               f"--max-restarts) and init_from={cfg.init_from!r} resumes from it")
+    else:
+        how = (f"run the same command again (init_from={cfg.init_from!r} resumes from it), "
+               f"or let torchrun do so: torchrun --max-restarts=N")
+    return f"at iter {run.progress.iter_num}", f"{saved}: to go on from there, {how}."
 
 
 def start_up(cfg, given, ranks, log):
@@ -210,6 +236,8 @@ def train(run, stop_signals):
             watchdog.beat(progress.iter_num)
         if cfg.eval_only or progress.iter_num >= cfg.max_iters:
             break
+        if progress.iter_num == start_iter:
+            signals.steps_begin()  # nothing to save before: a stop signal ended the run at once
         step = train_step(run, history, stop_signals)
         t_now = time.perf_counter()
         dt, t_last = t_now - t_last, t_now

@@ -2,15 +2,22 @@
 
 Every script runs its main() through run(), which catches UserError, prints its message as one
 paragraph after the script's name and exits 1. Anything else is a bug in ddpgpt and keeps its
-traceback.
+traceback. (A stop signal that ends train.py before its first step is one line too.)
 """
 import os
 import sys
+
+from ddpgpt.signals import Interrupted, say_once
 
 
 class UserError(Exception):
     """Bad input or a bad state that the user can fix. The message names the file, key or
     value, says what is wrong with it and what to do."""
+
+
+class PeerLost(UserError):
+    """Another rank of the run is gone (runtime.peers_watched): the process exits as soon as it
+    has said so (exit_now)."""
 
 
 def run(main, script, argv):
@@ -23,4 +30,20 @@ def run(main, script, argv):
     except UserError as e:
         where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
         print(f"{script}: error{where}: {e}", file=sys.stderr)
+        if isinstance(e, PeerLost):
+            exit_now(1)
         return 1
+    except Interrupted as e:
+        if not e.line:  # prepare.py's, which reports its own
+            raise
+        say_once(e.line)
+        exit_now(128 + e.signum)
+
+
+def exit_now(status):
+    """End the process without the interpreter's exit, whose teardown of the process group
+    waits for peers that may be gone (seconds with gloo), while torchrun waits for every rank
+    before it restarts the others or reports."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

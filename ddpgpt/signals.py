@@ -1,8 +1,11 @@
 """Stop signals, the one place each script decides what SIGINT (Ctrl-C), SIGTERM (kill, scancel,
 preemption), SIGHUP (a closed terminal) and SIGUSR1 (SLURM's warning before a time limit) do:
 
-  train.py          records them (catch_stop_signals): the ranks agree on a step to stop at
-                    and rank 0 saves; a second Ctrl-C stops at once, unsaved
+  train.py          before its first step, when there is nothing to save, SIGTERM and
+                    SIGINT end it at once, with one line, wherever it waits (init_process_group
+                    waiting for a peer among them); from the first step on it records them
+                    (catch_stop_signals): the ranks agree on a step to stop at and rank 0
+                    saves; a second Ctrl-C stops at once, unsaved
   prepare.py        raises Interrupted wherever the main process is, so that every way out
                     runs the cleanup that Ctrl-C runs (raise_on_stop_signals)
   prepare's workers ignore them: the main process ends them (workers.py)
@@ -10,6 +13,8 @@ preemption), SIGHUP (a closed terminal) and SIGUSR1 (SLURM's warning before a ti
 import os
 import signal
 import sys
+import threading
+import time
 
 TRAIN_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 PREPARE_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -17,10 +22,18 @@ PREPARE_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 def catch_stop_signals(script="train.py"):
     """The list the stop signals are recorded in as they come, instead of dying. Caught from
-    the start, so that a signal that comes while the model is built is not lost."""
+    the start, so that a signal that comes while the model is built is not lost. Until
+    steps_begin() there is nothing to save: SIGTERM (torchrun stopping the ranks of a failed
+    attempt, scancel) and SIGINT end the process at once instead, with one line
+    (exit_at_once)."""
     received = []
 
     def on_signal(signum, frame):
+        if signum in EXIT_AT_ONCE and _before_steps is not None:
+            if signal.SIGTERM in received or signal.SIGINT in received:
+                return  # already on the way out: a second signal must not cut that short
+            received.append(signum)
+            raise Interrupted(signum, before_steps(script, signum))
         if signum == signal.SIGINT and signal.SIGINT in received:
             print(f"{script}: interrupted again: stopping now, without saving", file=sys.stderr)
             os._exit(130)
@@ -28,17 +41,72 @@ def catch_stop_signals(script="train.py"):
 
     for sig in TRAIN_SIGNALS:
         signal.signal(sig, on_signal)
+    exit_at_once(script)
     return received
+
+
+EXIT_AT_ONCE = (signal.SIGTERM, signal.SIGINT)
+GRACE_S = 1.0  # for the main thread to leave (releasing out_dir's lock) before a thread ends it
+_before_steps = None  # until steps_begin(): the write end of exit_at_once's pipe
+_said = threading.Lock()  # the line is said once, by whichever way out comes first
+
+
+def before_steps(script, signum):
+    rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
+    return (f"{script}: stopped by {signal.Signals(signum).name}{rank} before the first step: "
+            f"nothing to save yet")
+
+
+def exit_at_once(script):
+    """A stop signal before the first step raises Interrupted in the main thread (on_signal),
+    which errors.run reports; but a main thread that waits in a C call, init_process_group
+    waiting for a peer or a collective, runs no Python handler until the call returns. So
+    Python's own C handler also writes each signal's number to a pipe (signal.set_wakeup_fd),
+    and a thread of ours that reads it ends the process GRACE_S later if it is still there."""
+    global _before_steps
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+
+    def watch():
+        while (got := os.read(read_end, 16)) and _before_steps is not None:
+            signum = next((s for s in got if s in EXIT_AT_ONCE), None)
+            if signum is not None:
+                time.sleep(GRACE_S)
+                if _before_steps is not None:
+                    say_once(before_steps(script, signum))
+                    os._exit(128 + signum)
+        os.close(read_end)
+
+    threading.Thread(target=watch, name="stop-signals", daemon=True).start()
+    _before_steps = write_end
+
+
+def steps_begin():
+    """From the first step on, a stop signal is recorded, and the step it comes in is the
+    last: the ranks agree on it and rank 0 saves."""
+    global _before_steps
+    if _before_steps is not None:
+        write_end, _before_steps = _before_steps, None
+        signal.set_wakeup_fd(-1)
+        os.close(write_end)  # the watcher reads the end of the pipe, and ends
+
+
+def say_once(line):
+    """Print the line to stderr unless it was said already."""
+    if _said.acquire(blocking=False):
+        print(line, file=sys.stderr, flush=True)
 
 
 class Interrupted(KeyboardInterrupt):
     """A stop signal, raised in prepare.py's main process wherever it is (a KeyboardInterrupt,
-    which libraries let through too). `left` says what the run leaves behind; exit status is
-    the shell's convention, 128 + the signal's number."""
+    which libraries let through too), and in train.py's before its first step. `left` says
+    what the run leaves behind, `line` what errors.run prints; exit status is the shell's
+    convention, 128 + the signal's number."""
 
-    def __init__(self, signum):
+    def __init__(self, signum, line=""):
         super().__init__(signal.Signals(signum).name)
-        self.signum, self.left = signum, "no new output was published"
+        self.signum, self.line, self.left = signum, line, "no new output was published"
 
 
 def raise_on_stop_signals():

@@ -251,18 +251,30 @@ def where_now(watchdog_ident, world_size):
     frames = sys._current_frames()
     main = threading.main_thread().ident
     ours, beyond = place(frames[main])
-    if beyond == "_engine_run_backward" and world_size > 1:
-        # DDP all-reduces the gradients inside backward, out of Python's sight; a backward
-        # slower than the limit is waiting there for another rank
-        beyond = "backward (DDP's gradient all_reduce)"
     if ours != "data.rank_batches":
-        return " -> ".join(filter(None, (ours, beyond)))
+        return described(ours, beyond, world_size)
     # the main thread waits for the reader thread's future; the one other thread that runs
     # our code is that reader
     readers = [" -> ".join(filter(None, place(f))) for ident, f in frames.items()
                if ident not in (main, watchdog_ident) and any(map(is_ours, stack(f)))]
     return "data.rank_batches, waiting for its next batch" + "".join(
         f" (reader thread in {r})" for r in readers)
+
+
+def where_raised(tb, world_size):
+    """Where an exception was raised, said as where_now() says it of a thread, e.g.
+    'train.share_step_results -> all_reduce'."""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return described(*place(tb.tb_frame), world_size)
+
+
+def described(ours, beyond, world_size):
+    if beyond == "_engine_run_backward" and world_size > 1:
+        # DDP all-reduces the gradients inside backward, out of Python's sight; a backward
+        # that waits, or fails, is waiting for (or has lost) another rank
+        beyond = "backward (DDP's gradient all_reduce)"
+    return " -> ".join(filter(None, (ours, beyond)))
 
 
 def stack(frame):

@@ -13,6 +13,9 @@
 #                   SLURM_LOCALID and SLURM_NTASKS, and MASTER_ADDR/MASTER_PORT set here)
 #   RDZV_PORT       the rendezvous port; default: derived from the job id (rdzv_port below)
 #   RDZV_TIMEOUT_S  how long the nodes wait for each other at start-up (default 600)
+#   MAX_RESTARTS    torchrun's --max-restarts (default 0): when a rank dies, every torchrun
+#                   restarts its ranks up to this many times within the job; give
+#                   --init_from=auto (slurm.sbatch does) so that they resume
 #   LAUNCH_ENV      a file to source first, e.g. launch/env/efa.sh (it reaches every rank)
 #   PYTHON          the interpreter that has torch (default python3 from PATH)
 #   TRAIN_SCRIPT    the script to run (default train.py beside this folder)
@@ -45,6 +48,12 @@ PYTHON=${PYTHON:-python3}
 TRAIN_SCRIPT=${TRAIN_SCRIPT:-$(dirname "$here")/train.py}
 LAUNCHER=${LAUNCHER:-torchrun}
 RDZV_TIMEOUT_S=${RDZV_TIMEOUT_S:-600}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+case $MAX_RESTARTS in
+  '' | *[!0-9]*) die "MAX_RESTARTS=$MAX_RESTARTS: give a number of restarts, e.g. 3" ;;
+esac
+[ "$MAX_RESTARTS" = 0 ] || [ "$LAUNCHER" = torchrun ] || die "MAX_RESTARTS=$MAX_RESTARTS \
+needs LAUNCHER=torchrun: with one srun task per rank, a dead rank ends the job"
 
 nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
 head_node=$(head -n1 <<<"$nodes")
@@ -68,7 +77,7 @@ case $nproc in
 esac
 
 echo "srun.sh: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $n_nodes node(s) x" \
-     "$nproc rank(s), $LAUNCHER, rendezvous $head_node:$port"
+     "$nproc rank(s), $LAUNCHER, rendezvous $head_node:$port, max restarts $MAX_RESTARTS"
 
 # NCCL's flight recorder: each rank keeps its last collectives in memory and writes them to
 # <prefix><rank> when a collective times out (dist_timeout_s), for torch's analyser
@@ -90,7 +99,9 @@ case $LAUNCHER in
   torchrun)
     # one task per node: is_host makes the first node host the rendezvous store, rather
     # than relying on torchrun matching the hostname; torchrun ignores USR1/TERM
-    # (--signals-to-handle without SIGTERM) and leaves them to the ranks
+    # (--signals-to-handle without SIGTERM) and leaves them to the ranks. A restart
+    # (--max-restarts) stays inside this job step: --kill-on-bad-exit acts only when a
+    # torchrun gives up
     # shellcheck disable=SC2016  # the inner script's variables expand on each node
     exec "${step[@]}" --ntasks="$n_nodes" --ntasks-per-node=1 bash -c '
       trap "" USR1 TERM
@@ -98,10 +109,10 @@ case $LAUNCHER in
       [ "$SLURMD_NODENAME" = "$1" ] && is_host=1 || is_host=0
       exec "$2" -m torch.distributed.run --nnodes="$3" --nproc-per-node="$4" \
         --rdzv-backend=c10d --rdzv-endpoint="$1:$5" --rdzv-id="$SLURM_JOB_ID" \
-        --rdzv-conf="is_host=$is_host,join_timeout=$6" --max-restarts=0 \
-        --signals-to-handle=SIGINT,SIGHUP,SIGQUIT "${@:7}"' \
+        --rdzv-conf="is_host=$is_host,join_timeout=$6" --max-restarts="$7" \
+        --signals-to-handle=SIGINT,SIGHUP,SIGQUIT "${@:8}"' \
       bash "$head_node" "$PYTHON" "$n_nodes" "$nproc" "$port" "$RDZV_TIMEOUT_S" \
-      "$TRAIN_SCRIPT" "$@" ;;
+      "$MAX_RESTARTS" "$TRAIN_SCRIPT" "$@" ;;
   srun)
     export MASTER_ADDR=$head_node MASTER_PORT=$port
     # shellcheck disable=SC2016  # the inner script's variables expand in each task

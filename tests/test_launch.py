@@ -2,12 +2,14 @@
 slurmd posing as nodes n1 and n2 (8 fake GPUs each) on this host, for this module only, and
 down.sh stops exactly those. The jobs are the real launch/slurm.sbatch with 2 nodes x 2 ranks
 (NPROC_PER_NODE=2, gloo, a tiny model on the CPU): training to the end, a USR1 that stops,
-requeues and resumes the job on the same batches, a SIGTERM, a failing rank, a config file's
-init_from, one srun task per rank, and the flight recorder settings each rank gets."""
+requeues and resumes the job on the same batches, a SIGTERM, a failing rank, a killed rank that
+torchrun restarts within the job, a config file's init_from, one srun task per rank, and the
+flight recorder settings each rank gets."""
 import os
 import random
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import time
 import pytest
 
 from conftest import ROOT, TINY, evals, run, steps
+from test_restarts import kill_at_steps
 
 SLURM_SCRIPTS = os.path.join(ROOT, "..", "shared", "slurm")
 TINY = [*TINY, "--n_layer=1", "--backend=gloo", "--gradient_accumulation_steps=4",
@@ -251,6 +254,26 @@ def test_a_failing_rank_ends_the_job_at_once_with_its_error(slurm, corpus, tmp_p
     assert "requeueing" not in text and not checkpoints(out)
 
 
+def test_a_killed_rank_restarts_within_the_job_and_goes_on_on_the_same_batches(
+        slurm, corpus, uninterrupted, tmp_path):
+    """MAX_RESTARTS=2: kill -9 of rank 3 (on n2), then of rank 0 (on n1). Each torchrun restarts
+    its ranks within the job step, they resume from the newest checkpoint, and the steps are
+    the uninterrupted job's, bit for bit."""
+    log, out = str(tmp_path / "job.log"), str(tmp_path / "out")
+    job_id = sbatch(slurm, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
+                    f"--max_iters={MAX_ITERS}", "--eval_interval=50", "--log_interval=100",
+                    MAX_RESTARTS="2")
+    kill_at_steps(out, [(80, 3, signal.SIGKILL), (180, 0, signal.SIGKILL)], procs=[])
+    info = wait_done(slurm, job_id, log)
+    text = read(log)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", (info, text)
+    assert "max restarts 2" in text and text.count("resuming from") == 2, text
+    rows, whole = steps(out), steps(uninterrupted[2])
+    assert sorted(rows) == sorted(whole) == list(range(MAX_ITERS))
+    for i in range(MAX_ITERS):
+        assert (rows[i]["batch_fp"], rows[i]["loss"]) == (whole[i]["batch_fp"], whole[i]["loss"]), i
+
+
 def test_an_init_from_in_a_config_file_wins_over_the_batch_scripts_auto(slurm, corpus, tmp_path):
     """slurm.sbatch passes --init_from=auto before the user's arguments: a config file's
     init_from (here resume, in an out_dir with no checkpoint) is the one train.py takes."""
@@ -318,3 +341,15 @@ def test_srun_sh_outside_an_allocation(tmp_path):
     p = run(["bash", os.path.join(ROOT, "launch", "srun.sh"), "config/owt.py"], env,
             check=False)
     assert p.returncode == 2 and "not inside a SLURM allocation" in p.stderr
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"MAX_RESTARTS": "three"}, "MAX_RESTARTS=three: give a number of restarts, e.g. 3"),
+    ({"MAX_RESTARTS": "2", "LAUNCHER": "srun"},
+     "MAX_RESTARTS=2 needs LAUNCHER=torchrun: with one srun task per rank, a dead rank ends "
+     "the job")])
+def test_srun_sh_refuses_restarts_it_cannot_make(tmp_path, extra, message):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    p = run(["bash", os.path.join(ROOT, "launch", "srun.sh")], dict(env, SLURM_JOB_ID="1",
+                                                                    **extra), check=False)
+    assert p.returncode == 2 and f"srun.sh: {message}" in p.stderr, p.stderr

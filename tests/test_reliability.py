@@ -11,7 +11,6 @@ import sys
 import time
 
 import numpy as np
-import psutil
 import pytest
 import torch
 
@@ -41,34 +40,6 @@ def wait_for_step(out_dir, step, proc, timeout=120):
             return
         time.sleep(0.05)
     raise AssertionError(f"step {step} never came")
-
-
-def test_a_killed_rank_restarts_and_continues_as_if_nothing_happened(env, corpus, tmp_path):
-    args = ["--gradient_accumulation_steps=2", "--max_iters=300", "--eval_interval=50",
-            "--log_interval=100", "--init_from=auto"]
-    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
-    torchrun(2, "train.py", *train_args(corpus, whole, *args), env=env)
-    with open(tmp_path / "log", "w+") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-             "--max-restarts=1", os.path.join(ROOT, "train.py"),
-             *train_args(corpus, killed, *args)],
-            cwd=ROOT, env=dict(env, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), stdout=log,
-            stderr=subprocess.STDOUT)
-        wait_for_step(killed, 120, proc)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "train.py" in " ".join(p.cmdline())]
-        assert len(workers) == 2
-        workers[1].kill()
-        proc.wait(timeout=300)
-        log.seek(0)
-        out = log.read()
-    assert proc.returncode == 0, out
-    assert "resuming from" in out
-    redone = [r["iter"] for r in metrics(killed) if "batch_fp" in r]
-    assert len(redone) > 300, "the restart must have redone the steps after the checkpoint"
-    same = compare(env, whole, killed, "--losses")
-    assert same.returncode == 0 and "over 300 steps" in same.stdout, same.stdout
 
 
 @pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
@@ -309,15 +280,16 @@ def test_ctrl_c_saves_at_one_step_and_says_how_to_resume(env, corpus, tmp_path):
 
 
 def test_a_second_ctrl_c_stops_at_once(env, corpus, tmp_path):
-    """The first Ctrl-C comes during the first evaluation, a long one here, so the second
-    comes before any step could take the first into account."""
+    """The first Ctrl-C comes during the evaluation at iter 2, a long one here, so the second
+    comes before any step could take the first into account. (Before the first step, the
+    first Ctrl-C alone ends the run: tests/test_restarts.py.)"""
     out = str(tmp_path / "out")
     with open(tmp_path / "log", "w+") as log:
         proc = subprocess.Popen([sys.executable, "train.py", *train_args(
-            corpus, out, "--eval_iters=20000", "--max_iters=10")], cwd=ROOT, env=env,
-            stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 60
-        while "world size" not in (tmp_path / "log").read_text():
+            corpus, out, "--eval_iters=500", "--eval_interval=2", "--max_iters=10")],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 300
+        while "iter 1: loss" not in (tmp_path / "log").read_text():
             assert proc.poll() is None and time.time() < deadline
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)

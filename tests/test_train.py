@@ -179,3 +179,41 @@ def test_the_settling_backward_passes_two_tensors():
     parallel.settle_gradient_buckets(model, (2, 8), "cpu", contextlib.nullcontext())
     (x, y), = seen
     assert x is not y and x.shape == y.shape == (2, 8)
+
+
+# ---- a backend or device that this machine's torch cannot serve ----
+
+@pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(),
+                    reason="the messages of a CPU-only torch")
+def test_a_backend_or_device_this_torch_cannot_serve_is_refused_naming_what_it_can(
+        env, corpus, tmp_path):
+    args = [f"--data_dir={corpus}", f"--out_dir={tmp_path}", *TINY,
+            "--gradient_accumulation_steps=2"]
+    version = torch.__version__
+    err = train_error(env, *args, "--backend=nccl", nproc=2)  # was init_process_group's ValueError
+    assert f"backend='nccl', but torch {version} was built without it (a CPU build): it has " \
+           f"gloo; use --backend=gloo, or leave backend unset" in err, err
+    can = f"This machine's torch {version} can run on: cpu."
+    err = train_error(env, *args, "--device=mps")  # was "not linked with support for mps"
+    assert f"device='mps', but torch {version} has no MPS device here (Apple's GPUs, on " \
+           f"macOS). {can}" in err, err
+    for device in ("xpu", "meta"):
+        err = train_error(env, *args, f"--device={device}")
+        assert f"device='{device}': ddpgpt does not run on {device} devices. {can}" in err, err
+
+
+def test_the_backend_follows_the_device(monkeypatch):
+    assert runtime.check_backend("", "cpu") == "gloo"
+    assert runtime.check_backend("gloo", "cuda:0") == "gloo"  # bench.py gpu's two ranks on one
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    assert runtime.check_backend("", "cuda:1") == "nccl"
+    with pytest.raises(UserError, match="backend='nccl' all-reduces CUDA tensors only, and "
+                                        "device='cpu': use --backend=gloo"):
+        runtime.check_backend("nccl", "cpu")
+
+
+def test_mps_runs_one_process(monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert runtime.pick_device("mps", Ranks(0, 0, 1, 1)) == "mps"
+    with pytest.raises(UserError, match="device='mps' runs one process only"):
+        runtime.pick_device("mps", Ranks(1, 1, 2, 2))
