@@ -115,14 +115,14 @@ def alive(p):
         return False
 
 
-def run_watched(args, env, time_cap_s, mem_cap=None, poll_s=0.05):
-    """Run a command, sampling the memory of it and its children every poll_s seconds. Past
-    mem_cap bytes of private memory, or time_cap_s seconds, it is killed, so that a loader
+def run_watched(args, env, time_cap_s, mem_cap=None, poll_s=0.05, cwd=ROOT):
+    """Run a command in cwd, sampling the memory of it and its children every poll_s seconds.
+    Past mem_cap bytes of private memory, or time_cap_s seconds, it is killed, so that a loader
     whose memory grows with the data shows that growth without taking the machine down."""
     with tempfile.TemporaryFile("w+") as out:  # a file, not a pipe: a full pipe would block it
         cpu0 = children_cpu_s()
         t0 = time.perf_counter()
-        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 text=True)
         watched = psutil.Process(proc.pid)
         peak_rss = peak_private = 0

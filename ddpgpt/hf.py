@@ -211,7 +211,7 @@ def check_folder(folder):
         raise UserError(f"{path} cannot be read ({e}): {FOLDER_HINT}.") from e
     if model_type not in MODEL_TYPES:
         raise UserError(f"{folder} holds a {model_type!r} model (config.json's model_type), "
-                        f"neither a GPT-2 nor a Qwen3 (the modern block), the models model.py "
+                        f"not a GPT-2 or a Qwen3 (the modern block), the models model.py "
                         f"computes: give a GPT-2 folder, one that export.py wrote, or one of "
                         f"{', '.join(NAMES)}.")
     return model_type

@@ -47,7 +47,7 @@ def model_args(cfg, meta):
                 block_size=cfg.block_size, bias=cfg.bias, dropout=cfg.dropout,
                 vocab_size=vocab_size)
     if cfg.arch != "gpt2":
-        args.update(arch=cfg.arch, rope_theta=cfg.rope_theta)
+        args.update(arch=cfg.arch, rope_theta=cfg.rope_theta, bias=False)
     return args
 
 
