@@ -166,3 +166,15 @@ def error_line(output):
     raised = [m.group(1) for m in map(EXCEPTION.match, lines)
               if m and not m.group(1).startswith(("ChildFailedError", "torch.distributed"))]
     return (raised[0] if raised else lines[-1] if lines else "no output")[:200]
+
+
+def step_time_target(target, row, reference, slack):
+    """A target row: met when row's ms per step is at most (1 + slack) times the reference
+    row's; not judged (None) when either did not run, with the first one's reason."""
+    missing = next((r["status"] for r in (row, reference) if r["status"] != "ok"), None)
+    if missing:
+        return {"target": target, "measured": missing, "met": None}
+    excess = row["ms_per_step"] / reference["ms_per_step"] - 1
+    return {"target": target, "measured": f"{row['ms_per_step']:,.1f} vs "
+                                          f"{reference['ms_per_step']:,.1f} ms/step "
+                                          f"({excess:+.1%})", "met": excess <= slack}

@@ -287,9 +287,10 @@ def commands(spec_args, speed_args):
             for corpus, spec in spec_args.items()]
     speed_cmd = [*speed_args["args"], f"--max_iters={speed_args['steps']}"]
     return rows + [
-        {"what": "speed: train.py", "command": " ".join(["OMP_NUM_THREADS=1 python", *train_command(
-            [*speed_cmd, "--eval_iters=1", f"--eval_interval={speed_args['steps']}"],
-            "<arch>", "<optimizer>", 1337, "<data>", "<out>")])},
+        {"what": "speed: train.py", "command": " ".join(
+            ["OMP_NUM_THREADS=1 python", *train_command(
+                [*speed_cmd, "--eval_iters=1", f"--eval_interval={speed_args['steps']}"],
+                "<arch>", "<optimizer>", 1337, "<data>", "<out>")])},
         {"what": "speed: the minimal loop", "command": " ".join(
             ["OMP_NUM_THREADS=1 python -m bench.minimal_loop", *speed_cmd, "--arch=<arch>",
              "--optimizer=<optimizer>", "--data_dir=<data>"])},
@@ -351,29 +352,19 @@ def targets(reached, speed_rows):
                                           for c in corpora),
                     "met": all(r is not None and r <= share for rs in ratios for r in rs)})
     timed = {(r["loop"], r["combo"]): r for r in speed_rows}
-    out.append(speed_target(
+    out.append(common.step_time_target(
         f"modern+muon's train.py step within {STEP_TARGET:.0%} of gpt2+adamw's (quick-start "
         f"model, CPU, one thread)", timed["train.py", "modern+muon"],
         timed["train.py", BASELINE], STEP_TARGET))
-    out.append(speed_target(
+    out.append(common.step_time_target(
         f"train.py's gpt2+adamw step within {CEILING_TARGET:.0%} of bench/minimal_loop.py's "
         f"(quick-start model, CPU, one thread)", timed["train.py", BASELINE],
         timed["minimal loop", BASELINE], CEILING_TARGET))
-    out.append(speed_target(
+    out.append(common.step_time_target(
         "train.py's gpt2+adamw tokens/s no lower than nanoGPT's train.py's (quick-start model "
         "and data, CPU, one thread)", timed["train.py", BASELINE], timed["nanoGPT", BASELINE],
         0.0))
     return out
-
-
-def speed_target(target, ours, reference, slack):
-    """Met when ours takes at most (1 + slack) times the reference's ms per step."""
-    if reference["status"] != "ok":
-        return {"target": target, "measured": reference["status"], "met": None}
-    excess = ours["ms_per_step"] / reference["ms_per_step"] - 1
-    return {"target": target, "measured": f"{ours['ms_per_step']:,.1f} vs "
-                                          f"{reference['ms_per_step']:,.1f} ms/step "
-                                          f"({excess:+.1%})", "met": excess <= slack}
 
 
 def plot(result):

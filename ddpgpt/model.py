@@ -283,9 +283,10 @@ class GPT(nn.Module):
     def flops_per_token(self):
         """Training FLOPs per token (forward and backward), PaLM paper appendix B:
         6 per parameter plus the attention scores and their weighted sum over block_size keys.
-        The parameters are get_num_params()'s, every matrix a token is multiplied by (their norms'
-        gains too, a rounding error); elementwise work (norms, GELU or SwiGLU's product, the
-        rotations) is not counted, for either arch, as PaLM and nanoGPT do not. MFU = flops_per_token() * tokens_per_second / the device's peak FLOP/s."""
+        The parameters are get_num_params()'s: every matrix a token is multiplied by (and the
+        norms' gains, a rounding error); elementwise work (norms, GELU or SwiGLU's product, the
+        rotations) is not counted, for either arch, as PaLM and nanoGPT do not.
+        MFU = flops_per_token() * tokens_per_second / the device's peak FLOP/s."""
         cfg = self.config
         head_dim = cfg.n_embd // cfg.n_head
         return 6 * self.get_num_params() + 12 * cfg.n_layer * cfg.n_head * head_dim * cfg.block_size

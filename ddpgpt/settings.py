@@ -22,6 +22,12 @@ DEVICE_HELP = "auto: this rank's GPU when torch sees one, else cpu; cuda: cuda:<
 DTYPE_HELP = "auto: bfloat16 on a GPU that has it natively, else float16; float32 on a CPU"
 
 
+def check_bias(arch, bias):
+    if arch == "modern" and bias:
+        raise UserError("bias=True with arch='modern': the modern block has no biases (nor has "
+                        "Qwen3's); leave bias out or set it to False.")
+
+
 @dataclass
 class TrainConfig:
     """Train a GPT with DistributedDataParallel, on one process or many."""
@@ -36,7 +42,8 @@ class TrainConfig:
                                              "val loss improves (and at the end)")
     init_from: str = key("scratch", "scratch, resume, auto (resume if out_dir holds a "
                                     "checkpoint), or GPT-2's weights: gpt2, gpt2-medium, "
-                                    "gpt2-large, gpt2-xl or a Hugging Face GPT-2 folder")
+                                    "gpt2-large, gpt2-xl or a Hugging Face GPT-2 folder (or "
+                                    "a Qwen3 folder that export.py wrote)")
     keep_checkpoints: int = key(3, "how many of the newest checkpoints to keep", at_least=1)
     hellaswag_interval: int = key(0, "HellaSwag at the evaluations whose iter is a multiple of "
                                      "this, on all ranks (0: never)", at_least=0)
@@ -123,9 +130,7 @@ class TrainConfig:
 
     def check_recipe(self):
         """The combinations of arch and optimizer that cannot work."""
-        if self.arch == "modern" and self.bias:
-            raise UserError("bias=True with arch='modern': the modern block has no biases "
-                            "(nor has Qwen3's); leave bias out or set it to False.")
+        check_bias(self.arch, self.bias)
         if self.arch == "modern" and self.init_from in hf.NAMES:
             raise UserError(f"arch='modern' with init_from={self.init_from!r}: OpenAI's GPT-2 "
                             f"weights are arch='gpt2'. Fine-tune them with arch='gpt2' (the "

@@ -34,7 +34,7 @@ from ddpgpt import configurator, data, errors, optim, tokenfile
 from ddpgpt.configurator import key
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
-from ddpgpt.settings import Arch, Sampling
+from ddpgpt.settings import Arch, Sampling, check_bias
 from ddpgpt.weights import model_args
 
 
@@ -67,6 +67,7 @@ class LightningConfig:
 
     def __post_init__(self):
         configurator.check(self)
+        check_bias(self.arch, self.bias)
         if self.gradient_accumulation_steps % self.devices:
             raise UserError(
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps} is the global "

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # read when transformers is imported: never the network
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM  # noqa: E402,E501
+from transformers import (AutoModelForCausalLM, AutoTokenizer, Qwen3Config,  # noqa: E402
+                          Qwen3ForCausalLM)
 
 from conftest import TINY, evals, fails, python, steps, torchrun
 from ddpgpt import checkpoint, hf, optim
