@@ -1,9 +1,10 @@
-"""Export a checkpoint as a Hugging Face GPT-2 folder:
+"""Export a checkpoint as a Hugging Face GPT-2 folder (a Qwen3 folder for arch='modern'):
 
   python export.py out-finetune-gpt2 gpt2-finetuned      # the out_dir's newest loadable checkpoint
   python export.py out/ckpt_0000040.pt gpt2-finetuned    # one checkpoint file (nanoGPT's too)
 
-transformers loads DEST (GPT2LMHeadModel or AutoModelForCausalLM .from_pretrained(DEST)), and
+transformers loads DEST (AutoModelForCausalLM.from_pretrained(DEST): GPT2LMHeadModel, or
+Qwen3ForCausalLM for the modern block, no remote code), and
 it computes the same function as the checkpoint (float32 logits within 1e-4). It holds
 config.json, generation_config.json, model.safetensors, a README.md that says what was exported
 and the tokenizer files, with which AutoTokenizer encodes and decodes as ddpgpt does: GPT-2's
@@ -58,14 +59,24 @@ def tokenizer_note(tok, dest):
             f"{tok.eot}.")
 
 
-def readme(state, path, tok, dest):
-    args = state["model_args"]
+def architecture_note(args):
+    """(what the folder holds, its block in a few words)."""
+    if args.get("arch", "gpt2") == "modern":
+        return "Qwen3 (ddpgpt's arch='modern')", (
+            f"Qwen3's block: RMSNorm, rotary position embeddings (theta "
+            f"{args['rope_theta']:g}), QK-norm, SwiGLU, no biases, untied output head")
     gelu = {"none": "exact (`gelu`)", "tanh": "tanh approximation (`gelu_new`)"}[
         args.get("gelu_approximate", "none")]
-    text = (f"# A GPT-2 exported by ddpgpt\n\n"
+    return "GPT-2", f"GELU {gelu}"
+
+
+def readme(state, path, tok, dest):
+    args = state["model_args"]
+    kind, block = architecture_note(args)
+    text = (f"# A {kind} exported by ddpgpt\n\n"
             f"From `{path}` (iter {state['iter_num']}) by `python export.py`: "
             f"{args['n_layer']} layers, {args['n_head']} heads, {args['n_embd']} dimensions, "
-            f"{args['block_size']} positions, {tok.vocab_size} token ids, GELU {gelu}.\n\n"
+            f"{args['block_size']} positions, {tok.vocab_size} token ids, {block}.\n\n"
             f"    from transformers import AutoModelForCausalLM\n"
             f"    model = AutoModelForCausalLM.from_pretrained({dest!r})\n\n"
             f"## Tokenizer\n\n{tokenizer_note(tok, dest)}\n")

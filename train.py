@@ -67,7 +67,7 @@ class Run:
     model: torch.nn.Module
     eval_model: Callable
     train_model: Callable
-    optimizer: torch.optim.Optimizer
+    optimizer: Any  # a torch.optim.AdamW, or optim.MuonAdamW
     precision: runtime.Precision
     args: dict  # the model's arguments
     meta: dict  # the data's meta.json, kept in checkpoints
@@ -168,6 +168,8 @@ def start_up(cfg, given, ranks, log):
     model = GPT(GPTConfig(**start.args))
     if start.weights is not None:
         model.load_state_dict(start.weights)
+    if cfg.optimizer == "muon":  # its patterns checked here, before any collective
+        optim.muon_parameters(model, cfg.muon_params)
     checkpoint.check_room(cfg.out_dir, sum(p.numel() for p in model.parameters()))
     ev = evaluation.for_training(cfg, splits, meta, cfg.vocab_size, log)
     return cfg, StartUp(start, meta, splits, identity, model, ev)
@@ -178,8 +180,7 @@ def make_run(cfg, ranks, device, log, found):
     progress of a fresh run, or as the checkpoint left them; this rank's batches from there."""
     model = found.model.to(device)
     precision = runtime.precision(cfg.dtype, device)
-    optimizer = optim.make_optimizer(model, cfg.weight_decay, cfg.learning_rate,
-                                     (cfg.beta1, cfg.beta2), runtime.device_type(device))
+    optimizer = optim.make(cfg, model, runtime.device_type(device))
     progress, resume = Progress(), found.start.resume
     if resume is not None:
         optimizer.load_state_dict(resume["optimizer"])
@@ -310,9 +311,7 @@ def train_step(run, history, stop_signals):
     """One optimizer step over the global batch."""
     cfg, model, optimizer, scaler = run.cfg, run.model, run.optimizer, run.precision.scaler
     iter_num, samples = run.progress.iter_num, run.progress.samples
-    lr = optim.lr_at(cfg, iter_num)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    lr = optim.set_lr(optimizer, cfg, iter_num)
     torch.manual_seed(cfg.seed + 7919 * run.ranks.rank + 104729 * iter_num)  # dropout resumes
     loss_sum, data_wait_s, alone_s = forward_backward(
         run.train_model, run.batches, run.micro_steps, run.precision, run.ranks.world_size)

@@ -115,14 +115,14 @@ def alive(p):
         return False
 
 
-def run_watched(args, env, time_cap_s, mem_cap=None, poll_s=0.05):
-    """Run a command, sampling the memory of it and its children every poll_s seconds. Past
-    mem_cap bytes of private memory, or time_cap_s seconds, it is killed, so that a loader
+def run_watched(args, env, time_cap_s, mem_cap=None, poll_s=0.05, cwd=ROOT):
+    """Run a command in cwd, sampling the memory of it and its children every poll_s seconds.
+    Past mem_cap bytes of private memory, or time_cap_s seconds, it is killed, so that a loader
     whose memory grows with the data shows that growth without taking the machine down."""
     with tempfile.TemporaryFile("w+") as out:  # a file, not a pipe: a full pipe would block it
         cpu0 = children_cpu_s()
         t0 = time.perf_counter()
-        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 text=True)
         watched = psutil.Process(proc.pid)
         peak_rss = peak_private = 0
@@ -166,3 +166,15 @@ def error_line(output):
     raised = [m.group(1) for m in map(EXCEPTION.match, lines)
               if m and not m.group(1).startswith(("ChildFailedError", "torch.distributed"))]
     return (raised[0] if raised else lines[-1] if lines else "no output")[:200]
+
+
+def step_time_target(target, row, reference, slack):
+    """A target row: met when row's ms per step is at most (1 + slack) times the reference
+    row's; not judged (None) when either did not run, with the first one's reason."""
+    missing = next((r["status"] for r in (row, reference) if r["status"] != "ok"), None)
+    if missing:
+        return {"target": target, "measured": missing, "met": None}
+    excess = row["ms_per_step"] / reference["ms_per_step"] - 1
+    return {"target": target, "measured": f"{row['ms_per_step']:,.1f} vs "
+                                          f"{reference['ms_per_step']:,.1f} ms/step "
+                                          f"({excess:+.1%})", "met": excess <= slack}

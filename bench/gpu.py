@@ -4,7 +4,9 @@ and its numbers: the versions; GPT-2 124M (config/owt.py) in bf16 with torch.com
 train.py as a user runs it, and bench/minimal_loop.py, nanoGPT's loop at its barest on the same
 model and GPU (the ceiling); recompiles and graph breaks, counted in TORCH_LOGS's lines, in a
 fresh run and after a resume; a checkpoint's save time and a resume that goes on with the same
-batches and losses; sample.py on the GPU; two ranks of DDP + compile on the one GPU with gloo.
+batches and losses; sample.py on the GPU; two ranks of DDP + compile on the one GPU with gloo;
+and the recipe's two keys (arch=modern, optimizer=muon) on the same model and batch, whose step
+must stay within 10% of GPT-2's with AdamW.
 
 A dry run (`--dry-run`, as `--small`) does every step on a tiny model on the CPU, in float32
 without compile (TORCH_LOGS still set and read), so that CI tests the plumbing. Without a GPU
@@ -34,6 +36,7 @@ TORCH_LOGS = "recompiles,graph_breaks"
 CPU = ["--device=cpu", "--dtype=float32", "--compile=False"]
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4"]
 TWO_RANKS = ["--backend=gloo", "--gradient_accumulation_steps=4"]  # 2 micro-steps per rank
+RECIPE = ["--arch=modern", "--optimizer=muon"]  # the same FLOPs per token as GPT-2's
 # What each mode runs: train.py's arguments for GPT-2 124M ("main") and for the 2-rank run
 # (a small model, as gloo carries every gradient through host memory); the steps, the
 # checkpoint the resume starts from, the first steps not counted (start-up, compilation); the
@@ -54,9 +57,10 @@ MODES = {
         budget_s=1200)}
 MIN_START_S = 20  # a command is not started with less of the budget left
 LOSS_RTOL = 1e-3  # a resumed step's loss against the uninterrupted run's
-MFU_TARGET, CEILING_TARGET = 0.45, 0.03
+MFU_TARGET, CEILING_TARGET, RECIPE_TARGET = 0.45, 0.03, 0.10
 CHECKS = ["versions", "train.py", "minimal loop", "recompiles", "checkpoint and resume",
-          "sample.py", "2 ranks"]
+          "sample.py", "2 ranks", "modern + muon"]
+LOOPS = ("train.py", "minimal loop", "modern + muon")  # the speed table's rows
 RECOMPILE = re.compile(r"\[__recompiles\] Recompiling function")
 GRAPH_BREAK = re.compile(r"\[__graph_breaks\] Graph break")  # not the "Graph Break Reason" lines
 FIRST_STEP = re.compile(r"(^|\s)iter \d+: loss ")  # train.py's line after a step
@@ -218,12 +222,14 @@ def fresh_run(s):
                      f"{report.FORMAT.format('{:size}', stats['peak_mem'])}")
 
 
-def speed_of(s, counted, train_py):
-    """A speed table row from train.py's counted step rows, or the minimal loop's times."""
-    tokens = s.cfg.batch_size * s.cfg.gradient_accumulation_steps * s.cfg.block_size
+def speed_of(s, counted, train_py, cfg=None):
+    """A speed table row from train.py's counted step rows, or the minimal loop's times; cfg:
+    the run's configuration, if not the main one."""
+    cfg = cfg or s.cfg
+    tokens = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
     ms = np.array([r["ms"] for r in counted] if train_py else counted["ms"])
     tok_per_s = tokens / float(np.median(ms)) * 1000
-    tflops = flops_per_token(s.cfg, s.data) * tok_per_s / 1e12
+    tflops = flops_per_token(cfg, s.data) * tok_per_s / 1e12
     row = {"status": "ok", "steps_counted": len(ms), "tokens_per_step": tokens,
            "ms_per_step": float(np.median(ms)), "tok_per_s": tok_per_s, "tflops": tflops,
            "mfu": tflops * 1e12 / s.peak if s.peak else None}
@@ -383,6 +389,33 @@ def sample(s):
                      f"(start-up included)", samples=printed, wall_s=finished.wall_s)
 
 
+def modern_muon(s):
+    """train.py with the recipe's two keys on the main model and batch: the modern block (as
+    many FLOPs per token) and Muon, whose Newton-Schulz iterations run on every rank each step;
+    its step against gpt2+adamw's (the train.py check's)."""
+    spec, out = s.spec, s.out("modern-muon")
+    main = [*spec["main"], *RECIPE]
+    args = train_args(main, s.data, out, spec["steps"], spec["steps"])
+    finished = launch(s, "modern + muon", [sys.executable, "train.py", *args],
+                      spec["caps"]["train"])
+    if not succeeded(finished):
+        return failed_row("modern + muon", finished)
+    steps = step_rows(out)
+    s.speed["modern + muon"] = stats = speed_of(s, steps[spec["warmup"]:], train_py=True,
+                                                cfg=parse(main))
+    first, after, breaks = compile_events(finished.output)
+    show("modern + muon", compile_lines(finished.output))
+    ours = s.speed.get("train.py")
+    versus = f" ({stats['ms_per_step'] / ours['ms_per_step'] - 1:+.1%} against gpt2+adamw's)" \
+        if ours else ""
+    passed = len(steps) == spec["steps"] and all(math.isfinite(r["loss"]) for r in steps)
+    return check_row("modern + muon", passed, f"{len(steps)} steps, loss {steps[0]['loss']:.3f} "
+                     f"-> {steps[-1]['loss']:.3f}; {stats['ms_per_step']:,.1f} ms/step{versus}, "
+                     f"MFU {report.FORMAT.format('{:.1%}', stats['mfu'])}; {after} recompile(s) "
+                     f"after the first step, {breaks} graph break(s)", recompiles_after=after,
+                     graph_breaks=breaks)
+
+
 def guarded(check, name, s):
     """A check whose own code fails is recorded as failed, and the others still run."""
     try:
@@ -405,7 +438,7 @@ def run(small, device, workdir):
     # run in the order that keeps the most important numbers if time runs out
     order = [("versions", versions), ("train.py", fresh_run), ("minimal loop", minimal_loop),
              ("checkpoint and resume", resume), ("recompiles", recompiles),
-             ("2 ranks", two_ranks), ("sample.py", sample)]
+             ("2 ranks", two_ranks), ("sample.py", sample), ("modern + muon", modern_muon)]
     rows = {}
     for i, (name, check) in enumerate(order, 1):
         rows[name] = guarded(check, name, s)
@@ -416,7 +449,7 @@ def run(small, device, workdir):
     speed = [{"loop": name, **s.speed.get(name, {"status": rows[name]["status"]
                                                   if rows[name]["status"] != "ok"
                                                   else "failed: see its check"})}
-             for name in ("train.py", "minimal loop")]
+             for name in LOOPS]
     return {"settings": settings(mode, s.spec, s.cfg), "results": checks, "speed": speed,
             "targets": targets(checks, speed)}
 
@@ -425,6 +458,8 @@ def settings(mode, spec, cfg):
     main = train_args(spec["main"], "<data>", "<out>", spec["steps"], spec["save_at"])
     ranks = train_args(spec["ranks"], "<byte data>", "<ranks>", spec["rank_steps"],
                        spec["rank_steps"])
+    recipe = train_args([*spec["main"], *RECIPE], "<data>", "<modern>", spec["steps"],
+                        spec["steps"])
     commands = [f"TORCH_LOGS={TORCH_LOGS} python train.py {' '.join(main)}",
                 f"python -m bench.minimal_loop {' '.join(spec['main'])} --data_dir=<data> "
                 f"--max_iters={spec['steps']}",
@@ -434,7 +469,8 @@ def settings(mode, spec, cfg):
                   f"--node_rank={n} --master_addr=127.0.0.1 --master_port=<port> train.py "
                   f"{' '.join(ranks)}{' &' if n else ''}" for n in (1, 0)),
                 f"python sample.py --out_dir=<ranks> --device={spec['device']} --num_samples=2 "
-                f"--max_new_tokens={spec['new_tokens']} --start='def '"]
+                f"--max_new_tokens={spec['new_tokens']} --start='def '",
+                f"TORCH_LOGS={TORCH_LOGS} python train.py {' '.join(recipe)}"]
     return {"mode": mode, "about": ABOUT[mode], "steps": spec["steps"],
             "save_at": spec["save_at"], "warmup": spec["warmup"],
             "rank_steps": spec["rank_steps"], "budget_s": spec["budget_s"],
@@ -450,15 +486,15 @@ def describe(cfg):
 def not_run():
     """The record of a session with no GPU: every check and target not run."""
     checks = [{"check": name, "status": NO_GPU, "passed": None} for name in CHECKS]
-    speed = [{"loop": name, "status": NO_GPU} for name in ("train.py", "minimal loop")]
+    speed = [{"loop": name, "status": NO_GPU} for name in LOOPS]
     return {"settings": settings("not run", MODES["gpu"], parse(MODES["gpu"]["main"])),
             "results": checks, "speed": speed, "targets": targets(checks, speed)}
 
 
 def targets(checks, speed):
     rows = {r["check"]: r for r in checks}
-    ours, ceiling = speed
-    return [ceiling_target(ours, ceiling), mfu_target(ours),
+    ours, ceiling, recipe = speed
+    return [ceiling_target(ours, ceiling), mfu_target(ours), recipe_target(ours, recipe),
             recompile_target(rows["recompiles"]),
             check_target(f"a resumed run goes on with the same batches (batch_fp) and losses "
                          f"within {LOSS_RTOL:.1%}", rows["checkpoint and resume"]),
@@ -471,14 +507,15 @@ def not_measured(*rows):
 
 
 def ceiling_target(ours, ceiling):
-    target = (f"train.py's step within {CEILING_TARGET:.0%} of the minimal loop's, on the same "
-              f"model and GPU (GPT-2 124M, bf16, torch.compile)")
-    if ours["status"] != "ok" or ceiling["status"] != "ok":
-        return {"target": target, "measured": not_measured(ours, ceiling), "met": None}
-    excess = ours["ms_per_step"] / ceiling["ms_per_step"] - 1
-    return {"target": target, "measured": f"{ours['ms_per_step']:,.1f} vs "
-                                          f"{ceiling['ms_per_step']:,.1f} ms/step ({excess:+.1%})",
-            "met": excess <= CEILING_TARGET}
+    return common.step_time_target(
+        f"train.py's step within {CEILING_TARGET:.0%} of the minimal loop's, on the same model "
+        f"and GPU (GPT-2 124M, bf16, torch.compile)", ours, ceiling, CEILING_TARGET)
+
+
+def recipe_target(ours, recipe):
+    return common.step_time_target(
+        f"modern+muon's train.py step within {RECIPE_TARGET:.0%} of gpt2+adamw's, on the same "
+        f"model size and batch (GPT-2 124M, bf16, torch.compile)", recipe, ours, RECIPE_TARGET)
 
 
 def mfu_target(ours):

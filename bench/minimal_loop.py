@@ -25,9 +25,9 @@ def main(argv):
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(**weights.model_args(cfg, tokenfile.read_meta(cfg.data_dir))))
     model.to(device)
-    # the same AdamW as train.py's (fused on CUDA) with the same parameter groups
-    optimizer = optim.make_optimizer(model, cfg.weight_decay, cfg.learning_rate,
-                                     (cfg.beta1, cfg.beta2), device_type)
+    # the same optimizer as train.py's (AdamW fused on CUDA, or Muon and AdamW) with the same
+    # parameter groups
+    optimizer = optim.make(cfg, model, device_type)
     trained = torch.compile(model) if cfg.compile else model
     autocast = runtime.precision(cfg.dtype, device).autocast
     micro_steps, shape = cfg.gradient_accumulation_steps, (cfg.batch_size, cfg.block_size)

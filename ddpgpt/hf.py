@@ -1,4 +1,5 @@
-"""GPT-2 weights in and out: Hugging Face's GPT2LMHeadModel <-> model.py's GPT.
+"""Hugging Face weights in and out: GPT2LMHeadModel <-> model.py's GPT (arch='gpt2'), and
+Qwen3ForCausalLM <-> the modern block (arch='modern').
 
 nanoGPT took OpenAI's parameter names, so the two state dicts differ only in that
   - HF's Conv1D stores the four matmul weights (attn.c_attn, attn.c_proj, mlp.c_fc,
@@ -10,6 +11,12 @@ Both tie lm_head.weight to transformer.wte.weight. HF's activation_function 'gel
 tanh approximation of GELU that OpenAI's GPT-2 used (GPTConfig.gelu_approximate='tanh'); 'gelu'
 is the exact form (gelu_approximate='none', nanoGPT's and ours by default).
 
+The modern block is Qwen3's: the same nn.Linear layout (no transposes), other names
+(QWEN3_BLOCK), no biases, an untied head, and a config that must say exactly what model.py
+computes (qwen3_args_of): as many key/value heads as heads, head_dim = n_embd / n_head, SwiGLU
+of model.swiglu_hidden(n_embd), RMSNorm's epsilon model.RMS_EPS, default rotary embeddings and
+no sliding window.
+
 transformers is imported inside the functions that need it: it takes seconds, and a run from
 scratch or from a checkpoint never needs it.
 """
@@ -20,6 +27,7 @@ import tempfile
 import torch
 
 from ddpgpt.errors import UserError
+from ddpgpt.model import RMS_EPS, swiglu_hidden
 from ddpgpt.tokenizer import GPT2_NAMES
 
 NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # nanoGPT's names for OpenAI's weights
@@ -34,7 +42,24 @@ TO_APPROXIMATE = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh
 TO_ACTIVATION = {"none": "gelu", "tanh": "gelu_new"}
 FOLDER_HINT = ("a Hugging Face GPT-2 folder holds config.json and model.safetensors, as "
                "save_pretrained or `hf download openai-community/gpt2 config.json "
-               "model.safetensors --local-dir ./gpt2` writes them")
+               "model.safetensors --local-dir ./gpt2` writes them (or a Qwen3 folder that "
+               "export.py wrote from an arch='modern' checkpoint)")
+MODEL_TYPES = ("gpt2", "qwen3")  # config.json's model_type: GPT-2, or the modern block
+# the modern block's names -> Qwen3ForCausalLM's, in each block (h.N <-> model.layers.N) and
+# outside them
+QWEN3_BLOCK = {"ln_1.weight": "input_layernorm.weight",
+               "attn.c_q.weight": "self_attn.q_proj.weight",
+               "attn.c_k.weight": "self_attn.k_proj.weight",
+               "attn.c_v.weight": "self_attn.v_proj.weight",
+               "attn.q_norm.weight": "self_attn.q_norm.weight",
+               "attn.k_norm.weight": "self_attn.k_norm.weight",
+               "attn.c_proj.weight": "self_attn.o_proj.weight",
+               "ln_2.weight": "post_attention_layernorm.weight",
+               "mlp.c_gate.weight": "mlp.gate_proj.weight",
+               "mlp.c_fc.weight": "mlp.up_proj.weight",
+               "mlp.c_proj.weight": "mlp.down_proj.weight"}
+QWEN3_TOP = {"transformer.wte.weight": "model.embed_tokens.weight",
+             "transformer.ln_f.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
 
 
 def _transformers():
@@ -106,10 +131,80 @@ def to_hf_state(state, vocab_size):
     return out
 
 
+def qwen3_args_of(config):
+    """GPTConfig's arguments (arch='modern') for an HF Qwen3Config; a variant that model.py does
+    not compute is a UserError, as for GPT-2."""
+    heads, width = config.num_attention_heads, config.hidden_size
+    rope = dict(config.rope_parameters or {})
+    unsupported = [f"{key}={value!r}" for key, value, ok in (
+        ("num_key_value_heads", config.num_key_value_heads,
+         config.num_key_value_heads in (None, heads)),
+        ("head_dim", config.head_dim, config.head_dim * heads == width),
+        ("intermediate_size", config.intermediate_size,
+         config.intermediate_size == swiglu_hidden(width)),
+        ("hidden_act", config.hidden_act, config.hidden_act == "silu"),
+        ("rms_norm_eps", config.rms_norm_eps, config.rms_norm_eps == RMS_EPS),
+        ("attention_bias", config.attention_bias, not config.attention_bias),
+        ("tie_word_embeddings", config.tie_word_embeddings, not config.tie_word_embeddings),
+        ("use_sliding_window", config.use_sliding_window, not config.use_sliding_window),
+        ("rope_parameters", rope, rope.get("rope_type", "default") == "default")) if not ok]
+    if unsupported:
+        raise UserError(f"the Qwen3 has {', '.join(unsupported)} in its config.json, a variant "
+                        f"that model.py's modern block does not compute: use a folder that "
+                        f"export.py wrote.")
+    return dict(arch="modern", n_layer=config.num_hidden_layers, n_head=heads, n_embd=width,
+                block_size=config.max_position_embeddings, vocab_size=config.vocab_size,
+                bias=False, rope_theta=float(rope["rope_theta"]))
+
+
+def qwen3_config_of(args, vocab_size, eot):
+    """The HF Qwen3Config of the modern block's arguments, for a tokenizer of vocab_size ids.
+    Qwen3 has no residual dropout: the model's dropout becomes its attention dropout."""
+    return _transformers().Qwen3Config(
+        vocab_size=vocab_size, hidden_size=args["n_embd"],
+        intermediate_size=swiglu_hidden(args["n_embd"]), num_hidden_layers=args["n_layer"],
+        num_attention_heads=args["n_head"], num_key_value_heads=args["n_head"],
+        head_dim=args["n_embd"] // args["n_head"], hidden_act="silu",
+        max_position_embeddings=args["block_size"], rms_norm_eps=RMS_EPS,
+        tie_word_embeddings=False, attention_bias=False, use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": args["rope_theta"]},
+        attention_dropout=args.get("dropout", 0.0), bos_token_id=eot, eos_token_id=eot)
+
+
+def qwen3_name(ours):
+    """Qwen3ForCausalLM's name of one of the modern block's parameters."""
+    if ours in QWEN3_TOP:
+        return QWEN3_TOP[ours]
+    layer, rest = ours.removeprefix("transformer.h.").split(".", 1)
+    return f"model.layers.{layer}.{QWEN3_BLOCK[rest]}"
+
+
+def to_qwen3_state(state, vocab_size):
+    """The modern block's state dict in Qwen3's names, with the first vocab_size rows of the
+    embedding and the head (the padding rows belong to no token)."""
+    return {qwen3_name(k): v[:vocab_size] if k in ("transformer.wte.weight", "lm_head.weight")
+            else v for k, v in state.items()}
+
+
+def from_qwen3_state(state):
+    """A Qwen3ForCausalLM state dict in the modern block's names."""
+    theirs = {v: k for k, v in QWEN3_TOP.items()}
+    block = {v: k for k, v in QWEN3_BLOCK.items()}
+    out = {}
+    for k, v in state.items():
+        if k in theirs:
+            out[theirs[k]] = v
+        else:
+            layer, rest = k.removeprefix("model.layers.").split(".", 1)
+            out[f"transformer.h.{layer}.{block[rest]}"] = v
+    return out
+
+
 # ---- in: loading by name or folder ----
 
 def check_folder(folder):
-    """A folder must hold a GPT-2's config.json; checked before transformers is imported."""
+    """A folder's model_type: its config.json must be a GPT-2's or a Qwen3's; checked before
+    transformers is imported."""
     path = os.path.join(folder, "config.json")
     try:
         with open(path) as f:
@@ -118,10 +213,12 @@ def check_folder(folder):
         raise UserError(f"{folder} has no config.json: {FOLDER_HINT}.") from e
     except (OSError, ValueError, AttributeError) as e:
         raise UserError(f"{path} cannot be read ({e}): {FOLDER_HINT}.") from e
-    if model_type != "gpt2":
+    if model_type not in MODEL_TYPES:
         raise UserError(f"{folder} holds a {model_type!r} model (config.json's model_type), "
-                        f"not a GPT-2, the one model model.py computes: give a GPT-2 folder "
-                        f"or one of {', '.join(NAMES)}.")
+                        f"not a GPT-2 or a Qwen3 (the modern block), the models model.py "
+                        f"computes: give a GPT-2 folder, one that export.py wrote, or one of "
+                        f"{', '.join(NAMES)}.")
+    return model_type
 
 
 def shape(init_from):
@@ -165,11 +262,19 @@ def _fetch(load, init_from):
 
 def load(init_from, log=print):
     """(weights in model.py's layout, GPTConfig's arguments) of GPT-2 weights: a name in NAMES
-    (through Hugging Face's cache, downloaded the first time) or a local folder."""
-    if init_from not in NAMES:
-        check_folder(init_from)
+    (through Hugging Face's cache, downloaded the first time) or a local folder, which may
+    also hold a Qwen3 (the modern block, as export.py writes it)."""
+    model_type = "gpt2" if init_from in NAMES else check_folder(init_from)
     transformers = _transformers()
     repo = repo_of(init_from)
+    if model_type == "qwen3":
+        config = _fetch(lambda: transformers.Qwen3Config.from_pretrained(repo), init_from)
+        args = qwen3_args_of(config)
+        model = _fetch(lambda: transformers.Qwen3ForCausalLM.from_pretrained(
+            repo, config=config, dtype=torch.float32), init_from)
+        log(f"loaded the Qwen3 (arch='modern') weights of {repo}: "
+            f"{model.num_parameters() / 1e6:.1f}M parameters")
+        return from_qwen3_state(model.state_dict()), args
     config = _fetch(lambda: transformers.GPT2Config.from_pretrained(repo), init_from)
     args = model_args_of(config)
     model = _fetch(lambda: transformers.GPT2LMHeadModel.from_pretrained(
@@ -181,11 +286,17 @@ def load(init_from, log=print):
 # ---- out: writing a folder ----
 
 def save(weights, args, tokenizer, folder):
-    """Write model.py's weights as an HF GPT-2 for tokenizer's ids into folder: config.json,
-    generation_config.json and model.safetensors."""
+    """Write model.py's weights as an HF GPT-2 (a Qwen3 for arch='modern') for tokenizer's ids
+    into folder: config.json, generation_config.json and model.safetensors."""
     transformers = _transformers()
-    model = transformers.GPT2LMHeadModel(config_of(args, tokenizer.vocab_size, tokenizer.eot))
-    model.load_state_dict(to_hf_state(weights, tokenizer.vocab_size))
+    if args.get("arch", "gpt2") == "modern":
+        model = transformers.Qwen3ForCausalLM(
+            qwen3_config_of(args, tokenizer.vocab_size, tokenizer.eot))
+        model.load_state_dict(to_qwen3_state(weights, tokenizer.vocab_size))
+    else:
+        model = transformers.GPT2LMHeadModel(
+            config_of(args, tokenizer.vocab_size, tokenizer.eot))
+        model.load_state_dict(to_hf_state(weights, tokenizer.vocab_size))
     model.save_pretrained(folder)
 
 

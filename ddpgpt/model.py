@@ -1,7 +1,14 @@
-"""GPT-2, as nanoGPT defines it.
+"""GPT-2, as nanoGPT defines it, and a modern block (arch='modern').
 
 Parameter names follow nanoGPT exactly, so its checkpoints load with model.load_state_dict(sd)
 once a torch.compile '_orig_mod.' prefix is stripped from the keys.
+
+arch='modern' is the block of today's open models, Qwen3's exactly (hf.py exports it as
+transformers' Qwen3ForCausalLM): RMSNorm instead of LayerNorm, rotary position embeddings
+instead of a learned table, RMSNorm on each head's queries and keys (QK-norm), a SwiGLU MLP,
+no biases, and an output head of its own. Its parameters keep nanoGPT's names where there is
+one (wte, h.N.ln_1, attn.c_proj, mlp.c_fc, ln_f, lm_head); the rest are attn.c_q, c_k, c_v
+(separate matrices, which Muon orthogonalises one by one), attn.q_norm, k_norm and mlp.c_gate.
 """
 import math
 from dataclasses import dataclass
@@ -9,6 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+
+ARCHES = ("gpt2", "modern")
+RMS_EPS = 1e-6  # RMSNorm's epsilon, Qwen3's
 
 
 @dataclass
@@ -20,9 +30,22 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # False: no bias in Linears and LayerNorms, a bit better and faster
+    # (GPT-2's only: the modern block has none)
     # nn.GELU's approximate: 'none' is the exact erf form (nanoGPT's, and every checkpoint's
     # that names none); 'tanh' is the approximation GPT-2 itself used, which OpenAI's weights need
     gelu_approximate: str = "none"
+    arch: str = "gpt2"  # or 'modern' (the module docstring); checkpoints of a GPT-2 name none
+    rope_theta: float = 10000.0  # modern: the base of the rotary embeddings' frequencies
+
+    def __post_init__(self):
+        if self.arch not in ARCHES:
+            raise ValueError(f"arch={self.arch!r} is none of {ARCHES}")
+
+
+def swiglu_hidden(n_embd):
+    """The width of the modern MLP: 8/3 of n_embd, rounded to a multiple of 32, so that its
+    three matrices hold about as many weights as GPT-2's two of 4 x n_embd (2048 at 768)."""
+    return 32 * round(8 * n_embd / 3 / 32)
 
 
 class CausalSelfAttention(nn.Module):
@@ -66,6 +89,95 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
+def rotary(t, head_dim, theta, device):
+    """(cos, sin), each (t, head_dim), of rotary embeddings at positions 0..t-1, in Hugging
+    Face's layout: the frequencies of the first half of a head repeated for the second half.
+    Computed in every forward, not kept in a buffer: a few thousand numbers, and a buffer would
+    be one more tensor for DDP to broadcast at each forward."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                            device=device) / head_dim)
+    freqs = torch.outer(torch.arange(t, dtype=torch.float32, device=device), inv_freq)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x, cos, sin):
+    """x (B, n_head, T, head_dim) with each pair (i, i + head_dim/2) rotated by its angle."""
+    half = x.size(-1) // 2
+    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.to(x.dtype) + turned * sin.to(x.dtype)
+
+
+def norm_heads(norm, x):
+    """norm(x) computed in float32, as Qwen3 does, and returned in x's dtype: under autocast
+    the heads come out of their matmul in bfloat16 (or float16), and RMSNorm's gain is float32,
+    a mix that its fused kernel refuses."""
+    return norm(x.float()).to(x.dtype)
+
+
+class RotaryAttention(nn.Module):
+    """The modern attention: queries, keys and values from three matrices, each head's
+    queries and keys RMS-normalised (QK-norm keeps the attention logits bounded, so a high
+    learning rate does not blow them up), then rotated by their position."""
+
+    def __init__(self, config):
+        super().__init__()
+        if config.n_embd % config.n_head != 0:
+            raise ValueError(f"n_embd={config.n_embd} is not a multiple of n_head={config.n_head}")
+        C, head_dim = config.n_embd, config.n_embd // config.n_head
+        self.c_q = nn.Linear(C, C, bias=False)
+        self.c_k = nn.Linear(C, C, bias=False)
+        self.c_v = nn.Linear(C, C, bias=False)
+        self.q_norm = nn.RMSNorm(head_dim, eps=RMS_EPS)
+        self.k_norm = nn.RMSNorm(head_dim, eps=RMS_EPS)
+        self.c_proj = nn.Linear(C, C, bias=False)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.size()
+        heads = (B, T, self.n_head, C // self.n_head)
+        q = rotate(norm_heads(self.q_norm, self.c_q(x).view(heads)).transpose(1, 2), cos, sin)
+        k = rotate(norm_heads(self.k_norm, self.c_k(x).view(heads)).transpose(1, 2), cos, sin)
+        v = self.c_v(x).view(heads).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class SwiGLU(nn.Module):
+    """The modern MLP: silu(x W_gate) * (x W_fc), projected back (c_proj)."""
+
+    def __init__(self, config):
+        super().__init__()
+        hidden = swiglu_hidden(config.n_embd)
+        self.c_gate = nn.Linear(config.n_embd, hidden, bias=False)
+        self.c_fc = nn.Linear(config.n_embd, hidden, bias=False)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.silu(self.c_gate(x)) * self.c_fc(x)))
+
+
+class ModernBlock(nn.Module):
+    """Pre-norm, as Block, with RMSNorm; cos and sin are the positions' rotary embeddings."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.RMSNorm(config.n_embd, eps=RMS_EPS)
+        self.attn = RotaryAttention(config)
+        self.ln_2 = nn.RMSNorm(config.n_embd, eps=RMS_EPS)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.ln_1(x), cos, sin)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
 class Block(nn.Module):
     """Pre-norm: the residual stream itself is never normalised, which keeps deep stacks stable."""
 
@@ -87,16 +199,21 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-        ))
+        self.modern = config.arch == "modern"
+        # built in nanoGPT's order, which the random initialisation follows
+        layers = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))
+        if not self.modern:  # the modern block rotates queries and keys by position instead
+            layers["wpe"] = nn.Embedding(config.block_size, config.n_embd)
+        layers["drop"] = nn.Dropout(config.dropout)
+        layers["h"] = nn.ModuleList([(ModernBlock if self.modern else Block)(config)
+                                     for _ in range(config.n_layer)])
+        layers["ln_f"] = nn.RMSNorm(config.n_embd, eps=RMS_EPS) if self.modern else \
+            nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.transformer = nn.ModuleDict(layers)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # weight tying: one matrix embeds tokens and scores them, as in GPT-2
-        self.transformer.wte.weight = self.lm_head.weight
+        if not self.modern:
+            # weight tying: one matrix embeds tokens and scores them, as in GPT-2
+            self.transformer.wte.weight = self.lm_head.weight
 
         self.apply(self._init_weights)
         # every block adds two residual projections to the stream; scaling them down keeps
@@ -115,11 +232,13 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def get_num_params(self, non_embedding=True):
-        """Parameter count, the tied matrix once. The position embeddings are left out by
-        default; the token embeddings stay in because, tied, they are also the output layer."""
+        """Parameter count, the tied matrix once. The embeddings that are only looked up are
+        left out by default: GPT-2's position table (its token embeddings stay in because,
+        tied, they are also the output layer), the modern model's token embeddings (its head
+        is a matrix of its own, and stays in)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
-            n -= self.transformer.wpe.weight.numel()
+            n -= (self.transformer.wte if self.modern else self.transformer.wpe).weight.numel()
         return n
 
     def forward(self, idx, targets=None):
@@ -130,11 +249,15 @@ class GPT(nn.Module):
         b, t = idx.size()
         if t > self.config.block_size:
             raise ValueError(f"sequence of length {t} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
-
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x, positions = self.transformer.wte(idx), ()
+        if self.modern:
+            positions = rotary(t, self.config.n_embd // self.config.n_head,
+                               self.config.rope_theta, idx.device)
+        else:
+            x = x + self.transformer.wpe(torch.arange(0, t, dtype=torch.long, device=idx.device))
+        x = self.transformer.drop(x)
         for block in self.transformer.h:
-            x = block(x)
+            x = block(x, *positions)
         x = self.transformer.ln_f(x)
 
         if targets is not None:
@@ -151,6 +274,8 @@ class GPT(nn.Module):
         if block_size > self.config.block_size:
             raise ValueError(f"cannot grow block_size {self.config.block_size} to {block_size}")
         self.config.block_size = block_size
+        if self.modern:  # rotary embeddings have no table to crop
+            return
         wpe = self.transformer.wpe
         wpe.weight = nn.Parameter(wpe.weight[:block_size].detach().clone())
         wpe.num_embeddings = block_size
@@ -158,6 +283,9 @@ class GPT(nn.Module):
     def flops_per_token(self):
         """Training FLOPs per token (forward and backward), PaLM paper appendix B:
         6 per parameter plus the attention scores and their weighted sum over block_size keys.
+        The parameters are get_num_params()'s: every matrix a token is multiplied by (and the
+        norms' gains, a rounding error); elementwise work (norms, GELU or SwiGLU's product, the
+        rotations) is not counted, for either arch, as PaLM and nanoGPT do not.
         MFU = flops_per_token() * tokens_per_second / the device's peak FLOP/s."""
         cfg = self.config
         head_dim = cfg.n_embd // cfg.n_head

@@ -1,9 +1,22 @@
 """The optimizer and its learning-rate schedule, for train.py (and the Lightning example).
 
-AdamW as nanoGPT sets it up: weight decay on the matrices (matmul weights, embeddings) only,
-and the fused kernel on CUDA. The schedule is a linear warm-up, then cosine decay to min_lr,
-or (wsd) warm-up, a stable phase and a cooldown.
+optimizer='adamw': AdamW as nanoGPT sets it up: weight decay on the matrices (matmul weights,
+embeddings) only, and the fused kernel on CUDA.
+
+optimizer='muon': torch.optim.Muon for the matrices that muon_params names (by default every
+matrix in the blocks: attention and MLP), and AdamW as above for everything else: the
+embeddings, the head, norms and biases, which Muon is not made for. Muon's update is its
+Nesterov momentum made orthogonal (five Newton-Schulz iterations, in bfloat16) and scaled by
+sqrt(max(1, rows / columns)) (torch's adjust_lr_fn='original', Keller Jordan's). Under DDP
+every rank computes it from the same all-reduced gradients, so every rank applies the same
+update; gradient accumulation and clipping are the same as for AdamW. The two optimizers are
+stepped as one (MuonAdamW), so that train.py, float16's GradScaler and a checkpoint see one.
+
+The schedule is a linear warm-up, then cosine decay to min_lr, or (wsd) warm-up, a stable
+phase and a cooldown. It is learning_rate's (AdamW's); Muon's follows it in proportion, from
+muon_lr at the peak (set_lr).
 """
+import fnmatch
 import inspect
 import math
 from types import SimpleNamespace
@@ -13,9 +26,27 @@ import torch
 from ddpgpt.errors import UserError
 
 
+def make(cfg, model, device_type):
+    """train.py's optimizer for its settings (cfg: a TrainConfig)."""
+    adamw_settings = (cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
+    if cfg.optimizer == "adamw":
+        return make_optimizer(model, *adamw_settings)
+    matrices = muon_parameters(model, cfg.muon_params)
+    muon = torch.optim.Muon(matrices, lr=cfg.muon_lr, momentum=cfg.muon_momentum,
+                            weight_decay=cfg.muon_weight_decay)
+    taken = {id(p) for p in matrices}
+    rest = [p for p in model.parameters() if id(p) not in taken]
+    return MuonAdamW(muon, adamw(rest, *adamw_settings))
+
+
 def make_optimizer(model, weight_decay, learning_rate, betas, device_type):
+    """AdamW over every parameter of the model."""
+    return adamw(model.parameters(), weight_decay, learning_rate, betas, device_type)
+
+
+def adamw(parameters, weight_decay, learning_rate, betas, device_type):
     # decaying biases and LayerNorm gains just pulls them towards a degenerate zero
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in parameters if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
@@ -24,6 +55,77 @@ def make_optimizer(model, weight_decay, learning_rate, betas, device_type):
     fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
     extra = dict(fused=True) if fused else dict()
     return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra)
+
+
+def muon_parameters(model, patterns):
+    """The parameters whose names match one of the comma-separated fnmatch patterns, in the
+    model's order. Each pattern must match one at least (a typo would leave Muon out
+    silently), and each must be a matrix: Muon orthogonalises 2-D updates only."""
+    named = dict(model.named_parameters())  # a tied matrix once, by its first name
+    chosen = set()
+    for pattern in filter(None, (p.strip() for p in patterns.split(","))):
+        found = {name for name in named if fnmatch.fnmatchcase(name, pattern)}
+        if not found:
+            raise UserError(
+                f"muon_params={patterns!r}: {pattern!r} matches no parameter of the model, "
+                f"whose names are such as {', '.join(list(named)[:3])}: fix the pattern, or "
+                f"use the default 'transformer.h.*.c_*.weight' (every matrix in the blocks).")
+        chosen |= found
+    if not chosen:
+        raise UserError(f"muon_params={patterns!r} names no parameter for Muon: give patterns "
+                        f"such as the default 'transformer.h.*.c_*.weight', or use "
+                        f"optimizer='adamw'.")
+    flat = [f"{name} {tuple(named[name].shape)}" for name in named
+            if name in chosen and named[name].dim() != 2]
+    if flat:
+        raise UserError(
+            f"muon_params={patterns!r} gives Muon {', '.join(flat)}, which "
+            f"{'is not a matrix' if len(flat) == 1 else 'are not matrices'}: torch.optim.Muon "
+            f"orthogonalises 2-D updates only, and norms and biases belong to AdamW. Narrow "
+            f"the patterns to the matrices, e.g. the default 'transformer.h.*.c_*.weight'.")
+    return [p for name, p in named.items() if name in chosen]
+
+
+class MuonAdamW:
+    """Muon and AdamW, stepped, zeroed, saved and loaded as one optimizer: what train.py,
+    torch.amp.GradScaler (which unscales the gradients of every group in param_groups, and
+    calls step() unless they overflowed) and a checkpoint need of one. A class, as torch has
+    no optimizer made of two."""
+
+    def __init__(self, muon, adamw):
+        self.muon, self.adamw = muon, adamw
+
+    @property
+    def param_groups(self):
+        return self.muon.param_groups + self.adamw.param_groups
+
+    def step(self):
+        self.muon.step()
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none=True):
+        self.muon.zero_grad(set_to_none)
+        self.adamw.zero_grad(set_to_none)
+
+    def state_dict(self):
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state):
+        self.muon.load_state_dict(state["muon"])
+        self.adamw.load_state_dict(state["adamw"])
+
+
+def set_lr(optimizer, cfg, it):
+    """Set every group's learning rate for step it, and return the schedule's (lr_at): the
+    AdamW groups take it, Muon's muon_lr / learning_rate times it."""
+    lr = lr_at(cfg, it)
+    adamw_groups, muon_groups = (optimizer.adamw.param_groups, optimizer.muon.param_groups) \
+        if isinstance(optimizer, MuonAdamW) else (optimizer.param_groups, [])
+    for group in adamw_groups:
+        group["lr"] = lr
+    for group in muon_groups:
+        group["lr"] = cfg.muon_lr * (lr / cfg.learning_rate)
+    return lr
 
 
 def lr_at(cfg, it):

@@ -16,12 +16,19 @@ from ddpgpt.errors import UserError
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Backend = Literal["", "nccl", "gloo"]
 Sampling = Literal["epoch", "random"]
+Arch = Literal["gpt2", "modern"]
 INIT_FROM = ("scratch", "resume", "auto")  # train.py's; else GPT-2's weights
 YEAR_S = 365 * 24 * 3600  # a watchdog limit beyond it is an error, not an OverflowError; 0: off
 DEVICE_HELP = "auto: this rank's GPU when torch sees one, else cpu; cuda: cuda:<local rank>"
 DTYPE_HELP = "auto: bfloat16 on a GPU that has it natively, else float16; float32 on a CPU"
 LOAD_HELP = ("resume: out_dir's newest checkpoint (or out_dir is one checkpoint file); or "
              "GPT-2's weights, gpt2, gpt2-medium, ..., or a Hugging Face GPT-2 folder")
+
+
+def check_bias(arch, bias):
+    if arch == "modern" and bias:
+        raise UserError("bias=True with arch='modern': the modern block has no biases (nor has "
+                        "Qwen3's); leave bias out or set it to False.")
 
 
 @dataclass
@@ -38,7 +45,8 @@ class TrainConfig:
                                              "val loss improves (and at the end)")
     init_from: str = key("scratch", "scratch, resume, auto (resume if out_dir holds a "
                                     "checkpoint), or GPT-2's weights: gpt2, gpt2-medium, "
-                                    "gpt2-large, gpt2-xl or a Hugging Face GPT-2 folder")
+                                    "gpt2-large, gpt2-xl or a Hugging Face GPT-2 folder (or "
+                                    "a Qwen3 folder that export.py wrote)")
     keep_checkpoints: int = key(3, "how many of the newest checkpoints to keep", at_least=1)
     hellaswag_interval: int = key(0, "HellaSwag at the evaluations whose iter is a multiple of "
                                      "this, on all ranks (0: never)", at_least=0)
@@ -63,15 +71,30 @@ class TrainConfig:
     n_head: int = key(12, "attention heads", at_least=1)
     n_embd: int = key(768, "width of the residual stream", at_least=1)
     dropout: float = key(0.0, "dropout probability", at_least=0, below=1)
-    bias: bool = key(False, "biases in Linears and LayerNorms")
+    bias: bool = key(False, "biases in Linears and LayerNorms (gpt2 only)")
     vocab_size: int = key(0, "0: the data's vocabulary rounded up to a multiple of 64",
                           at_least=0)
-    # AdamW and its schedule
-    learning_rate: float = key(6e-4, "the peak learning rate", at_least=0)
+    arch: Arch = key("gpt2", "gpt2: GPT-2 (nanoGPT's); modern: RMSNorm, rotary positions, "
+                             "QK-norm, SwiGLU, no biases, untied head (Qwen3's block)")
+    rope_theta: float = key(10000.0, "modern: the base of the rotary embeddings' frequencies",
+                            above=0)
+    # the optimizer and its schedule
+    optimizer: Literal["adamw", "muon"] = key(
+        "adamw", "adamw: AdamW for every parameter; muon: torch.optim.Muon for the matrices "
+                 "that muon_params names, AdamW (learning_rate) for the rest")
+    learning_rate: float = key(6e-4, "the peak learning rate (AdamW's)", at_least=0)
     max_iters: int = key(600000, "optimizer steps in all", at_least=0)
     weight_decay: float = key(1e-1, "AdamW's, on the matrices only", at_least=0)
     beta1: float = key(0.9, "AdamW's beta1", at_least=0, below=1)
     beta2: float = key(0.95, "AdamW's beta2", at_least=0, below=1)
+    muon_lr: float = key(0.02, "muon: Muon's peak learning rate; it follows the schedule in "
+                               "proportion to learning_rate", above=0)
+    muon_momentum: float = key(0.95, "muon: Muon's (Nesterov) momentum", at_least=0, below=1)
+    muon_weight_decay: float = key(0.0, "muon: Muon's decoupled weight decay (times its "
+                                        "learning rate)", at_least=0)
+    muon_params: str = key("transformer.h.*.c_*.weight",
+                           "muon: the parameters Muon steps, comma-separated patterns of "
+                           "names (fnmatch; each 2-D); by default every matrix in the blocks")
     grad_clip: float = key(1.0, "clip the gradient norm to this (0: no clipping)", at_least=0)
     decay_lr: bool = key(True, "False: a constant learning rate")
     lr_schedule: Literal["cosine", "wsd"] = key(
@@ -116,6 +139,20 @@ class TrainConfig:
                 f"{self.cooldown_frac} of max_iters={self.max_iters}), so the learning rate "
                 f"would still be rising where it should decay: set warmup_iters to at most "
                 f"{cooldown}, or raise max_iters.")
+        self.check_recipe()
+
+    def check_recipe(self):
+        """The combinations of arch and optimizer that cannot work."""
+        check_bias(self.arch, self.bias)
+        if self.arch == "modern" and self.init_from in hf.NAMES:
+            raise UserError(f"arch='modern' with init_from={self.init_from!r}: OpenAI's GPT-2 "
+                            f"weights are arch='gpt2'. Fine-tune them with arch='gpt2' (the "
+                            f"default), or train the modern block from scratch.")
+        if self.optimizer == "muon" and self.learning_rate == 0:
+            raise UserError("optimizer='muon' with learning_rate=0: Muon's learning rate "
+                            "follows the schedule of learning_rate in proportion (muon_lr at "
+                            "its peak), which a peak of 0 leaves undefined. Set learning_rate "
+                            "(the AdamW part's) above 0.")
 
     @property
     def global_batch(self):

@@ -12,16 +12,20 @@ train.py starts through for_training() and checks a resume against its data with
 check_resume(); sample.py and eval.py load through load(); export.py, which exports
 checkpoints only, through checkpoint_at(), data_meta() and tokenizer_of().
 """
+import dataclasses
 import os
+import shlex
 from typing import NamedTuple, Optional
 
 from ddpgpt import checkpoint, hf, optim, sources, tokenfile
 from ddpgpt.errors import UserError
+from ddpgpt.model import GPTConfig
 from ddpgpt.settings import INIT_FROM
 from ddpgpt.tokenizer import GPT2_NAMES, Tokenizer, for_data, get_tokenizer
 
 GPT2_VOCAB_SIZE = 50257  # GPT-2's tokenizer: 256 bytes, 50,000 merges and end-of-text
-ARCHITECTURE = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
+ARCHITECTURE = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "arch",
+                "rope_theta")
 
 
 # ---- training: scratch, a checkpoint, or GPT-2's weights ----
@@ -34,13 +38,18 @@ class Start(NamedTuple):
 
 
 def model_args(cfg, meta):
-    """GPTConfig's arguments for a model trained from scratch on data described by meta."""
+    """GPTConfig's arguments for a model trained from scratch on data described by meta. A
+    GPT-2's are nanoGPT's keys alone, so that nanoGPT reads its checkpoints; the modern
+    block's name their arch and rope_theta too."""
     vocab_size = cfg.vocab_size
     if not vocab_size:  # a multiple of 64 runs faster on GPUs; 50304 is GPT-2's, as nanoGPT
         vocab_size = 50304 if meta is None else -(-meta["vocab_size"] // 64) * 64
-    return dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+    args = dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
                 block_size=cfg.block_size, bias=cfg.bias, dropout=cfg.dropout,
                 vocab_size=vocab_size)
+    if cfg.arch != "gpt2":
+        args.update(arch=cfg.arch, rope_theta=cfg.rope_theta, bias=False)
+    return args
 
 
 def for_training(cfg, given, meta, log):
@@ -81,8 +90,10 @@ def check_fine_tune(cfg, resume):
 
 
 def architecture(args):
-    """The settings that model arguments fix: what train.py's configuration then says."""
-    return {k: args[k] for k in ARCHITECTURE}
+    """The settings that model arguments fix: what train.py's configuration then says. What
+    they leave out is GPTConfig's default (arch: a checkpoint that names none is a GPT-2)."""
+    every = dataclasses.asdict(GPTConfig(**args))
+    return {k: every[k] for k in ARCHITECTURE}
 
 
 def newest_checkpoint(cfg, log):
@@ -121,8 +132,10 @@ def take_architecture(cfg, given, args, weights_args, source):
     """The model arguments of existing weights (all but dropout, which is the run's), as in
     nanoGPT. An architecture key the user set to another value is an error, not a silent
     override."""
-    conflicts = [f"{k}={getattr(cfg, k)!r} ({weights_args[k]!r} there)" for k in ARCHITECTURE
-                 if k in given and k in weights_args and getattr(cfg, k) != weights_args[k]]
+    theirs = architecture(weights_args)
+    conflicts = [f"{k}={getattr(cfg, k)!r} ({theirs[k]!r} there)" for k in ARCHITECTURE
+                 if k in given and getattr(cfg, k) != theirs[k]
+                 and (k != "rope_theta" or theirs["arch"] == "modern")]
     if conflicts:
         raise UserError(f"{', '.join(conflicts)}: the architecture comes from {source}. Leave "
                         f"these keys out (or set them to the values there), or train from "
@@ -142,7 +155,8 @@ def pretrained(cfg, given, args, meta, log):
                         f"of {source}: use block_size <= {positions} (a smaller one crops them).")
     if "block_size" in given:
         weights_args["block_size"] = cfg.block_size
-        weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"][:cfg.block_size]
+        if "transformer.wpe.weight" in weights:  # rotary embeddings (modern) have no table
+            weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"][:cfg.block_size]
     return take_architecture(cfg, given, args, weights_args, source), weights
 
 
@@ -178,6 +192,7 @@ def check_resume(cfg, resume, meta, identity, n_sources, log):
         raise UserError(
             f"the checkpoint was trained on {used!r} tokens but {cfg.data_dir} holds "
             f"{meta.get('tokenizer')!r} tokens: set data_dir to data made with {used!r}.")
+    check_same_optimizer(cfg, resume.get("config") or {})
     old_mix = (resume.get("config") or {}).get("data_mix", "")
     if old_mix != cfg.data_mix and (old_mix or n_sources > 1):
         log(f"note: data_mix was {old_mix!r} and is now {cfg.data_mix!r}: the run goes on "
@@ -193,6 +208,22 @@ def check_resume(cfg, resume, meta, identity, n_sources, log):
     sources.check_same_data(what, resume.get("data_identity"), identity,
                             f"the checkpoint in {cfg.out_dir}", cfg.allow_data_change, log)
     optim.check_extension(resume.get("config") or {}, cfg, resume["iter_num"], cfg.out_dir)
+
+
+def check_same_optimizer(cfg, trained):
+    """The checkpoint's optimizer state is of the optimizer it was trained with (nanoGPT's and
+    older checkpoints: AdamW), over the same parameters: another one cannot load it."""
+    was = {"optimizer": trained.get("optimizer", "adamw")}
+    if was["optimizer"] == "muon":
+        was["muon_params"] = trained.get("muon_params")
+    now = {k: getattr(cfg, k) for k in was}
+    if was != now:
+        changed = ", ".join(f"{k}={now[k]!r} ({was[k]!r} there)" for k in was if was[k] != now[k])
+        fix = " ".join(f"--{k}={shlex.quote(v)}" for k, v in was.items())
+        raise UserError(
+            f"{changed}: the checkpoint in {cfg.out_dir} holds the state of the optimizer it "
+            f"was trained with, which another one cannot take up. Resume with {fix}, or "
+            f"start a new run in another out_dir.")
 
 
 # ---- sample.py, eval.py, export.py: a run, a checkpoint file, or GPT-2's weights ----

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ddpgpt import tokenfile
-from bench import common, datapath, gpu, report
+from bench import common, datapath, gpu, recipe, report
 from conftest import ROOT, python
 
 DOCS = os.path.join(ROOT, "docs")
@@ -72,15 +72,18 @@ def prepare_verdicts(result):
 
 
 def gpu_verdicts(result):
-    """train.py within 3% of the minimal loop; 45% MFU where the peak is known; no recompile
-    after the first step where compiled; a resume with the same batches and losses within
-    0.1%; every check run and passed. Each None where what it judges did not run."""
-    ours, ceiling = result["speed"]
+    """train.py within 3% of the minimal loop; 45% MFU where the peak is known; modern+muon's
+    step within 10% of train.py's; no recompile after the first step where compiled; a resume
+    with the same batches and losses within 0.1%; every check run and passed. Each None where
+    what it judges did not run."""
+    ours, ceiling, modern = result["speed"]
     checks = {r["check"]: r for r in result["results"]}
     ran = [r for r in result["results"] if r["status"] == "ok"]
     ceiling_met = ours["ms_per_step"] <= 1.03 * ceiling["ms_per_step"] \
         if ours["status"] == ceiling["status"] == "ok" else None
     mfu = ours["mfu"] >= 0.45 if ours["status"] == "ok" and ours["mfu"] is not None else None
+    recipe_met = modern["ms_per_step"] <= 1.10 * ours["ms_per_step"] \
+        if ours["status"] == modern["status"] == "ok" else None
     compiles = checks["recompiles"]
     recompiles = compiles["fresh_recompiles_after"] == compiles["resumed_recompiles_after"] == 0 \
         if compiles["status"] == "ok" and compiles["compiled"] else None
@@ -88,7 +91,7 @@ def gpu_verdicts(result):
     resume = resumed["same_batches"] and resumed["loss_rdiff"] <= 1e-3 \
         and resumed["steps_compared"] > 0 if resumed["status"] == "ok" else None
     every = len(ran) == len(result["results"]) and all(r["passed"] for r in ran) if ran else None
-    return [ceiling_met, mfu, recompiles, resume, every]
+    return [ceiling_met, mfu, recipe_met, recompiles, resume, every]
 
 
 def eval_verdicts(result):
@@ -102,8 +105,40 @@ def eval_verdicts(result):
             all(two["examples_per_s"] > one["examples_per_s"] for one, two in pairs)]
 
 
+def recipe_verdicts(result):
+    """From the runs' own curves: modern+muon and gpt2+muon reach gpt2+adamw's final val loss
+    (of the same corpus and seed; linear between evaluations) within 0.4x and 0.7x its tokens,
+    on every corpus and seed; modern+muon's train.py step within 10% of gpt2+adamw's;
+    train.py's within 3% of the minimal loop's; its tokens/s no lower than nanoGPT's (None
+    where nanoGPT did not run)."""
+    runs = {(r["corpus"], r["combo"], r["seed"]): r for r in result["results"]}
+
+    def share(corpus, combo, seed):
+        base, run = runs[corpus, "gpt2+adamw", seed], runs[corpus, combo, seed]
+        target = base["curve"][-1][1]
+        points = run["curve"]
+        for (t0, a), (t1, b) in zip([points[0]] + points, points):
+            if b <= target:
+                tokens = t1 if a == b else t0 + (t1 - t0) * (a - target) / (a - b)
+                return tokens / (base["steps"] * base["tokens_per_step"])
+        return None
+
+    keys = {(corpus, seed) for corpus, _, seed in runs}
+    shares = {combo: [share(c, combo, s) for c, s in keys] for combo in ("modern+muon",
+                                                                         "gpt2+muon")}
+    speed = {(r["loop"], r["combo"]): r for r in result["speed"]}
+    base = speed["train.py", "gpt2+adamw"]["ms_per_step"]
+    nanogpt = speed["nanoGPT", "gpt2+adamw"]
+    return [all(x is not None and x <= 0.4 for x in shares["modern+muon"]),
+            all(x is not None and x <= 0.7 for x in shares["gpt2+muon"]),
+            speed["train.py", "modern+muon"]["ms_per_step"] <= 1.10 * base,
+            base <= 1.03 * speed["minimal loop", "gpt2+adamw"]["ms_per_step"],
+            base <= nanogpt["ms_per_step"] if nanogpt["status"] == "ok" else None]
+
+
 VERDICTS = {"data": data_verdicts, "mix": mix_verdicts, "training": training_verdicts,
-            "prepare": prepare_verdicts, "gpu": gpu_verdicts, "eval": eval_verdicts}
+            "prepare": prepare_verdicts, "gpu": gpu_verdicts, "eval": eval_verdicts,
+            "recipe": recipe_verdicts}
 
 
 def bench_part(part, env, tmp_path, flag="--small"):
@@ -243,6 +278,8 @@ def test_gpu_dry_run(env, tmp_path):
             for key in ("recompiles_first_step", "recompiles_after", "graph_breaks")] == [0] * 6
     assert checks["sample.py"]["samples"] == 2
     assert "world size 2 on cpu, gloo" in checks["2 ranks"]["measured"]
+    assert checks["modern + muon"]["recompiles_after"] == 0
+    assert [r["loop"] for r in result["speed"]] == list(gpu.LOOPS)
     assert "A dry run" in page and "python sample.py --out_dir=<ranks> --device=cpu" in page
 
 
@@ -254,7 +291,7 @@ def test_gpu_part_without_a_gpu_records_not_run(env, tmp_path):
         result = json.load(f)
     assert result["settings"]["mode"] == "not run"
     assert all(r["status"] == gpu.NO_GPU for r in result["results"] + result["speed"])
-    assert [t["met"] for t in result["targets"]] == gpu_verdicts(result) == [None] * 5
+    assert [t["met"] for t in result["targets"]] == gpu_verdicts(result) == [None] * 6
     assert f"| versions | {gpu.NO_GPU} |" in (out / "benchmarks.md").read_text()
 
 
@@ -270,7 +307,7 @@ def test_every_part_is_all_but_gpu_without_a_gpu():
     # so that a CPU run of every part never replaces a GPU run's results with "not run"
     cli = load_bench_cli()
     every = list(cli.PARTS) if torch.cuda.is_available() else ["data", "mix", "training",
-                                                                "prepare", "eval"]
+                                                                "prepare", "eval", "recipe"]
     assert cli.parse_args([]).parts == every
     assert cli.parse_args(["--small"]).parts == list(cli.PARTS)
     assert cli.parse_args(["gpu"]).parts == ["gpu"]
@@ -317,6 +354,49 @@ def test_compile_events_before_and_after_the_first_step():
         "iter 1: loss 5.0000, lr 1.00e-04, 10.0 ms, 100 tok/s, data wait 0.1%"])
     assert gpu.compile_events(output) == (1, 1, 1)
     assert gpu.compile_events("iter 0: loss 1.0") == (0, 0, 0)
+
+
+def test_recipe(env, tmp_path):
+    env.pop("NANOGPT_DIR", None)  # nanoGPT's row: not run, and said so
+    result, page = bench_part("recipe", env, tmp_path)
+    runs = {(r["corpus"], r["combo"], r["seed"]): r for r in result["results"]}
+    assert set(runs) == {(corpus, f"{arch}+{optimizer}", seed)
+                         for corpus, c in result["settings"]["corpora"].items()
+                         for seed in c["seeds"] for arch in ("gpt2", "modern")
+                         for optimizer in ("adamw", "muon")}
+    for r in runs.values():
+        tokens = [t for t, _ in r["curve"]]
+        assert tokens[0] == 0 and tokens[-1] == r["steps"] * r["tokens_per_step"]
+        assert all(loss > 0 for _, loss in r["curve"]) and r["final_val_loss"] == r["curve"][-1][1]
+    for corpus in result["settings"]["corpora"]:
+        # the same data and the same first batch's loss for the same arch and seed: only the
+        # optimizer differs, and it has not stepped yet at iter 0
+        for arch in ("gpt2", "modern"):
+            first = {runs[corpus, f"{arch}+{o}", 1]["curve"][0][1] for o in ("adamw", "muon")}
+            assert len(first) == 1, first
+    reach = {(r["corpus"], r["combo"]): r for r in result["reach"]}
+    for (corpus, combo), r in reach.items():
+        seeds = result["settings"]["corpora"][corpus]["seeds"]
+        assert r["seeds"] == len(seeds) == len(r["ratios"])
+        if combo == "gpt2+adamw":  # its own final loss is reached at its last evaluation
+            assert r["ratios"] == [1.0] * len(seeds)
+    speed = {(r["loop"], r["combo"]): r for r in result["speed"]}
+    assert set(speed) == {("train.py", c) for c in ("gpt2+adamw", "gpt2+muon", "modern+adamw",
+                                                    "modern+muon")} | \
+        {("minimal loop", "gpt2+adamw"), ("minimal loop", "modern+muon"),
+         ("nanoGPT", "gpt2+adamw")}
+    assert speed["nanoGPT", "gpt2+adamw"]["status"] == recipe.NO_NANOGPT
+    for r in speed.values():
+        assert r["status"] != "ok" or r["ms_per_step"] > 0 and r["tok_per_s"] > 0
+    assert "| pystdlib-gpt2 | modern+muon | 1 |" in page and "| minimal loop | gpt2+adamw |" in page
+
+
+def test_recipe_tokens_to_reach_a_loss():
+    curve = [[0, 5.0], [100, 3.0], [200, 2.0], [300, 2.5]]
+    assert recipe.tokens_to_reach(curve, 2.5) == 150
+    assert recipe.tokens_to_reach(curve, 2.0) == 200
+    assert recipe.tokens_to_reach(curve, 6.0) == 0
+    assert recipe.tokens_to_reach(curve, 1.9) is None
 
 
 def test_eval(env, tmp_path):

@@ -1,0 +1,33 @@
+# The quick start with the modern recipe: Qwen3's block (RMSNorm, rotary positions, QK-norm,
+# SwiGLU, no biases, untied head) trained with Muon for its matrices and AdamW for the rest.
+# The same data, model size, batch and schedule as config/quickstart.py; `python bench.py
+# recipe` measures what the two keys change (docs/benchmarks.md, "Recipe"):
+#   python prepare.py --dataset=pystdlib --tokenizer=byte --val_fraction=0.02
+#   torchrun --standalone --nproc_per_node=2 train.py config/quickstart_modern.py
+#   python sample.py --out_dir=out-quickstart-modern --start="def "
+#   python export.py out-quickstart-modern quickstart-qwen3   # a Hugging Face Qwen3 folder
+data_dir = "data/pystdlib"
+out_dir = "out-quickstart-modern"
+device = "cpu"
+
+arch = "modern"
+n_layer = 4
+n_head = 4
+n_embd = 128
+block_size = 128
+dropout = 0.0
+
+batch_size = 16
+gradient_accumulation_steps = 2  # a multiple of the ranks: 1 or 2 on a 2-core machine
+optimizer = "muon"
+muon_lr = 0.02  # Muon's peak, for the blocks' matrices
+learning_rate = 2e-3  # AdamW's, for the embeddings, the head and the norms
+max_iters = 1000
+lr_decay_iters = 1000
+warmup_iters = 50
+min_lr = 2e-4  # Muon's is muon_lr x min_lr / learning_rate
+beta2 = 0.99  # a small model on few tokens per step: a shorter memory is steadier
+
+eval_interval = 250
+eval_iters = 20
+log_interval = 25
