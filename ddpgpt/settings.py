@@ -16,6 +16,7 @@ from ddpgpt.errors import UserError
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Backend = Literal["", "nccl", "gloo"]
 Sampling = Literal["epoch", "random"]
+Parallel = Literal["ddp", "fsdp"]
 INIT_FROM = ("scratch", "resume", "auto")  # train.py's; else GPT-2's weights
 DEVICE_HELP = "auto: this rank's GPU when torch sees one, else cpu; cuda: cuda:<local rank>"
 DTYPE_HELP = "auto: bfloat16 on a GPU that has it natively, else float16; float32 on a CPU"
@@ -97,12 +98,40 @@ class TrainConfig:
     startup_timeout_s: int = key(1800, "the same limit until the first step completes; 0: off",
                                  at_least=0)
     seed: int = key(1337, "the data order, the initial weights and dropout", at_least=0)
+    # how the ranks share the model (parallel.py) and how checkpoints are written
+    parallel: Parallel = key("ddp", "ddp: every rank holds all the weights, gradients and "
+                                    "optimizer state; fsdp: each rank holds 1/N of them (FSDP2), "
+                                    "and checkpoints are folders every rank writes its part of")
+    reshard_after_forward: bool = key(
+        True, "fsdp: free a block's gathered weights after its forward and gather them again "
+              "for its backward (least memory); False: keep them until then (one all-gather "
+              "less per block and micro-step, the gathered blocks' memory more)")
+    reduce_every_micro_step: bool = key(
+        False, "fsdp: reduce-scatter the gradients in every micro-step, so each rank keeps "
+               "only its shard of them; False: in the last micro-step only, as ddp, each rank "
+               "accumulating its whole gradients until then")
+    async_save: bool = key(True, "write checkpoints in the background while training goes on "
+                                 "(one at a time; a run's last save waits), when the host has "
+                                 "memory for their copy")
 
     def __post_init__(self):
         configurator.check(self)
         if self.n_embd % self.n_head:
             raise UserError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
         hf.check_init_from(self.init_from, INIT_FROM)
+        self.check_parallel()
+
+    def check_parallel(self):
+        """The keys that only fsdp reads, and what it cannot train in."""
+        if self.parallel == "ddp":
+            for name, default in (("reshard_after_forward", True),
+                                  ("reduce_every_micro_step", False)):
+                if getattr(self, name) != default:
+                    raise UserError(f"{name}={getattr(self, name)!r} is a setting of "
+                                    f"parallel='fsdp', and this run is parallel='ddp': add "
+                                    f"--parallel=fsdp, or leave {name} out.")
+        elif self.dtype == "float16":
+            raise UserError(fsdp_float16("dtype='float16'"))
 
     @property
     def global_batch(self):
@@ -118,6 +147,13 @@ class TrainConfig:
                 f"must be a multiple of the world size {world_size}: use "
                 f"{max(1, micro // world_size) * world_size}.")
         return self.gradient_accumulation_steps // world_size
+
+
+def fsdp_float16(what):
+    """Why parallel=fsdp refuses float16 (what: how float16 was chosen)."""
+    return (f"parallel='fsdp' does not train in float16 ({what}): float16 needs a gradient "
+            f"scaler, which the sharded gradients do not have here. Use dtype='bfloat16' on a "
+            f"GPU that has it (A100, H100 and later), dtype='float32', or parallel='ddp'.")
 
 
 @dataclass
