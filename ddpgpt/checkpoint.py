@@ -298,7 +298,8 @@ class Saver:
         last (a run's last save: its end, a stop signal) or there is no background."""
         if not self.writes:
             return
-        self.wait()
+        t_wait = time.perf_counter()
+        self.wait()  # the save before it, if it is still being written
         self.iter_num = state["iter_num"]
         watchdog.beat(self.iter_num)  # the save gets a whole limit of its own
         t0 = time.perf_counter()
@@ -307,18 +308,18 @@ class Saver:
         else:
             staged = to_host(state, self.buffers)
             self.pending = self.background.submit(self.write, staged, t0,
-                                                  time.perf_counter() - t0)
+                                                  time.perf_counter() - t_wait)
 
-    def write(self, state, t0, copy_s):
+    def write(self, state, t0, waited_s):
         if self.folder:
             path = save_folder(self.out_dir, state, self.aliases, self.keep, self.group,
                                self.master)
         else:
             path = save(self.out_dir, state, self.keep)
         took = time.perf_counter() - t0
-        self.log(f"saved {path} ({took:.2f} s)" if copy_s is None else
+        self.log(f"saved {path} ({took:.2f} s)" if waited_s is None else
                  f"saved {path} ({took:.2f} s, written in the background; the run waited "
-                 f"{copy_s:.2f} s for its copy in host memory)")
+                 f"{waited_s:.2f} s, for the save before it and for the copy in host memory)")
 
     def check(self):
         """Raise the error of a save in the background that failed; nothing if none did."""
