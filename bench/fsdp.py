@@ -31,7 +31,8 @@ TITLE = "Past one GPU's memory: fsdp"
 # beside other work in a shared machine's memory; the bytes per parameter do not depend on it
 MEMORY_MODEL = ["--n_layer=6", "--n_head=8", "--n_embd=512", "--block_size=256",
                 "--vocab_size=50304", "--batch_size=1", "--gradient_accumulation_steps=4"]
-SAVE_MODEL = ["--n_layer=6", "--n_head=8", "--n_embd=512", "--block_size=256",
+# the saves' model: a checkpoint of 37 MB, whose writing takes a few steps of its own
+SAVE_MODEL = ["--n_layer=4", "--n_head=4", "--n_embd=256", "--block_size=128",
               "--batch_size=2"]
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4"]
 CPU = ["--device=cpu", "--dtype=float32", "--backend=gloo"]
@@ -78,6 +79,8 @@ def run(small, device, workdir):
     per_param = bytes_per_param(results)
     fits = [fit(name, layers, heads, width, per_param) for name, layers, heads, width in SHAPES]
     return {"settings": {**settings, "gpus": GPUS, "gpu_gib": GPU_GIB, "per_param": per_param,
+                         "memory_args": " ".join(settings["memory_model"]),
+                         "save_args": " ".join(settings["save_model"]),
                          "reserve": RESERVE, "context": CONTEXT, "vocab": VOCAB,
                          "losses": losses, "same_checkpoints": same,
                          "largest": largest_fits(fits)},
@@ -153,7 +156,8 @@ def compare_losses(settings, workdir):
     os.rename(checkpoint.path_for(fsdp_out, steps // 2, folder=True),
               checkpoint.path_for(resumed_out, steps // 2, folder=True))
     resumed, _ = train([*args, "--parallel=fsdp", "--init_from=resume"], 2, resumed_out)
-    return {"steps": steps, "max_rdiff": max(abs(fsdp[i]["loss"] / ddp[i]["loss"] - 1)
+    return {"steps": steps, "resumed_from": steps // 2,
+            "max_rdiff": max(abs(fsdp[i]["loss"] / ddp[i]["loss"] - 1)
                                              for i in ddp),
             "same_batches": all(fsdp[i]["batch_fp"] == ddp[i]["batch_fp"] for i in ddp),
             "resumed_steps": len(resumed),
@@ -200,7 +204,8 @@ def saves_waited(output):
 
 def same_checkpoints(workdir):
     """Do the background saves hold what the synchronous saves of the same run hold (every
-    tensor and value but the async_save setting), at every iter, under ddp and fsdp?"""
+    tensor and value but the settings async_save and out_dir), at every iter, under ddp and
+    fsdp?"""
     same = {}
     for kind in ("ddp", "fsdp"):
         sync, background = (os.path.join(workdir, f"saves-{kind}-{mode}")
@@ -218,7 +223,7 @@ def equal(a, b):
         return isinstance(b, torch.Tensor) and torch.equal(a, b)
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and \
-            all(equal(a[k], b[k]) for k in a if k != "async_save")
+            all(equal(a[k], b[k]) for k in a if k not in ("async_save", "out_dir"))
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(map(equal, a, b))
     return a == b

@@ -128,6 +128,16 @@ def checkpoints(out_dir):
     return sorted(f for f in os.listdir(out_dir) if f.startswith("ckpt_"))
 
 
+def wait_for_steps(env, job_id, log, out_dir, n, timeout):
+    """Until the running job has logged n steps in out_dir's metrics.jsonl."""
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    deadline = time.monotonic() + timeout
+    while not (os.path.exists(metrics) and len(steps(out_dir)) >= n):
+        assert time.monotonic() < deadline and job(env, job_id)["JobState"] in (
+            "PENDING", "CONFIGURING", "RUNNING"), read(log) if os.path.exists(log) else ""
+        time.sleep(0.1)
+
+
 def start_requeued_now(env, job_id, log):
     """SLURM holds a requeued job for about two minutes (BeginTime). Once both nodes are idle
     and the old job's credential is at least a second old, start it at once."""
@@ -178,12 +188,7 @@ def test_usr1_saves_requeues_and_resumes_on_the_same_batches(slurm, corpus, unin
     job_id = sbatch(slurm, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
                     f"--max_iters={MAX_ITERS}", f"--eval_interval={MAX_ITERS}",
                     "--log_interval=100")
-    metrics = os.path.join(out, "metrics.jsonl")
-    deadline = time.monotonic() + 120
-    while not (os.path.exists(metrics) and len(steps(out)) >= 3):
-        assert time.monotonic() < deadline and job(slurm, job_id)["JobState"] in (
-            "PENDING", "CONFIGURING", "RUNNING"), read(log) if os.path.exists(log) else ""
-        time.sleep(0.1)
+    wait_for_steps(slurm, job_id, log, out, 3, timeout=120)
     # what SLURM does at --signal=B:USR1@<seconds> before the time limit
     run(["scancel", "--signal=USR1", "--batch", job_id], slurm)
     start_requeued_now(slurm, job_id, log)
@@ -216,12 +221,7 @@ def test_fsdp_on_two_nodes_saves_each_ranks_part_at_usr1_and_resumes_from_it(slu
     job_id = sbatch(slurm, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
                     "--parallel=fsdp", f"--max_iters={iters}", f"--eval_interval={iters}",
                     "--log_interval=100")
-    metrics = os.path.join(out, "metrics.jsonl")
-    deadline = time.monotonic() + 180
-    while not (os.path.exists(metrics) and len(steps(out)) >= 3):
-        assert time.monotonic() < deadline and job(slurm, job_id)["JobState"] in (
-            "PENDING", "CONFIGURING", "RUNNING"), read(log) if os.path.exists(log) else ""
-        time.sleep(0.1)
+    wait_for_steps(slurm, job_id, log, out, 3, timeout=180)
     run(["scancel", "--signal=USR1", "--batch", job_id], slurm)
     start_requeued_now(slurm, job_id, log)
     info = wait_done(slurm, job_id, log, timeout=400)
