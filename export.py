@@ -1,7 +1,9 @@
-"""Export a checkpoint as a Hugging Face GPT-2 folder (a Qwen3 folder for arch='modern'):
+"""Export a checkpoint as a Hugging Face GPT-2 folder (a Qwen3 folder for arch='modern'), or a
+checkpoint folder as one file:
 
   python export.py out-finetune-gpt2 gpt2-finetuned      # the out_dir's newest loadable checkpoint
   python export.py out/ckpt_0000040.pt gpt2-finetuned    # one checkpoint file (nanoGPT's too)
+  python export.py out-fsdp/ckpt_0000040 ckpt_0000040.pt # a folder (parallel=fsdp) as one file
 
 transformers loads DEST (AutoModelForCausalLM.from_pretrained(DEST): GPT2LMHeadModel, or
 Qwen3ForCausalLM for the modern block, no remote code), and
@@ -10,14 +12,20 @@ config.json, generation_config.json, model.safetensors, a README.md that says wh
 and the tokenizer files, with which AutoTokenizer encodes and decodes as ddpgpt does: GPT-2's
 (converted from tiktoken's), the byte tokenizer's and nanoGPT's characters' (hf.py,
 save_tokenizer); other tiktoken encodings get none. Only the tokenizer's ids are exported:
-train.py pads the vocabulary for speed, and the padding rows belong to no token. DEST must not exist; it is written under a temporary
-name and renamed when complete.
+train.py pads the vocabulary for speed, and the padding rows belong to no token. DEST must not
+exist; it is written under a temporary name and renamed when complete.
+
+A DEST that ends in .pt is written as one checkpoint file instead, with everything the source
+holds (the optimizer's state, the data position, ...), as parallel=ddp writes them: it resumes
+under ddp or fsdp, and nanoGPT's scripts read its weights.
 """
 import argparse
 import json
 import os
 import shutil
 import sys
+
+import torch
 
 from ddpgpt import checkpoint, errors, fileio, hf, weights
 from ddpgpt.errors import UserError
@@ -113,19 +121,41 @@ def write(dest, state, path, tok):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def write_file(dest, state):
+    """DEST, a checkpoint file, complete or not at all."""
+    tmp = fileio.tmp_path(dest)
+    try:
+        torch.save(state, tmp)
+        fileio.publish(tmp, dest)
+    except (OSError, RuntimeError) as e:  # torch.save reports a short write as RuntimeError
+        raise UserError(f"could not write {dest} ({e}); nothing is left there: free space or "
+                        f"give another DEST.") from e
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", metavar="OUT_DIR",
-                        help="a run's out_dir (its newest checkpoint) or a checkpoint file")
-    parser.add_argument("dest", metavar="DEST", help="the folder to write; it must not exist")
+                        help="a run's out_dir (its newest checkpoint), or a checkpoint file or "
+                             "folder")
+    parser.add_argument("dest", metavar="DEST", help="the folder to write, or a file ending in "
+                                                     ".pt; it must not exist")
     cli = parser.parse_args(argv)
     dest = cli.dest.rstrip("/") or cli.dest
     if os.path.lexists(dest):
         raise UserError(f"{dest} exists: export.py writes a new folder and never over an "
                         f"existing one. Remove it, or give another DEST.")
+    one_file = dest.endswith(".pt")
     state, path = weights.checkpoint_at(
-        cli.source, "give the out_dir of a run, or one checkpoint file.")
+        cli.source, "give the out_dir of a run, or one checkpoint (a file or a folder).",
+        whole=checkpoint.TENSORS if one_file else ("model",))
+    if one_file:
+        write_file(dest, state)
+        print(f"export.py: wrote {path} (iter {state['iter_num']}) as {dest}")
+        return 0
     meta, where = weights.data_meta(state)
     tok = weights.tokenizer_of(meta, state["model_args"]["vocab_size"])
     print(f"export.py: {path} (iter {state['iter_num']}), tokenizer {tok.name!r} from {where}")

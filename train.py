@@ -1,4 +1,4 @@
-"""Train a GPT with DistributedDataParallel, on one process or many.
+"""Train a GPT with DistributedDataParallel or FSDP2 (parallel=fsdp), on one process or many.
 
   python train.py config/quickstart.py                       # one process, CPU or one GPU
   torchrun --standalone --nproc_per_node=8 train.py config/owt.py --batch_size=16
@@ -59,15 +59,13 @@ class Run:
     ranks: runtime.Ranks
     device: str
     log: Callable
-    # One set of weights, three handles: `model` owns them (checkpoints, clipping, the
-    # optimizer, HellaSwag); `eval_model` is what the losses' evaluation calls (compiled when
-    # compile=True), beneath DDP, which averages gradients that evaluation does not make, so
-    # ranks may run different numbers of evaluation batches; `train_model` is what the steps
-    # call, and in DDP it all-reduces the gradients in backward.
+    # one set of weights, three handles (parallel.Wrapped): `model` owns them, `eval_model`
+    # is what the losses' evaluation calls, `train_model` what the steps call
     model: torch.nn.Module
     eval_model: Callable
     train_model: Callable
     optimizer: Any  # a torch.optim.AdamW, or optim.MuonAdamW
+    saver: checkpoint.Saver
     precision: runtime.Precision
     args: dict  # the model's arguments
     meta: dict  # the data's meta.json, kept in checkpoints
@@ -111,7 +109,7 @@ def main(argv):
         try:
             if ranks.master:
                 out_dir_lock.enter_context(lock.locked(cfg.out_dir, "train.py", log))
-            cfg, found = start_up(cfg, given, ranks, log)
+            cfg, found = start_up(cfg, given, ranks, device, log)
             error, identity = None, found.identity
         except UserError as e:
             error, identity = str(e), None
@@ -149,14 +147,15 @@ def standing(cfg, run):
     return f"at iter {run.progress.iter_num}", f"{saved}: to go on from there, {how}."
 
 
-def start_up(cfg, given, ranks, log):
+def start_up(cfg, given, ranks, device, log):
     """(the settings as trained, StartUp): the data, the weights to start from (a checkpoint,
     GPT-2's, or none) and the model, each checked. Runs no collective, so that every rank gets
     to agree() with its error, if any."""
     cfg.micro_steps(ranks.world_size)  # the global batch must share out over the ranks
+    parallel.check(cfg, runtime.precision(cfg.dtype, device).dtype)
     cfg, data_sources = sources.of(cfg, given, log)
     meta = sources.read_meta(data_sources)
-    start = weights.for_training(cfg, given, meta, log)
+    start = weights.for_training(cfg, given, meta, log, in_parts=parallel.sharded(cfg, ranks))
     # the configuration says what is trained (the architecture of the weights resumed or
     # loaded, the vocab_size that 0 meant), so that its log and checkpoints do not lie
     cfg = dataclasses.replace(cfg, **weights.architecture(start.args))
@@ -176,23 +175,20 @@ def start_up(cfg, given, ranks, log):
 
 
 def make_run(cfg, ranks, device, log, found):
-    """The Run: the model on its device, in DDP with several ranks; the optimizer and the
-    progress of a fresh run, or as the checkpoint left them; this rank's batches from there."""
-    model = found.model.to(device)
+    """The Run: the model on its device, in DDP or sharded (parallel.py) with several ranks;
+    the optimizer and the progress of a fresh run, or as the checkpoint left them; this rank's
+    batches from there; the saver of its checkpoints."""
     precision = runtime.precision(cfg.dtype, device)
+    model, eval_model, train_model = parallel.wrap(found.model, cfg, ranks, device, precision)
     optimizer = optim.make(cfg, model, runtime.device_type(device))
     progress, resume = Progress(), found.start.resume
     if resume is not None:
-        optimizer.load_state_dict(resume["optimizer"])
-        if "scaler" in resume:
+        checkpoint.restore(model, optimizer, resume)
+        if resume.get("scaler"):
             precision.scaler.load_state_dict(resume["scaler"])
         progress = Progress(iter_num=resume["iter_num"],
                             samples=weights.samples_consumed(resume, cfg.global_batch),
                             best_val=resume.get("best_val_loss", math.inf))
-    eval_model = torch.compile(model) if cfg.compile else model
-    train_model = parallel.wrap(eval_model, ranks, device, (cfg.batch_size, cfg.block_size),
-                                precision.autocast)
-    optimizer.zero_grad(set_to_none=True)  # of the backward that wrap() may have run
     micro_steps = cfg.micro_steps(ranks.world_size)
     log(f"world size {ranks.world_size}, device {device}, dtype {precision.dtype}, "
         f"{model.get_num_params() / 1e6:.2f}M parameters, global batch {cfg.global_batch} x "
@@ -210,13 +206,27 @@ def make_run(cfg, ranks, device, log, found):
                               ranks.world_size)  # opens this run's rows in metrics.jsonl
     return Run(cfg=cfg, ranks=ranks, device=device, log=log, model=model,
                eval_model=eval_model, train_model=train_model, optimizer=optimizer,
-               precision=precision,
+               saver=saver(cfg, ranks, model, log), precision=precision,
                args=found.start.args, meta=found.meta, splits=found.splits,
                identity=found.identity, evaluation=found.evaluation, batches=batches,
                metrics=metrics.open_metrics(cfg, ranks.master, start, log), progress=progress,
                micro_steps=micro_steps,
                flops_per_step=model.flops_per_token() * cfg.global_batch * cfg.block_size,
                peak=runtime.peak_flops(device))
+
+
+def saver(cfg, ranks, model, log):
+    """The run's checkpoint.Saver: in the background with async_save, where this host has
+    memory for the copy of what this rank writes (the whole state under ddp, on rank 0; its
+    shard of it under fsdp) with as much to spare, else with a note."""
+    n_bytes = 3 * sum(p.numel() for p in model.parameters()) * 4  # weights, AdamW's moments
+    n_bytes //= ranks.world_size if parallel.sharded(cfg, ranks) else 1
+    background = cfg.async_save and checkpoint.host_has_room(n_bytes, ranks)
+    if cfg.async_save and not background:
+        log(f"note: async_save: this host has too little memory for the copy of a checkpoint "
+            f"(about {n_bytes / 2**30:.1f} GiB per writing rank, and as much to spare): the "
+            f"saves are written before training goes on")
+    return checkpoint.Saver(cfg, ranks, model, background, log)
 
 
 # ---- the training loop ----
@@ -229,42 +239,43 @@ def train(run, stop_signals):
     history = deque(maxlen=SPIKE_WINDOW)  # (loss, gradient norm) of the last applied steps
     # ---------------------------------------------------------------- TRAINING LOOP BEGIN
     t_last, skipped = time.perf_counter(), 0  # non-finite steps skipped in a row
-    while True:
-        if progress.iter_num % cfg.eval_interval == 0 or progress.iter_num >= cfg.max_iters \
-                or cfg.eval_only:
-            evaluate_and_save(run, may_save=progress.iter_num > start_iter)
-            t_last = time.perf_counter()
-            watchdog.beat(progress.iter_num)
-        if cfg.eval_only or progress.iter_num >= cfg.max_iters:
-            break
-        if progress.iter_num == start_iter:
-            signals.steps_begin()  # nothing to save before: a stop signal ended the run at once
-        step = train_step(run, history, stop_signals)
-        t_now = time.perf_counter()
-        dt, t_last = t_now - t_last, t_now
-        report_step(run, step, dt, first=progress.iter_num == start_iter)
-        skipped = skipped + 1 if step.row.get("skipped") == "non-finite" else 0
-        if skipped:
-            check_skipping(run, skipped)
-        progress.iter_num += 1
-        progress.samples += cfg.global_batch
-        watchdog.beat(progress.iter_num, step_s=dt)
-        if step.stop:
-            run.log(f"stopping at iter {progress.iter_num}: signal received, saving a "
-                    f"checkpoint")
-            if run.ranks.master:
-                save(run)
+    with run.saver:  # a save in the background is written before the run ends, however
+        while True:
+            if progress.iter_num % cfg.eval_interval == 0 or \
+                    progress.iter_num >= cfg.max_iters or cfg.eval_only:
+                evaluate_and_save(run, may_save=progress.iter_num > start_iter)
+                t_last = time.perf_counter()
+                watchdog.beat(progress.iter_num)
+            if cfg.eval_only or progress.iter_num >= cfg.max_iters:
+                break
+            if progress.iter_num == start_iter:
+                signals.steps_begin()  # nothing to save before: a stop signal ended the run
+            step = train_step(run, history, stop_signals)
+            t_now = time.perf_counter()
+            dt, t_last = t_now - t_last, t_now
+            report_step(run, step, dt, first=progress.iter_num == start_iter)
+            skipped = skipped + 1 if step.row.get("skipped") == "non-finite" else 0
+            if skipped:
+                check_skipping(run, skipped)
+            progress.iter_num += 1
+            progress.samples += cfg.global_batch
+            watchdog.beat(progress.iter_num, step_s=dt)
+            run.saver.check()  # a save in the background that failed ends the run
+            if step.stop:
+                run.log(f"stopping at iter {progress.iter_num}: signal received, saving a "
+                        f"checkpoint")
+                save(run, last=True)
                 run.log(f"interrupted at iter {progress.iter_num}; resume with "
                         f"--init_from=resume")
-            break
+                break
     # ---------------------------------------------------------------- TRAINING LOOP END
     watchdog.stop()
     metrics.close(run.metrics)
 
 
 def evaluate_and_save(run, may_save):
-    """The evaluation at this iter, logged and recorded, and on rank 0 a checkpoint when it is
-    one to keep (not the one just resumed from)."""
+    """The evaluation at this iter, logged and recorded, and a checkpoint when it is one to
+    keep (not the one just resumed from)."""
     cfg, progress = run.cfg, run.progress
     autocast = run.precision.autocast
     watchdog.beat(progress.iter_num, doing="evaluation")  # a whole limit of its own
@@ -281,21 +292,20 @@ def evaluate_and_save(run, may_save):
             f"and there is none in {cfg.out_dir} yet"
         run.log(f"warning: non-finite evaluation loss at iter {progress.iter_num}: no "
                 f"checkpoint written, {kept}")
-    elif run.ranks.master and may_save and (
-            improved or cfg.always_save_checkpoint or progress.iter_num >= cfg.max_iters):
-        save(run)
+    elif may_save and (improved or cfg.always_save_checkpoint or
+                       progress.iter_num >= cfg.max_iters):
+        save(run, last=progress.iter_num >= cfg.max_iters)
 
 
-def save(run):
+def save(run, last=False):
+    """A checkpoint of the run as it is, by the ranks that write (checkpoint.Saver): in the
+    background with async_save, but a run's last save is written before the run goes on."""
     watchdog.beat(run.progress.iter_num, doing="checkpoint save")  # a whole limit of its own
-    t = time.perf_counter()
-    state = checkpoint.contents(
+    run.saver.save(checkpoint.contents(
         model=run.model, optimizer=run.optimizer, scaler=run.precision.scaler,
         model_args=run.args, cfg=run.cfg, iter_num=run.progress.iter_num,
         samples_consumed=run.progress.samples, best_val_loss=run.progress.best_val,
-        data_meta=run.meta, data_identity=run.identity)
-    path = checkpoint.save(run.cfg.out_dir, state, run.cfg.keep_checkpoints)
-    run.log(f"saved {path} ({time.perf_counter() - t:.2f} s)")
+        data_meta=run.meta, data_identity=run.identity), last=last)
 
 
 # ---- one optimizer step ----
@@ -314,9 +324,10 @@ def train_step(run, history, stop_signals):
     lr = optim.set_lr(optimizer, cfg, iter_num)
     torch.manual_seed(cfg.seed + 7919 * run.ranks.rank + 104729 * iter_num)  # dropout resumes
     loss_sum, data_wait_s, alone_s = forward_backward(
-        run.train_model, run.batches, run.micro_steps, run.precision, run.ranks.world_size)
+        run.train_model, run.batches, run.micro_steps, run.precision,
+        cfg.reduce_every_micro_step)
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+    grad_norm = parallel.clip_grad_norm(model, cfg.grad_clip or math.inf)
     loss, grad_norm, stop = share_step_results(loss_sum, grad_norm, stop_signals,
                                                run.ranks.world_size)
     problem = step_problem(cfg, loss, grad_norm, history, scaler.is_enabled())
@@ -338,16 +349,14 @@ def train_step(run, history, stop_signals):
     return Step(row, stop, alone_s, data_wait_s)
 
 
-def forward_backward(model, batches, micro_steps, precision, world_size):
+def forward_backward(model, batches, micro_steps, precision, reduce_every_micro_step):
     """This rank's micro-steps of one optimizer step: (the summed loss on the device, seconds
     spent waiting for data, seconds until the last backward, which waits for the other ranks
     in DDP: what this rank alone took). The gradients accumulate in the parameters."""
     loss_sum, data_wait, t_start = 0.0, 0.0, time.perf_counter()
     for micro_step in range(micro_steps):
-        if world_size > 1:
-            # DDP all-reduces the gradients in the last micro-step's backward only. nanoGPT's
-            # note holds: model.no_sync() is the official way, but it bloats the code
-            model.require_backward_grad_sync = micro_step == micro_steps - 1
+        # the gradients are reduced over the ranks in the last micro-step's backward only
+        parallel.sync_gradients(model, micro_step == micro_steps - 1 or reduce_every_micro_step)
         t = time.perf_counter()
         x, y = next(batches)
         data_wait += time.perf_counter() - t

@@ -4,9 +4,10 @@ and its numbers: the versions; GPT-2 124M (config/owt.py) in bf16 with torch.com
 train.py as a user runs it, and bench/minimal_loop.py, nanoGPT's loop at its barest on the same
 model and GPU (the ceiling); recompiles and graph breaks, counted in TORCH_LOGS's lines, in a
 fresh run and after a resume; a checkpoint's save time and a resume that goes on with the same
-batches and losses; sample.py on the GPU; two ranks of DDP + compile on the one GPU with gloo;
-and the recipe's two keys (arch=modern, optimizer=muon) on the same model and batch, whose step
-must stay within 10% of GPT-2's with AdamW.
+batches and losses; sample.py on the GPU; two ranks of DDP + compile on the one GPU with gloo,
+and two of fsdp (FSDP2, bf16 mixed precision, compiled blocks, a sharded checkpoint) the same
+way; and the recipe's two keys (arch=modern, optimizer=muon) on the same model and batch, whose
+step must stay within 10% of GPT-2's with AdamW.
 
 A dry run (`--dry-run`, as `--small`) does every step on a tiny model on the CPU, in float32
 without compile (TORCH_LOGS still set and read), so that CI tests the plumbing. Without a GPU
@@ -59,12 +60,12 @@ MIN_START_S = 20  # a command is not started with less of the budget left
 LOSS_RTOL = 1e-3  # a resumed step's loss against the uninterrupted run's
 MFU_TARGET, CEILING_TARGET, RECIPE_TARGET = 0.45, 0.03, 0.10
 CHECKS = ["versions", "train.py", "minimal loop", "recompiles", "checkpoint and resume",
-          "sample.py", "2 ranks", "modern + muon"]
+          "sample.py", "2 ranks", "fsdp, 2 ranks", "modern + muon"]
 LOOPS = ("train.py", "minimal loop", "modern + muon")  # the speed table's rows
 RECOMPILE = re.compile(r"\[__recompiles\] Recompiling function")
 GRAPH_BREAK = re.compile(r"\[__graph_breaks\] Graph break")  # not the "Graph Break Reason" lines
 FIRST_STEP = re.compile(r"(^|\s)iter \d+: loss ")  # train.py's line after a step
-SAVED = re.compile(r"saved (\S+) \(([\d.]+) s\)")
+SAVED = re.compile(r"saved (\S+) \(([\d.]+) s[,)]")  # a save that waits, or in the background
 SEPARATOR = "-" * 15  # sample.py's line after each sample
 ABOUT = {"gpu": "A run on the GPU.",
          "dry run": "A dry run: every step on a tiny model on the CPU, in float32 without "
@@ -351,20 +352,28 @@ def agents(args, port):
                           f"b=$?; exit $((a > b ? a : b))"]
 
 
-def two_ranks(s):
-    spec, out = s.spec, s.out("ranks")
+def two_ranks(s, parallel="ddp"):
+    """2 ranks of train.py on the one GPU; under fsdp the run must also leave its sharded
+    checkpoint, a part per rank."""
+    spec, name = s.spec, "2 ranks" if parallel == "ddp" else f"{parallel}, 2 ranks"
+    out = s.out("ranks" if parallel == "ddp" else parallel)
     args = train_args(spec["ranks"], s.bytes, out, spec["rank_steps"], spec["rank_steps"])
-    finished = launch(s, "2 ranks", agents(args, free_port()), spec["caps"]["ranks"])
-    s.runs["ranks"] = finished
+    finished = launch(s, name, agents([*args, f"--parallel={parallel}"], free_port()),
+                      spec["caps"]["ranks"])
+    s.runs[name] = finished
     if not succeeded(finished):
-        return failed_row("2 ranks", finished)
+        return failed_row(name, finished)
     steps = step_rows(out)
     first, after, breaks = compile_events(finished.output)
-    show("2 ranks", compile_lines(finished.output))
+    show(name, compile_lines(finished.output))
     ms = float(np.median([r["ms"] for r in steps[1:]])) if len(steps) > 1 else None
     passed = "world size 2," in finished.output and len(steps) == spec["rank_steps"] and \
         all(math.isfinite(r["loss"]) for r in steps)
-    return check_row("2 ranks", passed, f"world size 2 on {spec['device']}, gloo: "
+    if parallel == "fsdp":
+        folder = checkpoint.path_for(out, spec["rank_steps"], folder=True)
+        passed = passed and sorted(os.listdir(folder))[:3] == [".metadata", "__0_0.distcp",
+                                                               "__1_0.distcp"]
+    return check_row(name, passed, f"world size 2 on {spec['device']}, gloo, {parallel}: "
                      f"{len(steps)} steps, {report.FORMAT.format('{:,.1f}', ms)} ms/step after "
                      f"the first; {first} recompile(s) by the first step, {after} after, "
                      f"{breaks} graph break(s)", ms_per_step=ms, recompiles_after=after,
@@ -438,7 +447,8 @@ def run(small, device, workdir):
     # run in the order that keeps the most important numbers if time runs out
     order = [("versions", versions), ("train.py", fresh_run), ("minimal loop", minimal_loop),
              ("checkpoint and resume", resume), ("recompiles", recompiles),
-             ("2 ranks", two_ranks), ("sample.py", sample), ("modern + muon", modern_muon)]
+             ("2 ranks", two_ranks), ("sample.py", sample),
+             ("fsdp, 2 ranks", lambda s: two_ranks(s, "fsdp")), ("modern + muon", modern_muon)]
     rows = {}
     for i, (name, check) in enumerate(order, 1):
         rows[name] = guarded(check, name, s)
@@ -468,6 +478,7 @@ def settings(mode, spec, cfg):
                 *(f"TORCH_LOGS={TORCH_LOGS} torchrun --nnodes=2 --nproc_per_node=1 "
                   f"--node_rank={n} --master_addr=127.0.0.1 --master_port=<port> train.py "
                   f"{' '.join(ranks)}{' &' if n else ''}" for n in (1, 0)),
+                "   # and the same two with --parallel=fsdp --out_dir=<fsdp>",
                 f"python sample.py --out_dir=<ranks> --device={spec['device']} --num_samples=2 "
                 f"--max_new_tokens={spec['new_tokens']} --start='def '",
                 f"TORCH_LOGS={TORCH_LOGS} python train.py {' '.join(recipe)}"]

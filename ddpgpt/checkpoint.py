@@ -1,10 +1,20 @@
-"""Checkpoints in out_dir: ckpt_<iter>.pt, written whole under a temporary name, then renamed.
+"""Checkpoints in out_dir, of two kinds, each written whole under a temporary name and renamed:
 
-The contents (contents()) use nanoGPT's key layout (model, optimizer, model_args, iter_num,
-best_val_loss, config) plus scaler, samples_consumed (the data position), data_meta (the data's
-meta.json, which names the tokenizer) and data_identity (what the data is, so that a resume
-on other data is caught). A nanoGPT ckpt.pt in out_dir is found too, as the oldest. Loading
-never runs code from the file (weights_only=True).
+  ckpt_<iter>.pt   one file (parallel=ddp), written by rank 0
+  ckpt_<iter>/     a folder (parallel=fsdp) that every rank writes its part of: the tensors
+                   through torch.distributed.checkpoint (sharded.py: .metadata, __<rank>_0.distcp),
+                   and values.pt, the checkpoint's other values, written last by rank 0
+
+Both hold the same contents (contents()): nanoGPT's key layout (model, optimizer, model_args,
+iter_num, best_val_loss, config) plus scaler, samples_consumed (the data position), data_meta
+(the data's meta.json, which names the tokenizer) and data_identity (what the data is, so that
+a resume on other data is caught). A folder keeps the optimizer's param_groups and every
+non-tensor key in values.pt. Either kind resumes either way, on any world size: a folder under
+ddp is read whole, a file under fsdp is sharded as it loads. A nanoGPT ckpt.pt in out_dir is
+found too, as the oldest. Loading never runs code from a checkpoint (weights_only=True, and
+sharded.py's reader for a folder's index).
+
+A run writes through a Saver: on the ranks that write, in the background (async_save) or not.
 """
 import dataclasses
 import glob
@@ -12,26 +22,44 @@ import os
 import pickle
 import re
 import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.tensor import DTensor
 
-from ddpgpt import fileio
+from ddpgpt import fileio, sharded, watchdog
 from ddpgpt.errors import UserError
 
-_NAME = re.compile(r"ckpt_(\d+)\.pt$")
+_NAME = re.compile(r"ckpt_(\d+)(\.pt)?$")
 REQUIRED_KEYS = ("model", "model_args", "iter_num")
+VALUES = "values.pt"  # a folder's keys that are not the model's or the optimizer's tensors
+TENSORS = ("model", "optimizer")
 
 
-def path_for(out_dir, iter_num):
-    return os.path.join(out_dir, f"ckpt_{iter_num:07d}.pt")
+def path_for(out_dir, iter_num, folder=False):
+    return os.path.join(out_dir, f"ckpt_{iter_num:07d}{'' if folder else '.pt'}")
 
 
 def list_checkpoints(out_dir):
-    """Checkpoint paths in out_dir, newest first."""
-    ours = sorted((p for p in glob.glob(os.path.join(out_dir, "ckpt_*.pt"))
-                   if _NAME.search(p)), key=lambda p: int(_NAME.search(p).group(1)), reverse=True)
+    """Checkpoint paths in out_dir, files and folders, newest first."""
+    found = []
+    for path in glob.glob(os.path.join(glob.escape(out_dir), "ckpt_*")):
+        m = _NAME.search(path)
+        if m and (os.path.isfile(path) if m.group(2) else os.path.isdir(path)):
+            found.append((int(m.group(1)), path))
     nanogpt = os.path.join(out_dir, "ckpt.pt")
-    return ours + ([nanogpt] if os.path.isfile(nanogpt) else [])
+    return [p for _, p in sorted(found, reverse=True)] + \
+        ([nanogpt] if os.path.isfile(nanogpt) else [])
+
+
+def is_folder(path):
+    """Is path a checkpoint folder (rather than an out_dir)?"""
+    return os.path.isdir(path) and any(os.path.exists(os.path.join(path, name))
+                                       for name in (VALUES, sharded.INDEX))
 
 
 def contents(*, model, optimizer, scaler, model_args, cfg, iter_num, samples_consumed,
@@ -44,8 +72,10 @@ def contents(*, model, optimizer, scaler, model_args, cfg, iter_num, samples_con
             "data_identity": data_identity}
 
 
+# ---- writing ----
+
 def save(out_dir, state, keep):
-    """Write state as the checkpoint of state['iter_num'] and keep the newest `keep`."""
+    """Write state as the checkpoint file of state['iter_num'] and keep the newest `keep`."""
     path = path_for(out_dir, state["iter_num"])
     tmp = fileio.tmp_path(path)
     # a killed writer's (with the out_dir's lock held, no other writer is alive)
@@ -58,19 +88,86 @@ def save(out_dir, state, keep):
         why = fileio.disk_full(e, out_dir) or str(e).strip()  # before the .tmp's space is freed
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise UserError(
-            f"could not write checkpoint {path}: {why}. The previous checkpoints in "
-            f"{out_dir} are intact; free space or set out_dir elsewhere, then resume with "
-            f"--init_from=resume.") from e
-    for old in list_checkpoints(out_dir)[keep:]:
-        if _NAME.search(old):
-            os.remove(old)
+        raise not_written(path, out_dir, why) from e
+    replaced(path)
+    prune(out_dir, keep)
     return path
 
 
+def save_folder(out_dir, state, aliases, keep, group, master):
+    """Write state (host tensors, DTensors of this rank's shards) as the checkpoint folder of
+    state['iter_num']: every rank of group its part, rank 0 (master) values.pt, the
+    publishing and keeping the newest `keep`. The folder's path."""
+    path = path_for(out_dir, state["iter_num"], folder=True)
+    tmp = f"{path}.tmp"  # one name for every rank; the out_dir's lock keeps other runs out
+    values = {k: v for k, v in state.items() if k not in TENSORS}
+    values["optimizer"] = {"param_groups": state["optimizer"]["param_groups"]}
+    values["aliases"] = aliases
+    tensors = {"model": {k: v for k, v in state["model"].items() if k not in aliases},
+               "optimizer": state["optimizer"]["state"]}
+    try:
+        sharded.write(tmp, tensors, group)  # returns once every rank's part is on disk
+        if master:
+            torch.save(values, os.path.join(tmp, VALUES))
+            publish_folder(tmp, path)
+    except (OSError, RuntimeError, CheckpointException) as e:
+        error = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+        why = fileio.disk_full(error, out_dir) or str(error).strip()
+        if master:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise not_written(path, out_dir, why) from None
+    if master:
+        replaced(path)
+        prune(out_dir, keep)
+    return path
+
+
+def not_written(path, out_dir, why):
+    return UserError(f"could not write checkpoint {path}: {why}. The previous checkpoints in "
+                     f"{out_dir} are intact; free space or set out_dir elsewhere, then resume "
+                     f"with --init_from=resume.")
+
+
+def publish_folder(tmp, path):
+    """fileio.publish_folder, over a folder of the same iter that is there already (one that
+    did not load, and which this run is saving again)."""
+    old = f"{path}.old.tmp"
+    if os.path.isdir(path):
+        os.rename(path, old)
+    fileio.publish_folder(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def replaced(path):
+    """The other kind's checkpoint of the same iter, if any, goes: one checkpoint per iter."""
+    other = path[:-3] if path.endswith(".pt") else f"{path}.pt"
+    if os.path.isdir(other):
+        shutil.rmtree(other)
+    elif os.path.isfile(other):
+        os.remove(other)
+
+
+def prune(out_dir, keep):
+    for old in list_checkpoints(out_dir)[keep:]:
+        if _NAME.search(old):
+            shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+
+
+def remove_temporaries(out_dir):
+    """What killed saves left in out_dir (a partial file or folder, a folder being replaced):
+    called by rank 0 before a run's first save, while its lock keeps other writers out."""
+    for stale in glob.glob(os.path.join(glob.escape(out_dir), "ckpt_*.tmp")):
+        shutil.rmtree(stale) if os.path.isdir(stale) else os.remove(stale)
+
+
+# ---- reading ----
+
 def model_state(state):
     """The model weights of a checkpoint, ready for GPT.load_state_dict: without the prefix
-    torch.compile adds, and without the causal-mask buffers of pre-2.0 nanoGPT checkpoints."""
+    torch.compile adds, and without the causal-mask buffers of pre-2.0 nanoGPT checkpoints.
+    None for a folder whose tensors are to be read in parts (read())."""
+    if "model" not in state:
+        return None
     return {k.removeprefix("_orig_mod."): v for k, v in state["model"].items()
             if not k.endswith(".attn.bias") or v.dim() != 4}
 
@@ -88,28 +185,68 @@ def refused(error):
             f"you trust")
 
 
-def read(path):
-    """(state, None) for a checkpoint file that loads, else (None, what is wrong with it)."""
+def load_file(path):
+    """(what torch.save wrote to path, None), or (None, what is wrong with the file)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True), None
     except Exception as e:  # a truncated zip, a pickle with code in it...
         return None, refused(e) or (f"cannot be loaded ({type(e).__name__}: "
                                     f"{str(e).splitlines()[0][:200] if str(e) else ''})")
-    missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
+
+
+def read(path, whole=TENSORS):
+    """(state, None) for a checkpoint that loads, else (None, what is wrong with it). Of a
+    folder, the tensors of the parts named in `whole` are read whole; with whole=() its state
+    has 'folder' (its path) and 'aliases' instead of them, for restore() to read each rank's
+    part of them."""
+    state, problem = read_folder(path, whole) if os.path.isdir(path) else load_file(path)
+    if problem:
+        return None, problem
+    needed = REQUIRED_KEYS[1:] if "folder" in state else REQUIRED_KEYS
+    missing = [k for k in needed if k not in state]
     if missing:
         return None, f"is not a checkpoint (it has no {', '.join(missing)})"
     return state, None
 
 
-def load_latest(out_dir, log=print):
+def read_folder(path, whole):
+    values, problem = load_file(os.path.join(path, VALUES))
+    if problem or not isinstance(values, dict):
+        return None, problem if problem and problem.startswith("was refused") else \
+            f"has no loadable {VALUES} (it {problem or 'holds no dict'})"
+    problem = sharded.problem(path)
+    if problem:
+        return None, problem
+    if not whole:
+        return {**values, "folder": path}, None
+    values = dict(values)
+    tensors = sharded.read_whole(path, whole, values.pop("aliases", {}))
+    if "optimizer" in tensors:
+        tensors["optimizer"] = {"state": tensors["optimizer"],
+                                "param_groups": values["optimizer"]["param_groups"]}
+    return {**values, **tensors}, None
+
+
+def load_latest(out_dir, log=print, whole=TENSORS):
     """(state, path) of the newest checkpoint that loads, or (None, None) if there is none.
     A damaged newest checkpoint is reported and skipped in favour of the one before it."""
     for path in list_checkpoints(out_dir):
-        state, problem = read(path)
+        state, problem = read(path, whole)
         if state is not None:
             return state, path
         log(f"checkpoint: {path} {problem}; trying an older one")
     return None, None
+
+
+def restore(model, optimizer, resume):
+    """The optimizer state of the checkpoint resumed, and the weights too of a folder read in
+    parts: into the model as wrap() left it, sharded or not (the weights of a whole checkpoint
+    are the model's already)."""
+    if "folder" in resume:
+        sharded.read_parts(resume["folder"], model, optimizer,
+                           resume["optimizer"]["param_groups"])
+    else:
+        optimizer.load_state_dict(sharded.shard_like(resume["optimizer"], optimizer))
 
 
 def check_room(out_dir, n_params):
@@ -128,3 +265,142 @@ def check_room(out_dir, n_params):
         raise UserError(f"out_dir {out_dir} has {free / 2**20:.0f} MiB free, less than one "
                         f"checkpoint needs (about {need / 2**20:.0f} MiB): free space or move "
                         f"out_dir.")
+
+
+# ---- a run's saves ----
+
+class Saver:
+    """Writes a run's checkpoints: the file, on rank 0 (ddp), or the folder, on every rank
+    (fsdp). In the background (background=True): save() returns once the state is copied to
+    host memory, so that the next optimizer step cannot change what is written, and the
+    writing goes on while the run trains; one save at a time, the next waiting for the one
+    before; a failed one is this run's error, raised by the next check() or save()."""
+
+    def __init__(self, cfg, ranks, model, background, log):
+        self.out_dir, self.keep, self.log, self.master = cfg.out_dir, cfg.keep_checkpoints, log, \
+            ranks.master
+        self.folder = cfg.parallel == "fsdp"
+        self.writes = self.folder or ranks.master
+        # a folder's saves run their collectives in a group of their own, on the CPU, so that
+        # a save in the background never meets the training's collectives
+        self.group = dist.new_group(backend="gloo") if self.folder and ranks.world_size > 1 \
+            else None
+        self.aliases = sharded.aliases(model)
+        self.background = ThreadPoolExecutor(1, "checkpoint") if background else None
+        self.buffers = {}  # the host copies, reused from one background save to the next
+        self.pending = None  # the Future of the save in the background
+        self.iter_num = None  # of the last save begun
+        if ranks.master:
+            remove_temporaries(cfg.out_dir)
+
+    def save(self, state, last=False):
+        """Write state (contents()) as the checkpoint of its iter: in the background unless
+        last (a run's last save: its end, a stop signal) or there is no background."""
+        if not self.writes:
+            return
+        t_wait = time.perf_counter()
+        self.wait()  # the save before it, if it is still being written
+        self.iter_num = state["iter_num"]
+        watchdog.beat(self.iter_num)  # the save gets a whole limit of its own
+        t0 = time.perf_counter()
+        if last or self.background is None:
+            self.write(to_host(state), t0, None)
+        else:
+            staged = to_host(state, self.buffers)
+            self.pending = self.background.submit(self.write, staged, t0,
+                                                  time.perf_counter() - t_wait)
+
+    def write(self, state, t0, waited_s):
+        if self.folder:
+            path = save_folder(self.out_dir, state, self.aliases, self.keep, self.group,
+                               self.master)
+        else:
+            path = save(self.out_dir, state, self.keep)
+        took = time.perf_counter() - t0
+        self.log(f"saved {path} ({took:.2f} s)" if waited_s is None else
+                 f"saved {path} ({took:.2f} s, written in the background; the run waited "
+                 f"{waited_s:.2f} s, for the save before it and for the copy in host memory)")
+
+    def check(self):
+        """Raise the error of a save in the background that failed; nothing if none did."""
+        if self.pending is not None and self.pending.done():
+            self.wait()
+
+    def wait(self):
+        """Until the save in the background, if any, is written; its error, if it failed."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        """Wait for the save in the background, if any, before out_dir's lock is let go: a
+        run that ends with an error of its own prints that save's failure, if it failed, and
+        raises its own."""
+        if self.pending is not None:
+            watchdog.beat(self.iter_num)  # the wait gets a whole limit of its own
+        try:
+            self.wait()
+        except UserError as e:
+            if kind is None:
+                raise
+            print(f"train.py: error: {e}", file=sys.stderr)
+        finally:
+            if self.background is not None:
+                self.background.shutdown()
+
+
+def to_host(state, buffers=None):
+    """state with every tensor in host memory: copied into buffers (a dict that keeps the
+    copies, pinned on CUDA for a fast copy, from one save to the next), so that training may
+    change the originals, when given; else each moved there (a tensor there already stays
+    itself). Tensors that shared memory share it still (the tied embedding: torch.save stores
+    it once). The copies are complete when it returns."""
+    seen = {}
+
+    def host(t, key):
+        local = t.to_local() if isinstance(t, DTensor) else t
+        where = (local.device, local.untyped_storage().data_ptr(), local.storage_offset(),
+                 tuple(local.shape), local.stride(), local.dtype)
+        if local.numel() and where in seen:
+            return seen[where]
+        if buffers is None:
+            copy = local.to("cpu")
+        else:
+            copy = buffers.get(key)
+            if copy is None or copy.shape != local.shape or copy.dtype != local.dtype:
+                copy = buffers[key] = torch.empty(local.shape, dtype=local.dtype,
+                                                  pin_memory=torch.cuda.is_available())
+            copy.copy_(local, non_blocking=True)
+        if isinstance(t, DTensor):  # the same shard of the same tensor, held in host memory
+            copy = DTensor(copy, t._spec, requires_grad=False)
+        seen[where] = copy
+        return copy
+
+    def walk(value, key):
+        if isinstance(value, torch.Tensor):
+            return host(value, key)
+        if isinstance(value, dict):
+            return {k: walk(v, (*key, k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(v, (*key, i)) for i, v in enumerate(value))
+        return value
+
+    staged = walk(state, ())
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the non-blocking copies are done
+    return staged
+
+
+def host_has_room(n_bytes, ranks):
+    """Has this host the memory to keep a copy of n_bytes for each of its ranks, with as much
+    again to spare? From the kernel's MemAvailable (Linux); elsewhere, yes."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f
+                             if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return True
+    return 2 * n_bytes * ranks.local_world_size <= available

@@ -79,13 +79,17 @@ def losses(model, ev, ranks, autocast, device):
 def split_loss(model, token_split, ev, ranks, autocast, device):
     """(mean loss, bits per byte or None) of one source's split. The losses stay on the device
     until the one transfer at the end."""
-    offsets = data.eval_offsets(token_split.starts, ev.block_size,
-                                ev.eval_iters * ev.batch_size)[ranks.rank::ranks.world_size]
+    every = data.eval_offsets(token_split.starts, ev.block_size, ev.eval_iters * ev.batch_size)
+    offsets = every[ranks.rank::ranks.world_size]
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     n_bytes = 0
-    for i in range(0, len(offsets), ev.batch_size):
+    # every rank runs as many forwards as the rank with the most windows: under fsdp each one
+    # gathers the weights with the other ranks. A rank with a batch fewer reads one more
+    # (the first windows again) and does not count it
+    for i in range(0, len(every[::ranks.world_size]), ev.batch_size):
         chunk = offsets[i:i + ev.batch_size]
-        x, y = data.read_xy(token_split, chunk, ev.block_size, ev.vocab_size)
+        x, y = data.read_xy(token_split, chunk if len(chunk) else every[:1], ev.block_size,
+                            ev.vocab_size)
         with autocast:
             _, loss = model(x.to(device), y.to(device))
         loss_sum += loss.double() * len(chunk)
@@ -102,10 +106,12 @@ def split_loss(model, token_split, ev, ranks, autocast, device):
 
 
 def hellaswag_scores(model, ev, ranks, autocast, device):
-    """{'hellaswag_acc_norm', 'hellaswag_acc', 'hellaswag_n', 'hellaswag_truncated'}. Give it
-    the uncompiled model: a compiled one would compile again for each new shape."""
-    return hellaswag.evaluate(model, ev.hellaswag, ranks.rank, ranks.world_size, autocast,
-                              device)
+    """{'hellaswag_acc_norm', 'hellaswag_acc', 'hellaswag_n', 'hellaswag_truncated'}. The model
+    runs eagerly (fsdp's compiled blocks too): compiled, it would compile again for each new
+    shape."""
+    with torch.compiler.set_stance("force_eager"):
+        return hellaswag.evaluate(model, ev.hellaswag, ranks.rank, ranks.world_size, autocast,
+                                  device)
 
 
 def describe(iter_num, results):

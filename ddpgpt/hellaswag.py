@@ -244,12 +244,17 @@ def score(model, batch, autocast, device):
 @torch.no_grad()
 def evaluate(model, hellaswag, rank, world_size, autocast, device):
     """{'hellaswag_acc', 'hellaswag_acc_norm', 'hellaswag_n', 'hellaswag_truncated'}: this
-    rank scores every world_size-th batch; one all-reduce sums the counts."""
+    rank scores every world_size-th batch; one all-reduce sums the counts. Every rank runs as
+    many forwards as the one with the most batches (under fsdp each gathers the weights with
+    the other ranks): one with a batch fewer scores the first again and does not count it."""
     was_training = model.training
     model.eval()
     right = torch.zeros(2, dtype=torch.long, device=device)
-    for batch in hellaswag.batches[rank::world_size]:
-        right += score(model, batch, autocast, device)
+    mine = hellaswag.batches[rank::world_size]
+    for i in range(len(hellaswag.batches[::world_size])):
+        counts = score(model, mine[i] if i < len(mine) else hellaswag.batches[0], autocast,
+                       device)
+        right += counts if i < len(mine) else 0
     if world_size > 1:
         dist.all_reduce(right)
     model.train(was_training)

@@ -1,21 +1,75 @@
-"""Data parallel training: the model as the training steps call it. One rank calls the model
-itself; several call it through DistributedDataParallel, whose backward all-reduces the
-gradients, so that every rank applies the same update to the same weights.
+"""Data parallel training: the model as the training steps call it, shared out over the ranks in
+one of two ways (the `parallel` key):
+
+  ddp   every rank holds all the weights, gradients and optimizer state (16 bytes a parameter
+        with AdamW), and DistributedDataParallel all-reduces the gradients in the backward of
+        the last micro-step, so that every rank applies the same update to the same weights.
+  fsdp  FSDP2 (torch.distributed.fsdp.fully_shard) on each transformer block and on the root:
+        each rank holds 1/N of the weights, gradients and optimizer state. A block's forward
+        and backward all-gather its weights from the other ranks, and the backward of the last
+        micro-step (of each, with reduce_every_micro_step) reduce-scatters the gradients, so
+        that each rank has the sum of its shard of them and updates its shard of the weights.
+        In bfloat16 (on a GPU) the weights are gathered and multiplied in bfloat16, and the
+        gradients are summed and the weights kept and updated in float32.
+
+One rank trains the model itself, either way. What the training step does differently under
+each is here: which micro-step reduces the gradients (sync_gradients) and the gradient norm
+over sharded gradients (clip_grad_norm).
 """
+from typing import Callable, NamedTuple
+
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddpgpt import runtime, settings
+from ddpgpt.errors import UserError
 
-def wrap(forward, ranks, device, batch_shape, autocast):
-    """What the steps call: forward (the model, or its compiled form) itself on one rank; on
-    several, DDP around it, its gradient buckets settled with a backward of batch_shape whose
-    gradients the caller must zero."""
-    if ranks.world_size == 1:
-        return forward
-    trained = DDP(forward, device_ids=[torch.device(device).index]
-                  if torch.device(device).type == "cuda" else None)
-    settle_gradient_buckets(trained, batch_shape, device, autocast)
-    return trained
+
+def sharded(cfg, ranks):
+    """Is the model sharded over the ranks? parallel=fsdp on more than one."""
+    return cfg.parallel == "fsdp" and ranks.world_size > 1
+
+
+def check(cfg, dtype):
+    """What fsdp cannot train in (settings.py checks the keys themselves): float16, which
+    dtype='auto' is on a GPU without bfloat16 (V100, T4)."""
+    if cfg.parallel == "fsdp" and dtype == "float16":
+        raise UserError(settings.fsdp_float16(f"dtype={cfg.dtype!r} is float16 on this GPU"))
+
+
+class Wrapped(NamedTuple):
+    """One set of weights, three handles: `model` owns them (the optimizer, checkpoints,
+    clipping, HellaSwag); `eval_model` is what the losses' evaluation calls; `train_model` is
+    what the training steps call. Under fsdp all three are the sharded model itself."""
+    model: torch.nn.Module
+    eval_model: Callable
+    train_model: Callable
+
+
+def wrap(model, cfg, ranks, device, precision):
+    """The model of a run on its device, as the run's parallel key shares it out, compiled with
+    compile=True (the whole model under ddp; each block under fsdp, whose gathers run between
+    them). Its gradients are None."""
+    if sharded(cfg, ranks):
+        shard(model, device, precision.dtype, cfg.reshard_after_forward, cfg.compile)
+        return Wrapped(model, model, model)
+    model.to(device)
+    # under DDP the losses' evaluation calls the compiled model itself, beneath DDP, which
+    # averages gradients that evaluation does not make: so ranks may run different numbers of
+    # evaluation batches
+    eval_model = torch.compile(model) if cfg.compile else model
+    train_model = eval_model
+    if ranks.world_size > 1:
+        train_model = DDP(eval_model, device_ids=[torch.device(device).index]
+                          if runtime.device_type(device) == "cuda" else None)
+        settle_gradient_buckets(train_model, (cfg.batch_size, cfg.block_size), device,
+                                precision.autocast)
+        model.zero_grad(set_to_none=True)
+    return Wrapped(model, eval_model, train_model)
 
 
 def settle_gradient_buckets(model, batch_shape, device, autocast):
@@ -30,3 +84,44 @@ def settle_gradient_buckets(model, batch_shape, device, autocast):
     with autocast:
         _, loss = model(x, torch.zeros_like(x))
     loss.backward()
+
+
+def shard(model, device, dtype, reshard_after_forward, compile):
+    """fully_shard each block, then the root (the embeddings, the final LayerNorm and the tied
+    output layer), in place: each rank keeps its shard of every weight, on the device. The
+    weights keep their names, so checkpoints hold the same keys as under ddp."""
+    mesh = init_device_mesh(runtime.device_type(device), (dist.get_world_size(),))
+    # bfloat16 gathers and matmuls; float32 gradient sums and master weights. autocast still
+    # wraps the forward, and keeps LayerNorm, softmax and the loss in float32, as under ddp
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if dtype == "bfloat16" else MixedPrecisionPolicy()
+    for block in model.transformer.h:
+        if compile:
+            block.compile()  # in place, so the weights keep their names
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=policy)
+    # the root's weights are gathered once for the whole forward (FSDP2 keeps them for the
+    # backward, which begins with the output layer)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+
+
+def sync_gradients(train_model, sync):
+    """Whether the next backward reduces the gradients over the ranks. nanoGPT's note holds:
+    DDP's model.no_sync() is the official way, but it bloats the code."""
+    if isinstance(train_model, DDP):
+        train_model.require_backward_grad_sync = sync
+    elif isinstance(train_model, FSDPModule):
+        train_model.set_requires_gradient_sync(sync)
+
+
+def clip_grad_norm(model, max_norm):
+    """Scale the gradients down to a norm of max_norm where it is more (math.inf: never); their
+    norm before, a tensor on the device that is the same on every rank. Under fsdp each rank
+    holds a shard of each gradient: the norm of the whole takes a small all-reduce, on the
+    device, as torchtitan computes it."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    return norm

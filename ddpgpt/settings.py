@@ -17,6 +17,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Backend = Literal["", "nccl", "gloo"]
 Sampling = Literal["epoch", "random"]
 Arch = Literal["gpt2", "modern"]
+Parallel = Literal["ddp", "fsdp"]
 INIT_FROM = ("scratch", "resume", "auto")  # train.py's; else GPT-2's weights
 YEAR_S = 365 * 24 * 3600  # a watchdog limit beyond it is an error, not an OverflowError; 0: off
 DEVICE_HELP = "auto: this rank's GPU when torch sees one, else cpu; cuda: cuda:<local rank>"
@@ -124,6 +125,21 @@ class TrainConfig:
     startup_timeout_s: int = key(1800, "the same limit until the first step completes; 0: off",
                                  at_least=0, at_most=YEAR_S)
     seed: int = key(1337, "the data order, the initial weights and dropout", at_least=0)
+    # how the ranks share the model (parallel.py) and how checkpoints are written
+    parallel: Parallel = key("ddp", "ddp: every rank holds all the weights, gradients and "
+                                    "optimizer state; fsdp: each rank holds 1/N of them (FSDP2), "
+                                    "and checkpoints are folders every rank writes its part of")
+    reshard_after_forward: bool = key(
+        True, "fsdp: free a block's gathered weights after its forward and gather them again "
+              "for its backward (least memory); False: keep them until then (one all-gather "
+              "less per block and micro-step, the gathered blocks' memory more)")
+    reduce_every_micro_step: bool = key(
+        False, "fsdp: reduce-scatter the gradients in every micro-step, so each rank keeps "
+               "only its shard of them; False: in the last micro-step only, as ddp, each rank "
+               "accumulating its whole gradients until then")
+    async_save: bool = key(True, "write checkpoints in the background while training goes on "
+                                 "(one at a time; a run's last save waits), when the host has "
+                                 "memory for their copy")
 
     def __post_init__(self):
         configurator.check(self)
@@ -140,6 +156,7 @@ class TrainConfig:
                 f"would still be rising where it should decay: set warmup_iters to at most "
                 f"{cooldown}, or raise max_iters.")
         self.check_recipe()
+        self.check_parallel()
 
     def check_recipe(self):
         """The combinations of arch and optimizer that cannot work."""
@@ -153,6 +170,30 @@ class TrainConfig:
                             "follows the schedule of learning_rate in proportion (muon_lr at "
                             "its peak), which a peak of 0 leaves undefined. Set learning_rate "
                             "(the AdamW part's) above 0.")
+
+    def check_parallel(self):
+        """The keys that only fsdp reads, and what it cannot train in."""
+        if self.parallel == "ddp":
+            for name, default in (("reshard_after_forward", True),
+                                  ("reduce_every_micro_step", False)):
+                if getattr(self, name) != default:
+                    raise UserError(f"{name}={getattr(self, name)!r} is a setting of "
+                                    f"parallel='fsdp', and this run is parallel='ddp': add "
+                                    f"--parallel=fsdp, or leave {name} out.")
+        elif self.dtype == "float16":
+            raise UserError(fsdp_float16("dtype='float16'"))
+        elif self.optimizer == "muon":
+            # Muon's update is a function of the whole matrix (its orthogonalization), and
+            # torch.optim.Muon computes it from the tensor it is given: under FSDP2 that is
+            # this rank's rows of each matrix, whose orthogonalized update is not the rows of
+            # the matrix's. Doing it right means gathering each matrix on one rank (the work
+            # shared out round-robin) and scattering the update back, which torch 2.13's Muon
+            # does not do and we will not write by hand here.
+            raise UserError("optimizer='muon' with parallel='fsdp': Muon's update is computed "
+                            "from whole matrices, and under fsdp each rank holds only a shard "
+                            "of each, so it would compute the wrong update. Use "
+                            "optimizer='muon' with parallel='ddp' (every rank holds whole "
+                            "matrices), or optimizer='adamw' with parallel='fsdp'.")
 
     @property
     def global_batch(self):
@@ -168,6 +209,13 @@ class TrainConfig:
                 f"must be a multiple of the world size {world_size}: use "
                 f"{max(1, micro // world_size) * world_size}.")
         return self.gradient_accumulation_steps // world_size
+
+
+def fsdp_float16(what):
+    """Why parallel=fsdp refuses float16 (what: how float16 was chosen)."""
+    return (f"parallel='fsdp' does not train in float16 ({what}): float16 needs a gradient "
+            f"scaler, which the sharded gradients do not have here. Use dtype='bfloat16' on a "
+            f"GPU that has it (A100, H100 and later), dtype='float32', or parallel='ddp'.")
 
 
 @dataclass

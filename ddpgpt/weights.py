@@ -5,7 +5,8 @@ the tokenizer it reads.
   resume, auto           out_dir's newest checkpoint that loads (nanoGPT's ckpt.pt too); auto
                          starts from scratch where there is none
   a run's out_dir, or    for sample.py, eval.py and export.py (load, checkpoint_at)
-  one checkpoint file
+  one checkpoint (a file
+  or a folder)
   GPT-2's weights        a name (gpt2, gpt2-medium, ...) or a Hugging Face folder (hf.py)
 
 train.py starts through for_training() and checks a resume against its data with
@@ -52,13 +53,15 @@ def model_args(cfg, meta):
     return args
 
 
-def for_training(cfg, given, meta, log):
+def for_training(cfg, given, meta, log, in_parts=False):
     """The Start of a run with these settings (given: the keys the user set) on data described
     by meta. GPT-2's weights are a fresh start as auto sees it: in an out_dir with a checkpoint
     the run resumes, so that a restarted or requeued fine-tune goes on from its last checkpoint
-    instead of from iter 0 again."""
+    instead of from iter 0 again. in_parts: a sharded run, which reads the tensors of a
+    checkpoint folder in parts, once sharded (checkpoint.restore), and has no weights here."""
     args = model_args(cfg, meta)
-    resume = None if cfg.init_from == "scratch" else newest_checkpoint(cfg, log)
+    resume = None if cfg.init_from == "scratch" else \
+        newest_checkpoint(cfg, log, () if in_parts else checkpoint.TENSORS)
     if resume is not None:
         if cfg.init_from not in INIT_FROM:
             check_fine_tune(cfg, resume)
@@ -96,13 +99,13 @@ def architecture(args):
     return {k: every[k] for k in ARCHITECTURE}
 
 
-def newest_checkpoint(cfg, log):
+def newest_checkpoint(cfg, log, whole):
     """out_dir's newest checkpoint that loads, or None; an error for init_from='resume'."""
-    state, path = checkpoint.load_latest(cfg.out_dir, log=log)
+    state, path = checkpoint.load_latest(cfg.out_dir, log=log, whole=whole)
     if state is None and cfg.init_from == "resume":
         raise UserError(f"init_from='resume' but {cfg.out_dir} holds no loadable checkpoint "
-                        f"(ckpt_*.pt): train from scratch with --init_from=scratch, or use "
-                        f"--init_from=auto.")
+                        f"(ckpt_*.pt or ckpt_*/): train from scratch with "
+                        f"--init_from=scratch, or use --init_from=auto.")
     if state is not None:
         log(f"resuming from {path} (iter {state['iter_num']})")
     return state
@@ -261,17 +264,17 @@ def tokenizer_of(meta, vocab_size):
     return tok
 
 
-def checkpoint_at(source, hint, log=print):
-    """(state, path) of a checkpoint file, or of the newest loadable one in an out_dir; hint
-    says what to give instead."""
-    if os.path.isfile(source):
-        state, problem = checkpoint.read(source)
+def checkpoint_at(source, hint, log=print, whole=checkpoint.TENSORS):
+    """(state, path) of a checkpoint file or folder, or of the newest loadable one in an
+    out_dir, its tensors of the parts in `whole` read whole; hint says what to give instead."""
+    if os.path.isfile(source) or checkpoint.is_folder(source):
+        state, problem = checkpoint.read(source, whole)
         if state is None:
             raise UserError(f"{source} {problem}: {hint}")
         return state, source
-    state, path = checkpoint.load_latest(source, log=log)
+    state, path = checkpoint.load_latest(source, log=log, whole=whole)
     if state is None:
-        what = ("holds no loadable checkpoint (ckpt_*.pt or nanoGPT's ckpt.pt)"
+        what = ("holds no loadable checkpoint (ckpt_*.pt, ckpt_*/ or nanoGPT's ckpt.pt)"
                 if os.path.isdir(source) else "does not exist")
         raise UserError(f"{source} {what}: {hint}")
     return state, path
@@ -281,7 +284,7 @@ def load(init_from, out_dir, hint, log=print):
     """Loaded for init_from='resume' (out_dir: a run's folder or one checkpoint file), else
     for GPT-2's weights by name or folder, which read GPT-2's tokens."""
     if init_from == "resume":
-        state, path = checkpoint_at(out_dir, hint, log)
+        state, path = checkpoint_at(out_dir, hint, log, whole=("model",))
         meta, where = data_meta(state)
         tok = tokenizer_of(meta, state["model_args"]["vocab_size"])
         return Loaded(state["model_args"], checkpoint.model_state(state), tok,

@@ -136,14 +136,30 @@ def recipe_verdicts(result):
             base <= nanogpt["ms_per_step"] if nanogpt["status"] == "ok" else None]
 
 
+def fsdp_verdicts(result):
+    """At each rank count, fsdp's bytes per rank within 1.1 x ddp's / N plus the largest tensor
+    it holds whole; its losses within 1e-5 of ddp's on the same batches; its resume exact; the
+    step that starts a save in the background within 1.2x of a normal one, under ddp and
+    fsdp; the background saves' checkpoints the same as the synchronous ones'."""
+    rows = {(r["parallel"], r["ranks"]): r for r in result["results"]}
+    losses, saves = result["settings"]["losses"], result["saves"]
+    return [rows["fsdp", n]["total"] <= 1.1 * rows["ddp", n]["total"] / n +
+            rows["fsdp", n]["largest_whole"] for n in sorted({n for _, n in rows})] + [
+        losses["max_rdiff"] <= 1e-5 and losses["same_batches"],
+        losses["resumed_exact"] and losses["resumed_steps"] > 0,
+        *(next(r for r in saves if r["parallel"] == kind and r["async_save"])["ratio"] <= 1.2
+          for kind in ("ddp", "fsdp")),
+        all(result["settings"]["same_checkpoints"].values())]
+
+
 VERDICTS = {"data": data_verdicts, "mix": mix_verdicts, "training": training_verdicts,
             "prepare": prepare_verdicts, "gpu": gpu_verdicts, "eval": eval_verdicts,
-            "recipe": recipe_verdicts}
+            "fsdp": fsdp_verdicts, "recipe": recipe_verdicts}
 
 
-def bench_part(part, env, tmp_path, flag="--small"):
+def bench_part(part, env, tmp_path, flag="--small", timeout=600):
     out = tmp_path / "bench"
-    python("bench.py", part, flag, f"--out_dir={out}", env=env)
+    python("bench.py", part, flag, f"--out_dir={out}", env=env, timeout=timeout)
     with open(out / f"{part}.json") as f:
         result = json.load(f)
     assert (out / f"{part}.png").stat().st_size > 0
@@ -307,7 +323,8 @@ def test_every_part_is_all_but_gpu_without_a_gpu():
     # so that a CPU run of every part never replaces a GPU run's results with "not run"
     cli = load_bench_cli()
     every = list(cli.PARTS) if torch.cuda.is_available() else ["data", "mix", "training",
-                                                                "prepare", "eval", "recipe"]
+                                                                "prepare", "eval", "fsdp",
+                                                                "recipe"]
     assert cli.parse_args([]).parts == every
     assert cli.parse_args(["--small"]).parts == list(cli.PARTS)
     assert cli.parse_args(["gpu"]).parts == ["gpu"]
@@ -408,6 +425,33 @@ def test_eval(env, tmp_path):
         assert r["seconds"] > 0 and r["examples_per_s"] > 0 and r["tokens_per_example"] > 8
         assert f"`{r['command']}`" in page
     assert gpu["status"].startswith("not run: no GPU")
+
+
+def test_fsdp(env, tmp_path):
+    result, page = bench_part("fsdp", env, tmp_path, timeout=1800)  # 11 launches of torchrun
+    rows = {(r["parallel"], r["ranks"]): r for r in result["results"]}
+    assert set(rows) == {(kind, n) for kind in ("ddp", "fsdp") for n in (2, 4)}
+    for n in (2, 4):
+        ddp, fsdp = rows["ddp", n], rows["fsdp", n]
+        assert ddp["params"] == fsdp["params"] > 0
+        # ddp: 4 + 4 + 8 bytes a parameter on every rank; fsdp: a 1/N share of them, but for
+        # AdamW's step counts, which every rank keeps whole (4 bytes each)
+        assert ddp["weights"] == ddp["grads"] == 4 * ddp["params"] and ddp["per_param"] > 16
+        assert fsdp["total"] == pytest.approx(ddp["total"] / n, rel=0.01)
+        assert fsdp["largest_whole"] == 4 and ddp["largest_whole"] > 4
+        assert 0 < fsdp["peak_rss"] and 0 < ddp["peak_rss"]
+    assert 16 <= result["settings"]["per_param"] < 16.1
+    assert len(result["saves"]) == 4 and all(r["ratio"] > 0 for r in result["saves"])
+    assert result["settings"]["same_checkpoints"] == {"ddp": True, "fsdp": True}
+    losses = result["settings"]["losses"]
+    assert losses["same_batches"] and losses["resumed_exact"] and losses["resumed_steps"] == 3
+    fits = result["fits"]
+    assert [f["params"] for f in fits] == sorted(f["params"] for f in fits)
+    assert all(f["fsdp"] < f["fsdp_accumulating"] and f["fsdp"] < f["ddp"] for f in fits)
+    assert fits[0]["params"] == 124_373_760  # GPT-2 124M: no biases, 50304 token ids
+    assert [row["gpu"] for row in result["settings"]["largest"]] == ["8 x 24 GB", "8 x 40 GB",
+                                                                    "8 x 80 GB"]
+    assert "| 8 x 80 GB |" in page
 
 
 @pytest.mark.parametrize("part", VERDICTS)

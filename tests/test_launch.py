@@ -132,6 +132,16 @@ def checkpoints(out_dir):
     return sorted(f for f in os.listdir(out_dir) if f.startswith("ckpt_"))
 
 
+def wait_for_steps(env, job_id, log, out_dir, n, timeout):
+    """Until the running job has logged n steps in out_dir's metrics.jsonl."""
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    deadline = time.monotonic() + timeout
+    while not (os.path.exists(metrics) and len(steps(out_dir)) >= n):
+        assert time.monotonic() < deadline and job(env, job_id)["JobState"] in (
+            "PENDING", "CONFIGURING", "RUNNING"), read(log) if os.path.exists(log) else ""
+        time.sleep(0.1)
+
+
 def start_requeued_now(env, job_id, log):
     """SLURM holds a requeued job for about two minutes (BeginTime). Once both nodes are idle
     and the old job's credential is at least a second old, start it at once."""
@@ -182,12 +192,7 @@ def test_usr1_saves_requeues_and_resumes_on_the_same_batches(slurm, corpus, unin
     job_id = sbatch(slurm, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
                     f"--max_iters={MAX_ITERS}", f"--eval_interval={MAX_ITERS}",
                     "--log_interval=100")
-    metrics = os.path.join(out, "metrics.jsonl")
-    deadline = time.monotonic() + 120
-    while not (os.path.exists(metrics) and len(steps(out)) >= 3):
-        assert time.monotonic() < deadline and job(slurm, job_id)["JobState"] in (
-            "PENDING", "CONFIGURING", "RUNNING"), read(log) if os.path.exists(log) else ""
-        time.sleep(0.1)
+    wait_for_steps(slurm, job_id, log, out, 3, timeout=120)
     # what SLURM does at --signal=B:USR1@<seconds> before the time limit
     run(["scancel", "--signal=USR1", "--batch", job_id], slurm)
     start_requeued_now(slurm, job_id, log)
@@ -210,6 +215,31 @@ def test_usr1_saves_requeues_and_resumes_on_the_same_batches(slurm, corpus, unin
         assert (rows[i]["batch_fp"], rows[i]["loss"]) == (whole[i]["batch_fp"], whole[i]["loss"]), i
     assert evals(out)[-1] == evals(uninterrupted[2])[-1]
     assert evals(out)[-1]["iter"] == MAX_ITERS
+
+
+def test_fsdp_on_two_nodes_saves_each_ranks_part_at_usr1_and_resumes_from_it(slurm, corpus,
+                                                                             tmp_path):
+    """launch/ passes --parallel=fsdp through like any key: 4 ranks on 2 nodes write their
+    parts of one checkpoint folder at the USR1 stop, and the requeued job resumes from it."""
+    log, out, iters = str(tmp_path / "job.log"), str(tmp_path / "out"), 60
+    job_id = sbatch(slurm, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
+                    "--parallel=fsdp", f"--max_iters={iters}", f"--eval_interval={iters}",
+                    "--log_interval=100")
+    wait_for_steps(slurm, job_id, log, out, 3, timeout=180)
+    run(["scancel", "--signal=USR1", "--batch", job_id], slurm)
+    start_requeued_now(slurm, job_id, log)
+    info = wait_done(slurm, job_id, log, timeout=400)
+    text = read(log)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, text)
+    stopped = int(re.search(r"stopping at iter (\d+): signal received", text).group(1))
+    assert 3 <= stopped < iters and "parallel = 'fsdp'" in text, text
+    first, second = text.split("requeueing job")
+    assert f"saved {out}/ckpt_{stopped:07d} (" in first
+    assert f"resuming from {out}/ckpt_{stopped:07d} (iter {stopped})" in second
+    assert checkpoints(out) == [f"ckpt_{stopped:07d}", f"ckpt_{iters:07d}"]
+    parts = sorted(os.listdir(os.path.join(out, f"ckpt_{iters:07d}")))
+    assert parts == [".metadata", *(f"__{r}_0.distcp" for r in range(4)), "values.pt"]
+    assert sorted(steps(out)) == list(range(iters))
 
 
 def test_sigterm_saves_at_one_step_and_a_cancelled_job_stays_cancelled(slurm, corpus,

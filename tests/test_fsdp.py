@@ -1,0 +1,347 @@
+"""parallel=fsdp under torchrun (gloo, CPU), as a user runs it: the same losses as ddp, sharded
+checkpoint folders that resume exactly, on another world size and under ddp (and ddp's files
+under fsdp), saves in the background that a kill or a full disk cannot turn into a newest
+checkpoint that is not whole, export, eval and sample from a folder, and the bad combinations."""
+import glob
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from conftest import ROOT, TINY, evals, fails, metrics, python, steps, torchrun
+from ddpgpt import checkpoint
+from ddpgpt.runtime import Ranks
+from bench.common import torchrun as torchrun_command, kill_tree
+
+RTOL = 1e-5  # ddp and fsdp sum the gradients over the ranks in other orders
+ARGS = ["--gradient_accumulation_steps=4", "--max_iters=20", "--eval_interval=10",
+        "--grad_clip=0.1"]  # 2 micro-steps per rank; a clip that clips
+
+
+def train_args(corpus, out, *extra):
+    return [f"--data_dir={corpus}", f"--out_dir={out}", *TINY, *ARGS, *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory, session_env):
+    """{'ddp': out_dir, 'fsdp': out_dir} of the same 20 steps on 2 ranks, saving at 10 and 20."""
+    root = tmp_path_factory.mktemp("runs")
+    for kind in ("ddp", "fsdp"):
+        torchrun(2, "train.py", *train_args(corpus, root / kind, f"--parallel={kind}"),
+                 env=session_env)
+    return {kind: str(root / kind) for kind in ("ddp", "fsdp")}
+
+
+def relative_difference(a, b, key="loss"):
+    """The largest relative difference of key between the steps of run b and the same steps
+    of run a (the whole run, for a resumed b), which must have read the same batches."""
+    a, b = steps(a), steps(b)
+    assert b and set(b) <= set(a) and all(a[i]["batch_fp"] == b[i]["batch_fp"] for i in b)
+    return max(abs(a[i][key] / b[i][key] - 1) for i in b)
+
+
+def resumed_from(source, out, env, corpus, nproc, *extra):
+    """A run that resumes from a copy of source (a checkpoint) in a new out_dir, to iter 20."""
+    os.makedirs(out)
+    copy = shutil.copytree if os.path.isdir(source) else shutil.copy
+    copy(source, os.path.join(out, os.path.basename(source)))
+    p = torchrun(nproc, "train.py", *train_args(corpus, out, "--init_from=resume", *extra),
+                 env=env)
+    assert f"resuming from {os.path.join(out, os.path.basename(source))} (iter 10)" in p.stdout
+    return str(out)
+
+
+def test_fsdp_trains_as_ddp_and_writes_each_ranks_part(runs, corpus, tmp_path, env):
+    assert sorted(steps(runs["ddp"])) == sorted(steps(runs["fsdp"])) == list(range(20))
+    assert relative_difference(runs["ddp"], runs["fsdp"]) <= RTOL
+    assert relative_difference(runs["ddp"], runs["fsdp"], "grad_norm") <= RTOL
+    for ev_ddp, ev_fsdp in zip(evals(runs["ddp"]), evals(runs["fsdp"])):
+        assert ev_fsdp["val_loss"] == pytest.approx(ev_ddp["val_loss"], rel=RTOL)
+    folder = checkpoint.path_for(runs["fsdp"], 20, folder=True)
+    assert checkpoint.list_checkpoints(runs["fsdp"]) == [
+        folder, checkpoint.path_for(runs["fsdp"], 10, folder=True)]
+    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                          "values.pt"]
+    # each rank wrote its half of the weights and the optimizer's moments, about a half each
+    parts = [os.path.getsize(os.path.join(folder, f"__{r}_0.distcp")) for r in (0, 1)]
+    whole = os.path.getsize(checkpoint.path_for(runs["ddp"], 20))
+    assert all(0.3 * whole < part < 0.7 * whole for part in parts), (parts, whole)
+    # the other ways fsdp can reduce: with a reduce-scatter in every micro-step, and with the
+    # blocks' weights kept gathered from forward to backward
+    other = tmp_path / "other"
+    torchrun(2, "train.py", *train_args(corpus, other, "--parallel=fsdp",
+                                        "--reduce_every_micro_step=True",
+                                        "--reshard_after_forward=False"), env=env)
+    assert relative_difference(runs["ddp"], other) <= RTOL
+
+
+def test_fsdp_resumes_bit_for_bit_after_a_rank_is_killed(corpus, tmp_path, env):
+    args = ["--parallel=fsdp", "--max_iters=60", "--eval_interval=20", "--log_interval=100",
+            "--init_from=auto"]
+    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
+    torchrun(2, "train.py", *train_args(corpus, whole, *args), env=env)
+    with open(tmp_path / "log", "w+") as log:
+        proc = subprocess.Popen(
+            [*torchrun_command(2), "--max-restarts=1", os.path.join(ROOT, "train.py"),
+             *train_args(corpus, killed, *args)],
+            cwd=ROOT, env=dict(env, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), stdout=log,
+            stderr=subprocess.STDOUT)
+        wait_for(lambda: any(r.get("iter", -1) >= 45 for r in rows_of(killed)), proc)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "train.py" in " ".join(p.cmdline())]
+        assert len(workers) == 2
+        workers[1].kill()
+        proc.wait(timeout=300)
+        log.seek(0)
+        out = log.read()
+    assert proc.returncode == 0, out
+    assert f"resuming from {checkpoint.path_for(killed, 40, folder=True)} (iter 40)" in out
+    same = python("compare_runs.py", whole, killed, "--losses", env=env, check=False)
+    assert same.returncode == 0 and "over 60 steps" in same.stdout, same.stdout
+
+
+def rows_of(out_dir):
+    return metrics(out_dir) if os.path.exists(os.path.join(out_dir, "metrics.jsonl")) else []
+
+
+def wait_for(condition, proc, timeout=240):
+    deadline = time.time() + timeout
+    while not condition():
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        assert time.time() < deadline, "what the test waits for never came"
+        time.sleep(0.05)
+
+
+def test_a_sharded_checkpoint_resumes_on_another_world_size(runs, corpus, tmp_path, env):
+    """2 ranks wrote it; 4 read it (each a quarter of every tensor, DCP resharding), and one
+    process reads it whole."""
+    source = checkpoint.path_for(runs["fsdp"], 10, folder=True)
+    for nproc, kind in ((4, "fsdp"), (1, "fsdp")):
+        out = resumed_from(source, tmp_path / f"{nproc}", env, corpus, nproc, f"--parallel={kind}")
+        assert relative_difference(runs["fsdp"], out) <= RTOL
+        assert checkpoint.list_checkpoints(out)[0] == checkpoint.path_for(out, 20, folder=True)
+
+
+def test_ddp_and_fsdp_resume_each_others_checkpoints(runs, corpus, tmp_path, env):
+    folder = checkpoint.path_for(runs["fsdp"], 10, folder=True)
+    file = checkpoint.path_for(runs["ddp"], 10)
+    under_ddp = resumed_from(folder, tmp_path / "ddp", env, corpus, 2, "--parallel=ddp")
+    under_fsdp = resumed_from(file, tmp_path / "fsdp", env, corpus, 2, "--parallel=fsdp")
+    assert relative_difference(runs["ddp"], under_ddp) <= RTOL
+    assert relative_difference(runs["fsdp"], under_fsdp) <= RTOL
+    # each wrote its own kind from there on; the one resumed from is not written again
+    assert checkpoint.list_checkpoints(under_ddp) == [
+        checkpoint.path_for(under_ddp, 20), checkpoint.path_for(under_ddp, 10, folder=True)]
+    assert checkpoint.list_checkpoints(under_fsdp)[0] == checkpoint.path_for(under_fsdp, 20,
+                                                                             folder=True)
+
+
+def loaded(path):
+    state, problem = checkpoint.read(path)
+    assert problem is None, problem
+    return state
+
+
+def same_state(a, b):
+    """Equal, tensor for tensor and value for value, but for the settings that made them
+    differ (async_save) and where they are (out_dir)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a
+                                            if k not in ("async_save", "out_dir"))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(map(same_state, a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_a_save_in_the_background_writes_what_a_save_that_waits_writes(runs, kind, corpus,
+                                                                       tmp_path, env):
+    waited = tmp_path / "waited"
+    torchrun(2, "train.py", *train_args(corpus, waited, f"--parallel={kind}",
+                                        "--async_save=False"), env=env)
+    for iter_num in (10, 20):
+        a, b = (checkpoint.list_checkpoints(out)[20 // iter_num - 1]
+                for out in (runs[kind], waited))
+        assert os.path.basename(a) == os.path.basename(b)
+        assert same_state(loaded(a), loaded(b)), iter_num
+    assert loaded(a)["config"]["async_save"] and not loaded(b)["config"]["async_save"]
+
+
+@pytest.mark.parametrize("kind, nproc", [("ddp", 1), ("fsdp", 2)])
+def test_a_run_killed_while_a_save_is_in_flight_resumes_from_the_one_before(
+        runs, kind, nproc, corpus, tmp_path, env):
+    """Each save takes 10 s more to publish (a slow file system), in the background: the run
+    trains on meanwhile. Killed while the save at iter 10 is in flight, it resumes from the one
+    before and repeats the uninterrupted run."""
+    out = str(tmp_path / "out")
+    args = train_args(corpus, out, f"--parallel={kind}", "--eval_interval=5",
+                      "--max_iters=30")
+    with open(tmp_path / "log", "w+") as log:
+        proc = subprocess.Popen(
+            [*(torchrun_command(nproc) if nproc > 1 else [sys.executable]),
+             os.path.join(ROOT, "tests", "launch_slow_save.py"), *args], cwd=ROOT,
+            env=dict(env, SLOW_SAVE_S="10"), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            # the save at 5 is published while the run goes on; the one at 10 is in flight
+            wait_for(lambda: checkpoint.list_checkpoints(out) and
+                     any(r.get("iter", -1) >= 13 for r in rows_of(out)), proc, timeout=300)
+            in_flight = glob.glob(os.path.join(out, "ckpt_0000010*tmp"))
+        finally:
+            kill_tree(psutil.Process(proc.pid))
+            proc.wait()
+    assert in_flight, "the save at 10 was not in flight when the run was killed"
+    assert checkpoint.list_checkpoints(out) == [
+        checkpoint.path_for(out, 5, folder=kind == "fsdp")]
+    p = torchrun(nproc, "train.py", *args, "--init_from=resume", env=env)
+    assert "resuming from " + checkpoint.path_for(out, 5, folder=kind == "fsdp") in p.stdout
+    assert not glob.glob(os.path.join(out, "*tmp"))  # what the killed save left is gone
+    whole = tmp_path / "whole"
+    torchrun(nproc, "train.py", *train_args(corpus, whole, f"--parallel={kind}",
+                                            "--eval_interval=5", "--max_iters=30"), env=env)
+    assert relative_difference(whole, out) == 0
+
+
+def test_a_full_disk_during_a_sharded_save_is_a_clear_error_and_keeps_the_one_before(
+        corpus, small_disk, env):
+    out = os.path.join(small_disk, "out")
+    os.makedirs(out)
+    # one checkpoint folder fits, a second does not: the save at 6, in the background, fails
+    p = torchrun(2, "train.py", *train_args(corpus, out, "--parallel=fsdp", "--max_iters=12",
+                                            "--eval_interval=3"), env=env, check=False)
+    assert p.returncode != 0 and "the disk is full" in p.stderr, p.stdout + p.stderr
+    assert "could not write checkpoint " + checkpoint.path_for(out, 6, folder=True) in p.stderr
+    assert f'File "{ROOT}' not in p.stderr
+    assert not [f for f in os.listdir(out) if f.endswith("tmp")]
+    assert checkpoint.list_checkpoints(out) == [checkpoint.path_for(out, 3, folder=True)]
+    state, path = checkpoint.load_latest(out, log=print)
+    assert path == checkpoint.path_for(out, 3, folder=True)
+
+
+def test_export_eval_and_sample_read_a_checkpoint_folder(runs, corpus, tmp_path, env):
+    folder = checkpoint.path_for(runs["fsdp"], 20, folder=True)
+    p = python("sample.py", f"--out_dir={runs['fsdp']}", "--start=def ", "--num_samples=1",
+               "--max_new_tokens=20", env=env)
+    assert p.stdout.startswith("def ") and f"{folder} (iter 20), tokenizer 'byte'" in p.stderr
+    p = torchrun(2, "eval.py", f"--out_dir={folder}", f"--data_dir={corpus}",
+                 "--hellaswag=False", "--eval_iters=4", "--batch_size=4", env=env)
+    result = json.loads(p.stdout.splitlines()[-1])
+    assert result["val_loss"] == pytest.approx(evals(runs["fsdp"])[-1]["val_loss"], rel=1e-6)
+    python("export.py", runs["fsdp"], tmp_path / "hf", env=env)
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    # one command makes the folder one file: the same values, and it resumes under ddp
+    one_file = tmp_path / "ckpt_0000010.pt"
+    python("export.py", checkpoint.path_for(runs["fsdp"], 10, folder=True), one_file, env=env)
+    assert same_state(loaded(str(one_file)),
+                      loaded(checkpoint.path_for(runs["fsdp"], 10, folder=True)))
+    out = resumed_from(str(one_file), tmp_path / "out", env, corpus, 2)
+    assert relative_difference(runs["fsdp"], out) <= RTOL
+
+
+def test_a_damaged_or_dangerous_checkpoint_folder_is_passed_over(runs, tmp_path):
+    out = str(tmp_path / "out")
+    shutil.copytree(runs["fsdp"], out)
+    newest, older = checkpoint.list_checkpoints(out)[:2]
+    part = os.path.join(newest, "__1_0.distcp")
+    os.truncate(part, os.path.getsize(part) // 2)
+    messages = []
+    state, path = checkpoint.load_latest(out, log=messages.append)
+    assert path == older and state["iter_num"] == 10
+    assert f"{newest} is incomplete: its file __1_0.distcp is" in messages[0]
+    # an index that would run code when unpickled: refused, and nothing runs
+    marker = tmp_path / "code_ran"
+    with open(os.path.join(newest, ".metadata"), "wb") as f:
+        pickle.dump(RunsCode(marker), f)
+    messages.clear()
+    assert checkpoint.load_latest(out, log=messages.append)[1] == older
+    assert f"{newest} was refused: loading it would execute code (its index .metadata calls " \
+           f"posix.system" in messages[0] and not marker.exists()
+    os.remove(os.path.join(older, "values.pt"))
+    messages.clear()
+    assert checkpoint.load_latest(out, log=messages.append) == (None, None)
+    assert f"{older} has no loadable values.pt" in messages[1]
+
+
+class RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_compiled_blocks_train_as_the_eager_ones(runs, corpus, tmp_path, env):
+    """compile=True compiles each block in place; aot_eager (tests/launch_eager_compile.py)
+    traces them and their backward as inductor would, without generating code."""
+    out = tmp_path / "out"
+    args = train_args(corpus, out, "--parallel=fsdp", "--compile=True", "--max_iters=6",
+                      "--eval_interval=6")
+    p = torchrun(2, "tests/launch_eager_compile.py", *args, env=env)
+    assert "compile = True" in p.stdout
+    ran, eager = steps(out), steps(runs["fsdp"])
+    assert sorted(ran) == list(range(6))
+    for i in ran:
+        assert ran[i]["loss"] == pytest.approx(eager[i]["loss"], rel=RTOL)
+    assert sorted(os.listdir(checkpoint.path_for(out, 6, folder=True)))[0] == ".metadata"
+    state = loaded(checkpoint.path_for(out, 6, folder=True))
+    assert not [k for k in state["model"] if "_orig_mod" in k]
+
+
+def swag(path):
+    lines = [{"ctx": "def f(x):", "endings": [" return x", " import os", " pass", " x"],
+              "label": 0},
+             {"ctx": "Cats are", "endings": [" animals.", " numbers.", " blue.", " x"],
+              "label": 0},
+             {"ctx": "import", "endings": [" os", " the", " 12", " )"], "label": 0}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return str(path)
+
+
+def test_evaluation_when_the_ranks_have_different_numbers_of_batches(corpus, tmp_path, env):
+    """3 windows and 3 HellaSwag examples over 2 ranks: the rank with fewer batches still
+    runs as many forwards (under fsdp each gathers the weights with the other rank)."""
+    args = [f"--data_dir={corpus}", *TINY, "--batch_size=1", "--eval_iters=3",
+            "--gradient_accumulation_steps=2", "--max_iters=2", "--eval_interval=2",
+            "--hellaswag_interval=2", f"--hellaswag_path={swag(tmp_path / 'swag.jsonl')}",
+            "--dist_timeout_s=120"]
+    for kind in ("ddp", "fsdp"):
+        torchrun(2, "train.py", *args, f"--out_dir={tmp_path / kind}", f"--parallel={kind}",
+                 env=env)
+    a, b = evals(tmp_path / "ddp"), evals(tmp_path / "fsdp")
+    assert [r["iter"] for r in a] == [r["iter"] for r in b] == [0, 2]
+    for ra, rb in zip(a, b):
+        assert rb["val_loss"] == pytest.approx(ra["val_loss"], rel=RTOL)
+        assert (rb["hellaswag_n"], rb["hellaswag_acc"]) == (ra["hellaswag_n"], ra["hellaswag_acc"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--reshard_after_forward=False"], "reshard_after_forward=False is a setting of "
+                                        "parallel='fsdp', and this run is parallel='ddp'"),
+    (["--reduce_every_micro_step=True"], "reduce_every_micro_step=True is a setting of "
+                                         "parallel='fsdp'"),
+    (["--parallel=fsdp", "--dtype=float16"], "parallel='fsdp' does not train in float16 "
+                                             "(dtype='float16')"),
+    (["--parallel=zero3"], "parallel='zero3' is not one of 'ddp', 'fsdp'"),
+])
+def test_bad_combinations_are_clear_errors(env, args, message):
+    assert message in fails("train.py", *args, env=env).stderr
+
+
+def test_a_save_in_the_background_needs_room_for_its_copy_in_host_memory():
+    one = Ranks(0, 0, 1, 1)
+    assert checkpoint.host_has_room(2**20, one)
+    assert not checkpoint.host_has_room(2**50, one)  # a petabyte: the run saves synchronously
+    # every rank of the host keeps its own copy
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f
+                         if line.startswith("MemAvailable:"))
+    assert checkpoint.host_has_room(available // 8, Ranks(0, 0, 2, 2))
+    assert not checkpoint.host_has_room(available // 8, Ranks(0, 0, 8, 8))
