@@ -79,6 +79,9 @@ def summary(cfg, results, source, hellaswag_data):
         windows = cfg.eval_iters * cfg.batch_size
         lines.append(f"val: loss {results['val_loss']:.4f}, {results['val_bpb']:.4f} bits per "
                      f"byte ({cfg.data_dir}, {windows:,} windows of {cfg.block_size} tokens)")
+    if "val_loss_docs" in results:
+        lines.append(f"val, document-aligned: loss {results['val_loss_docs']:.4f} (as many "
+                     f"windows, each starting where a document or a block of one starts)")
     if hellaswag_data is not None:
         n, seconds = results["hellaswag_n"], results["hellaswag_s"]
         right = {k: round(results[f"hellaswag_{k}"] * n) for k in ("acc_norm", "acc")}
