@@ -439,7 +439,7 @@ def open_doc_index(token_split, data_dir, split):
     try:
         documents, lengths, _, _, eot, split_fp, own_fp = read_doc_header(path)
     except ValueError as e:
-        raise UserError(f"{path} is not a document index that this code reads ({e}): make it "
+        raise UserError(f"{path} is not a document index that this code reads ({e}). Make it "
                         f"again with {make}.") from None
     if split_fp != token_split.fingerprint:
         raise UserError(

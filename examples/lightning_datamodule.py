@@ -48,7 +48,8 @@ class LightningConfig:
     max_steps: int = key(100, "optimizer steps in all", at_least=1)
     ckpt_path: str = key("", "'' trains from scratch; 'last': out_dir/last.ckpt; or a path")
     checkpoint_interval: int = key(50, "save every this many steps", at_least=1)
-    sampling: Sampling = key("epoch", "as train.py's")
+    sampling: Sampling = key("epoch", "as train.py's; documents needs the data's document "
+                                      "index")
     gradient_accumulation_steps: int = key(4, "global: divided by the world size", at_least=1)
     batch_size: int = key(12, "sequences per rank and micro-step", at_least=1)
     block_size: int = key(128, "tokens per sequence", at_least=1)
@@ -91,10 +92,14 @@ class BlockDataModule(L.LightningDataModule):
         self.global_batch = batch_size * global_micro_steps
         self.num_workers = num_workers
         self.samples_at_start, self.steps_at_start = 0, 0  # where this fit began
-        self.train_file = None
+        self.train_file = self.train_mix = None
 
     def setup(self, stage):
-        self.train_file = tokenfile.open_split(self.data_dir, "train", self.block_size)
+        self.train_file = tokenfile.open_split(self.data_dir, "train", self.block_size,
+                                               documents=self.mode == "documents")
+        # what the fingerprints need, made once: the tables that samples_fingerprint reads
+        self.train_mix = data.with_windows(data.mixture([self.train_file]), self.block_size,
+                                           self.mode)
 
     def train_dataloader(self):
         trainer = self.trainer
@@ -165,8 +170,8 @@ class BlockDataModule(L.LightningDataModule):
         self.samples_at_start = state["samples_consumed"]
 
     def fingerprint(self, sample_indices):
-        return data.samples_fingerprint(sample_indices, data.mixture([self.train_file]),
-                                        self.block_size, self.seed, self.mode)
+        return data.samples_fingerprint(sample_indices, self.train_mix, self.block_size,
+                                        self.seed, self.mode)
 
 
 class GPTModule(L.LightningModule):

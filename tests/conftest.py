@@ -26,7 +26,8 @@ from bench.common import torchrun as torchrun_command
 from ddpgpt.tokenizer import install_tiktoken_file
 
 SHARED_VOCAB = os.path.join(ROOT, "..", "shared", "tokenizers", "r50k_base.tiktoken")
-OUTPUTS = ("train.bin", "val.bin", tokenfile.META_NAME)  # what prepare.py writes by default
+# what prepare.py writes by default
+OUTPUTS = ("train.bin", "val.bin", tokenfile.META_NAME, "train.docidx", "val.docidx")
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--eval_iters=4", "--device=cpu", "--learning_rate=3e-3", "--warmup_iters=2",
         "--lr_decay_iters=40", "--min_lr=3e-4"]
