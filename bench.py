@@ -12,10 +12,11 @@ import time
 
 import torch
 
-from bench import common, datapath, evaluating, gpu, mixing, preparing, report, training
+from bench import (common, datapath, documents, evaluating, gpu, mixing, preparing, report,
+                   training)
 
 PARTS = {"data": datapath, "mix": mixing, "training": training, "prepare": preparing,
-         "eval": evaluating, "gpu": gpu}
+         "eval": evaluating, "documents": documents, "gpu": gpu}
 DOCS_DATA = os.path.join(common.ROOT, "docs", "bench")
 DOCS_REPORT = os.path.join(common.ROOT, "docs", "benchmarks.md")
 

@@ -340,20 +340,26 @@ def window_offsets(source, local, w, seed):
     all sources at once."""
     source = np.asarray(source, dtype=np.int64)
     local = np.asarray(local, dtype=np.int64)
-    n = w.n[source]
     if w.mode == "random":
         drawn = hash64(local.astype(np.uint64) ^ np.uint64(hash_key(seed, RANDOM_KEY)))
-        unit, within = unit_of(w, source, (drawn % n.astype(np.uint64)).astype(np.int64))
+        n = w.n[source].astype(np.uint64)
+        unit, within = unit_of(w, source, (drawn % n).astype(np.int64))
         return w.at[unit] + within
-    epochs = local // n
-    keys, phase = epoch_keys(seed, epochs, EPOCH_KEY if w.mode == "epoch" else DOCUMENTS_KEY)
-    shape = tuple(part[source] for part in w.shape)
-    drawn = walk((local % n).astype(np.uint64), n.astype(np.uint64), shape, keys)
-    unit, within = unit_of(w, source, drawn.astype(np.int64))
+    unit, within, phase = drawn_units(source, local, w, seed)
     if w.mode == "epoch":
         phase = (phase % w.size[unit]).astype(np.int64)
         return w.at[unit] + phase + within * w.block_size
     return document_offsets(w, source, unit, within)
+
+
+def drawn_units(source, local, w, seed):
+    """(unit, position within it, phase key) of each sample in its source's epoch order
+    ('epoch' and 'documents' mode)."""
+    n = w.n[source]
+    keys, phase = epoch_keys(seed, local // n, EPOCH_KEY if w.mode == "epoch" else DOCUMENTS_KEY)
+    shape = tuple(part[source] for part in w.shape)
+    drawn = walk((local % n).astype(np.uint64), n.astype(np.uint64), shape, keys)
+    return (*unit_of(w, source, drawn.astype(np.int64)), phase)
 
 
 def unit_of(w, source, position):
@@ -475,16 +481,23 @@ SAMPLE_AHEAD = 64  # micro-batches whose windows are drawn in one call: numpy's 
 def rank_windows(mix, block_size, batch_size, micro_steps, rank, world_size, seed, mode,
                  start_step):
     """(source, offsets) of this rank's micro-batches in order from start_step, drawn
-    SAMPLE_AHEAD micro-batches at a time."""
+    SAMPLE_AHEAD micro-batches at a time. In 'documents' mode the starts are read from the
+    index a micro-batch at a time: a first batch reads its own from a cold disk, not 64's."""
+    w = tables(mix, block_size, mode)
     steps = max(1, SAMPLE_AHEAD // micro_steps)
     for first in count(start_step, steps):
         indices = rank_sample_indices(np.arange(first, first + steps)[:, None],
                                       np.arange(micro_steps), rank, world_size, batch_size,
-                                      micro_steps).reshape(-1, batch_size)
-        source, offsets = sample_windows(indices.reshape(-1), mix, block_size, seed, mode)
-        for b in range(len(indices)):
-            yield (source[b * batch_size:(b + 1) * batch_size],
-                   offsets[b * batch_size:(b + 1) * batch_size])
+                                      micro_steps).reshape(-1)
+        source, local = source_indices(indices, mix, seed)
+        if mode == "documents":
+            unit, within, _ = drawn_units(source, local, w, seed)
+        else:
+            offsets = window_offsets(source, local, w, seed)
+        for b in range(0, len(indices), batch_size):
+            here = slice(b, b + batch_size)
+            yield source[here], offsets[here] if mode != "documents" else \
+                document_offsets(w, source[here], unit[here], within[here])
 
 
 def rank_batches(mix, *, block_size, batch_size, micro_steps, rank, world_size, seed,

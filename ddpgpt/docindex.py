@@ -94,7 +94,9 @@ class Writer:
             seen = np.zeros(len(lengths), dtype=np.int64)  # documents of each length so far
             for starts, chunk in self.in_file_order(n_tokens):
                 bucket = len(lengths) - 1 - np.searchsorted(ascending, chunk)
-                order = np.argsort(bucket, kind="stable")
+                # as uint16, where the lengths allow, numpy's stable sort is a radix sort
+                order = np.argsort(bucket.astype(np.uint16) if len(lengths) <= 2**16 else bucket,
+                                   kind="stable")
                 ranked = bucket[order]
                 within = np.arange(len(ranked)) - np.searchsorted(ranked, ranked)
                 place = first[ranked] + seen[ranked] + within - a
@@ -107,7 +109,9 @@ class Writer:
 def scan(token_split, k, eot, on_chunk=lambda n_tokens: None):
     """The first tokens of file k's documents, in the split's token space, as arrays: its
     first token, and each one after an end-of-text id (eot None: the file is one document).
-    CHUNK_TOKENS are read at a time into one buffer; on_chunk(tokens) after each."""
+    CHUNK_TOKENS at a time, each chunk mapped and unmapped again, so that what was read stays
+    in the page cache and not in this process (and no copy is made); on_chunk(tokens) after
+    each. The lock that prepare.py takes keeps the files from changing under the map."""
     first, end = int(token_split.starts[k]), int(token_split.starts[k + 1])
     if end == first:
         return
@@ -116,19 +120,14 @@ def scan(token_split, k, eot, on_chunk=lambda n_tokens: None):
         on_chunk(end - first)
         return
     itemsize = token_split.dtype.itemsize
-    buffer = np.empty(min(CHUNK_TOKENS, end - first), dtype=token_split.dtype)
-    raw = memoryview(buffer).cast("B")
     with open(token_split.paths[k], "rb") as f:
-        f.seek(token_split.header_bytes)
-        at = first
-        while at < end:
-            n = f.readinto(raw[:(end - at) * itemsize]) // itemsize
-            if n == 0:
-                raise OSError(f"{token_split.paths[k]} ended at token {at - first} of the "
-                              f"{end - first} it held when it was opened")
-            after = np.flatnonzero(buffer[:n] == eot) + (at + 1)
+        for at in range(first, end, CHUNK_TOKENS):
+            n = min(CHUNK_TOKENS, end - at)
+            chunk = np.memmap(f, dtype=token_split.dtype, mode="r", shape=(n,),
+                              offset=token_split.header_bytes + (at - first) * itemsize)
+            after = np.flatnonzero(chunk == eot) + (at + 1)
+            del chunk
             yield after[after < end]  # an end-of-text that ends the file starts nothing
-            at += n
             on_chunk(n)
 
 

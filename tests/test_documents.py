@@ -231,3 +231,9 @@ def test_block_dataset_in_documents_mode_reads_what_the_trainer_reads(tmp_path):
         expected = next(trainer)
         assert torch.equal(x, expected[0]) and torch.equal(y, expected[1])
         assert set(x[:, 0].tolist()) <= set(starts)
+
+
+def test_index_documents_on_a_folder_without_token_files_writes_nothing(env, tmp_path):
+    err = fails("index_documents.py", f"--data_dir={tmp_path / 'nowhere'}", env=env).stderr
+    assert err.startswith("index_documents.py: error: ") and "train.bin does not exist" in err
+    assert "python prepare.py" in err and not (tmp_path / "nowhere").exists()
