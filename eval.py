@@ -155,6 +155,9 @@ def summary(cfg, results, source, where, hellaswag_data):
         bpb = f", {results['val_bpb']:.4f} bits per byte" if "val_bpb" in results else ""
         lines.append(f"val: loss {results['val_loss']:.4f}{bpb} ({where}, {windows:,} windows "
                      f"of {cfg.block_size} tokens)")
+    if "val_loss_docs" in results:
+        lines.append(f"val, document-aligned: loss {results['val_loss_docs']:.4f} (as many "
+                     f"windows, each starting where a document or a block of one starts)")
     if hellaswag_data is not None:
         n, seconds = results["hellaswag_n"], results["hellaswag_s"]
         right = {k: round(results[f"hellaswag_{k}"] * n) for k in ("acc_norm", "acc")}

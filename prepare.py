@@ -34,7 +34,8 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from ddpgpt import configurator, corpus, data, errors, fileio, lock, signals, tokenfile, workers
+from ddpgpt import (configurator, corpus, data, docindex, errors, fileio, lock, signals,
+                    tokenfile, workers)
 from ddpgpt.errors import UserError
 from ddpgpt.settings import PrepareConfig
 from ddpgpt.signals import Interrupted
@@ -118,13 +119,15 @@ def encode_chunk(task):
 # ---- output: each file written under a temporary name and renamed when complete ----
 
 class SplitWriter:
-    """One split's token files. Documents' tokens are appended to a temporary file of this
-    process's own (fileio.tmp_path) that is renamed to its final name when complete: at the
-    end, or for shards as soon as the shard holds shard_tokens tokens, at the end of a document
-    (a shard holds whole documents, so it can be resumed from a document index). llm.c's
-    header is written last, with the token count."""
+    """One split's token files and document index. Documents' tokens are appended to a
+    temporary file of this process's own (fileio.tmp_path) that is renamed to its final name
+    when complete: at the end, or for shards as soon as the shard holds shard_tokens tokens, at
+    the end of a document (a shard holds whole documents, so it can be resumed from a document
+    index). llm.c's header is written last, with the token count. The documents' first tokens
+    go to the index as they are written (docindex.Writer), which is sorted and published at the
+    end; a resumed run finds those of the shards it keeps by a scan of them."""
 
-    def __init__(self, out_dir, split, *, shard_tokens, llmc_name, published):
+    def __init__(self, out_dir, split, *, shard_tokens, llmc_name, published, tokenizer):
         """shard_tokens: 0 for one file; llmc_name: llm.c's <name> of its shards, or None for
         ddpgpt's raw files; published: the shards a resumed run wrote (prepare.progress.json)."""
         self.out_dir, self.split = out_dir, split
@@ -132,8 +135,20 @@ class SplitWriter:
         self.shard_tokens = shard_tokens or math.inf
         self.prefix = f"{llmc_name}_" if llmc_name is not None else ""
         self.header_bytes = tokenfile.LLMC_HEADER_BYTES if llmc_name is not None else 0
+        self.dtype, self.eot = tokenfile.token_dtype(tokenizer.vocab_size), tokenizer.eot
         self.shards = list(published)  # meta.json's entries, plus where each leaves the corpus
         self.file, self.tokens, self.documents = None, 0, 0
+        self.index = docindex.Writer(tokenfile.doc_index_path(out_dir, split))
+        kept = self.token_split()
+        for k in range(len(kept.paths)):
+            for starts in docindex.scan(kept, k, self.eot):
+                self.index.add(starts)
+
+    def token_split(self):
+        """The shards published so far, as a TokenSplit."""
+        paths = tuple(os.path.join(self.out_dir, s["file"]) for s in self.shards)
+        return tokenfile.TokenSplit(paths, self.dtype, self.header_bytes, np.concatenate(
+            [[0], np.cumsum([s["tokens"] for s in self.shards], dtype=np.int64)]))
 
     def name(self):
         if not self.sharded:
@@ -143,6 +158,8 @@ class SplitWriter:
     def write(self, ids, lengths, indices, on_publish):
         """Append documents; on_publish() after each shard that this completes."""
         ends, done = np.cumsum(lengths), 0
+        written = sum(s["tokens"] for s in self.shards) + self.tokens
+        self.index.add(written + ends - lengths)  # each document's first token in the split
         while done < len(lengths):
             if self.file is None:
                 self.file = open(fileio.tmp_path(os.path.join(self.out_dir, self.name())), "wb")
@@ -187,9 +204,12 @@ class SplitWriter:
         if self.sharded:
             entry["shards"] = [{k: s[k] for k in ("file", "tokens", "documents", "fingerprint")}
                                for s in self.shards]
+        self.index.finish(self.token_split()._replace(fingerprint=entry["fingerprint"]),
+                          self.eot)
         return entry
 
     def discard(self):
+        self.index.discard()
         if self.file is not None:
             self.file.close()
             with contextlib.suppress(FileNotFoundError):  # stopped just after publishing it
@@ -325,7 +345,7 @@ def prepare(cfg, given):
         published = (progress or {}).get("splits", {})
         writers = {split: SplitWriter(out_dir, split, shard_tokens=cfg.shard_tokens,
                                       llmc_name=llmc_name if cfg.format == "llmc" else None,
-                                      published=published.get(split, []))
+                                      published=published.get(split, []), tokenizer=tokenizer)
                    for split in tokenfile.SPLITS}
         splits = write_outputs(out_dir, writers, tokenizer, docs, counts, n_val, cfg, settings)
     return out_dir, splits, counts

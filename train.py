@@ -159,7 +159,8 @@ def start_up(cfg, given, ranks, device, log):
     # the configuration says what is trained (the architecture of the weights resumed or
     # loaded, the vocab_size that 0 meant), so that its log and checkpoints do not lie
     cfg = dataclasses.replace(cfg, **weights.architecture(start.args))
-    splits = sources.open_splits(data_sources, cfg.block_size, cfg.vocab_size, log)
+    splits = sources.open_splits(data_sources, cfg.block_size, cfg.vocab_size, log,
+                                 mode=cfg.sampling)
     identity = sources.identity(splits)
     if start.resume is not None:
         weights.check_resume(cfg, start.resume, meta, identity, len(data_sources), log)
@@ -194,9 +195,7 @@ def make_run(cfg, ranks, device, log, found):
         f"{model.get_num_params() / 1e6:.2f}M parameters, global batch {cfg.global_batch} x "
         f"{cfg.block_size} tokens ({micro_steps} micro-step{'s' * (micro_steps != 1)} of "
         f"{cfg.batch_size} per rank)")
-    if len(found.splits["train"].splits) > 1:
-        sources.log_mixture(log, found.splits["train"], cfg.max_iters * cfg.global_batch,
-                            cfg.block_size)
+    sources.log_train(log, found.splits["train"], cfg.max_iters * cfg.global_batch)
     batches = data.rank_batches(
         found.splits["train"], block_size=cfg.block_size, batch_size=cfg.batch_size,
         micro_steps=micro_steps, rank=ranks.rank, world_size=ranks.world_size, seed=cfg.seed,

@@ -1,30 +1,41 @@
 """The data path against the size of train.bin: start-up time, memory per rank and the latency
-of one batch, for data.py and two reference loaders, each launched with torchrun (gloo) as a
-user launches a job; and data.py on the largest size again as a set of many shards, against
-one file of it. What one rank does and the two references are in datapath_rank.py."""
+of one batch, for data.py (in 'epoch' and 'documents' mode) and two reference loaders, each
+launched with torchrun (gloo) as a user launches a job; data.py on the largest size again as a
+set of many shards, against one file of it; and the document index: how fast it is built, and
+that every window of an epoch of 'documents' mode starts where a document does. What one rank
+does and the two references are in datapath_rank.py."""
 import glob
 import json
 import os
 import shutil
 import sys
+import time
 
 import numpy as np
 
 from bench import common, report
-from ddpgpt import tokenfile
+from ddpgpt import data, docindex, tokenfile
 from bench.common import GiB, MiB
-from bench.datapath_rank import BATCH, BLOCK, data_sources
+from bench.datapath_rank import BATCH, BLOCK, SEED, data_sources
 
 TITLE = "Data path"
-LOADERS = ("ddpgpt", "nanogpt", "seed")  # as named in datapath_rank.py and text/data.md
+# as named in datapath_rank.py and text/data.md
+LOADERS = ("ddpgpt", "documents", "nanogpt", "seed")
 # launches: how many times ddpgpt and (a) run each case (the median is kept); the seed's
 # loader, slow and capped, runs once. shards: the largest size again, as that many shards
-# (ddpgpt only: the references read one train.bin)
+# (ddpgpt only: the references read one train.bin). index_size: the real token file that the
+# index is built from and checked against
 FULL = {"sizes": [16 * MiB, GiB, 16 * GiB], "ranks": [1, 2, 8], "batches": 1000,
-        "launches": 3, "seed_mem_cap": 6 * GiB, "seed_time_cap_s": 30, "shards": 10_000}
+        "launches": 3, "seed_mem_cap": 6 * GiB, "seed_time_cap_s": 30, "shards": 10_000,
+        "index_size": GiB}
 # small: the seed's loader still finishes at 1 MiB and passes its cap at 64 MiB
 SMALL = {"sizes": [MiB, 64 * MiB], "ranks": [2], "batches": 20,
-         "launches": 1, "seed_mem_cap": 2 * GiB, "seed_time_cap_s": 30, "shards": 1_000}
+         "launches": 1, "seed_mem_cap": 2 * GiB, "seed_time_cap_s": 30, "shards": 1_000,
+         "index_size": 32 * MiB}
+EOT = 50256
+# documents' lengths in tokens, lognormal: a median of 600 and a mean of about 1,000, as web
+# text's in GPT-2's tokens (OpenWebText: 9.0e9 tokens in 8.0e6 documents)
+DOC_MEDIAN, DOC_SIGMA = 600, 1.0
 SAFETY_TIME_CAP_S = 600  # the other loaders are not capped; this only stops a hung launch
 TABLES = {"table": [
     ("ranks", "{ranks}"), ("train split", "{size:size}"), ("files", "{files:,}"),
@@ -34,7 +45,11 @@ TABLES = {"table": [
     ("RSS after {batches:,}", "{rss_after:size}"),
     ("private after {batches:,}", "{private_after:size}"),
     ("batches/s per rank", "{batches_per_s:,.0f}"), ("p50 ms", "{p50_ms:.2f}"),
-    ("p99 ms", "{p99_ms:.2f}"), ("load", "{load_1m}")]}
+    ("p99 ms", "{p99_ms:.2f}"), ("load", "{load_1m}")], "index": [
+    ("token file", "{size:size}"), ("documents", "{documents:,}"), ("build s", "{build_s:.2f}"),
+    ("build CPU s", "{build_cpu_s:.2f}"), ("GB of tokens/s per core", "{gb_per_cpu_s:.2f}"),
+    ("windows of an epoch", "{windows:,}"), ("at a start", "{aligned:.4%}"),
+    ("each start once", "{each_once}"), ("load", "{load_1m}")]}
 
 
 def sparse_file(path, size):
@@ -51,11 +66,32 @@ def write_sparse_meta(folder, train):
 
 
 def sparse_token_file(folder, size):
-    """A folder holding a sparse train.bin of `size` bytes and its meta.json."""
+    """A folder holding a sparse train.bin of `size` bytes, its meta.json and its index."""
     os.makedirs(folder, exist_ok=True)
     path = sparse_file(os.path.join(folder, "train.bin"), size)
     write_sparse_meta(folder, tokenfile.describe_split(path, "uint16", 0))
+    sparse_documents(folder)
     return folder
+
+
+def document_lengths(rng, n):
+    return np.maximum(rng.lognormal(np.log(DOC_MEDIAN), DOC_SIGMA, n).astype(np.int64), 2)
+
+
+def sparse_documents(folder):
+    """The document index of the folder's sparse train.bin as if it held documents of web
+    text's lengths (its tokens, all 0, have no end-of-text to find), written by
+    docindex.Writer as prepare.py writes one: about 8 bytes per 1,000 tokens."""
+    token_split = tokenfile.open_split(folder, "train", 1, log=lambda *a: None)
+    writer, rng, at = docindex.Writer(tokenfile.doc_index_path(folder, "train")), \
+        np.random.default_rng(0), 0
+    while at < token_split.n_tokens:
+        lengths = document_lengths(rng, 2**20)
+        starts = at + np.cumsum(lengths) - lengths
+        starts = starts[starts < token_split.n_tokens]
+        writer.add(starts)
+        at = int(starts[-1] + lengths[len(starts) - 1])
+    writer.finish(token_split, EOT)
 
 
 def sparse_shard_set(folder, size, n_shards):
@@ -81,9 +117,9 @@ def token_files(folder):
 
 
 def evict(folder):
-    """Drop the token files' pages from the page cache, so that every launch starts cold and
-    no loader reads what the one before it brought in."""
-    for path in token_files(folder):
+    """Drop the token files' and the index's pages from the page cache, so that every launch
+    starts cold and no loader reads what the one before it brought in."""
+    for path in token_files(folder) + glob.glob(os.path.join(glob.escape(folder), "*.docidx")):
         with open(path, "rb") as f:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
@@ -170,8 +206,61 @@ def run(small, device, workdir):
     ahead = read_ahead_kb(token_files(folders[sizes[0], 1])[0])
     for folder in folders.values():
         shutil.rmtree(folder)  # also drops the page cache its files filled
-    return {"settings": {**settings, "batch": [BATCH, BLOCK], "read_ahead_kb": ahead},
-            "results": rows, "targets": targets(rows, settings)}
+    index = [index_row(os.path.join(workdir, "index"), settings["index_size"])]
+    return {"settings": {**settings, "batch": [BATCH, BLOCK], "read_ahead_kb": ahead,
+                         "doc_median": DOC_MEDIAN, "doc_sigma": DOC_SIGMA},
+            "results": rows, "index": index, "targets": targets(rows, index, settings)}
+
+
+def documents_file(folder, size):
+    """A folder holding a real train.bin of `size` bytes: random GPT-2 ids in documents of web
+    text's lengths, each ended by end-of-text, and its meta.json."""
+    os.makedirs(folder, exist_ok=True)
+    path, rng, n = os.path.join(folder, "train.bin"), np.random.default_rng(1), size // 2
+    with open(path, "wb") as f:
+        for at in range(0, n, 2**24):
+            tokens = rng.integers(0, EOT, min(2**24, n - at), dtype=np.uint16)
+            ends = np.cumsum(document_lengths(rng, len(tokens) // 100 + 1))
+            tokens[ends[ends <= len(tokens)] - 1] = EOT  # documents cut at a chunk's end, too
+            tokens.tofile(f)
+    write_sparse_meta(folder, tokenfile.describe_split(path, "uint16", 0))
+    return tokenfile.open_split(folder, "train", BLOCK)
+
+
+def index_row(folder, size):
+    """The index of a real token file built by index_documents.py's function from a warm page
+    cache, timed in wall and CPU seconds (one core's work); then every window of an epoch of
+    'documents' mode against the starts found in the tokens, here, independently."""
+    token_split = documents_file(folder, size)
+    path = token_split.paths[0]
+    with open(path, "rb") as f:  # the page cache warm, as after prepare.py wrote the file
+        while f.read(64 * MiB):
+            pass
+    t, cpu = time.perf_counter(), time.process_time()
+    docindex.build(token_split, tokenfile.doc_index_path(folder, "train"), EOT)
+    build_s, build_cpu_s = time.perf_counter() - t, time.process_time() - cpu
+    token_split = tokenfile.open_split(folder, "train", BLOCK, documents=True)
+    n = int(data.windows(data.mixture([token_split]), BLOCK, "documents").n[0])
+    offsets = data.sample_offsets(np.arange(n), token_split, BLOCK, SEED, "documents")
+    expected = document_starts(np.memmap(path, dtype=np.uint16, mode="r"))
+    row = {"size": size, "documents": token_split.docs.documents, "build_s": build_s,
+           "build_cpu_s": build_cpu_s, "gb_per_cpu_s": size / build_cpu_s / 1e9,
+           "windows": n, "aligned": float(np.isin(offsets, expected).mean()),
+           "each_once": bool(np.array_equal(np.sort(offsets), expected)),
+           "load_1m": common.load_1m(), "status": "ok"}
+    shutil.rmtree(folder)
+    return row
+
+
+def document_starts(tokens):
+    """Every start of 'documents' mode in one file's tokens, sorted: each document's first
+    token (the file's first, and each after an end-of-text), then every BLOCK-th while the
+    document has targets left. Written here from the contract, not with data.py."""
+    firsts = np.concatenate([[0], np.flatnonzero(tokens == EOT) + 1])
+    firsts = firsts[firsts < len(tokens)]
+    each = (np.diff(np.append(firsts, len(tokens))) - 2) // BLOCK + 1  # 0: one token
+    level = np.arange(each.sum()) - np.repeat(np.cumsum(each) - each, each)
+    return np.repeat(firsts, each) + BLOCK * level
 
 
 def measure(cases, size, ranks, folders, settings, workdir):
@@ -197,24 +286,24 @@ def find(rows, **where):
                  and all(r[k] == v for k, v in where.items())), None)
 
 
-def within_target(rows, settings, key, base, case, target):
-    """ddpgpt's `key` in the `case` rows within 10% of the `base` rows (each a dict of the
+def within_target(rows, settings, key, base, case, target, loader="ddpgpt"):
+    """loader's `key` in the `case` rows within 10% of the `base` rows (each a dict of the
     fields that pick a row), at every rank count."""
     parts, met = [], True
     for ranks in settings["ranks"]:
-        a, b = (find(rows, loader="ddpgpt", ranks=ranks, **where) for where in (base, case))
+        a, b = (find(rows, loader=loader, ranks=ranks, **where) for where in (base, case))
         met = met and a is not None and b is not None and b[key] / a[key] - 1 <= 0.10
         parts.append(f"{ranks} rank(s): " + (compare(key, a, b) if a and b else "not measured"))
     return {"target": target, "measured": "; ".join(parts), "met": met}
 
 
-def growth_target(rows, settings, key, what):
-    """ddpgpt's `key` at the largest file within 10% of the smallest."""
+def growth_target(rows, settings, key, what, loader="ddpgpt"):
+    """loader's `key` at the largest file within 10% of the smallest."""
     small, large = settings["sizes"][0], settings["sizes"][-1]
     return within_target(rows, settings, key, {"size": small, "files": 1},
                          {"size": large, "files": 1},
                          f"{what} at {report.size(large)} within 10% of {report.size(small)} "
-                         f"(ddpgpt)")
+                         f"({loader})", loader)
 
 
 def shards_target(rows, settings, key, what):
@@ -250,7 +339,7 @@ def latency_target(rows, key):
             "met": len(ratios) == len(pairs) and all(m[0] <= 1 for m in ratios)}
 
 
-def targets(rows, settings):
+def targets(rows, index, settings):
     after = f"after {settings['batches']:,} batches"
     what = {"startup_s": "start-up (process start to first batch, slowest rank)",
             "rss_first": "RSS at the first batch",
@@ -259,7 +348,23 @@ def targets(rows, settings):
     return [*(growth_target(rows, settings, key, text) for key, text in what.items()),
             latency_target(rows, "p50_ms"), latency_target(rows, "p99_ms"),
             *(shards_target(rows, settings, key, what[key])
-              for key in ("startup_s", "rss_first", "rss_after"))]
+              for key in ("startup_s", "rss_first", "rss_after")),
+            *(growth_target(rows, settings, key, what[key], loader="documents")
+              for key in ("startup_s", "rss_first", "rss_after")),
+            *index_targets(index[0])]
+
+
+def index_targets(row):
+    return [{"target": "the document index built at 1 GB of tokens per second per core or "
+                       "more, from a warm page cache (index_documents.py's docindex.build)",
+             "measured": f"{row['gb_per_cpu_s']:.2f} GB/s per core: {report.size(row['size'])} "
+                         f"of tokens in {row['build_cpu_s']:.2f} CPU s ({row['build_s']:.2f} s "
+                         f"wall)", "met": row["gb_per_cpu_s"] >= 1},
+            {"target": "100% of the windows of an epoch of sampling='documents' begin at a start "
+                       "(a document's first token, or a block_size further in it), each start "
+                       "once", "measured": f"{row['aligned']:.4%} of {row['windows']:,} windows, "
+                                           f"each start once: {row['each_once']}",
+             "met": row["aligned"] == 1 and row["each_once"]}]
 
 
 def plot(result):

@@ -6,8 +6,10 @@ Measures the time from this process's start to its first batch of 12 x 1024 toke
 memory then, reads BATCHES batches in all, timing each, measures its memory again and writes
 OUT.rank<r>.json. LOADER is what reads the batches: 'ddpgpt' is data.rank_batches, as train.py
 uses it, on DATA_DIR's train split (train.bin, or the shards its meta.json lists), or on a
-mixture when DATA_DIR is written as train.py's data_mix ('folder=0.3,folder=0.2,...'); 'nanogpt'
-and 'seed' are references written for this comparison (see below), which read train.bin.
+mixture when DATA_DIR is written as train.py's data_mix ('folder=0.3,folder=0.2,...');
+'documents' is the same in sampling='documents' mode, with the split's document index;
+'nanogpt' and 'seed' are references written for this comparison (see below), which read
+train.bin.
 Each loader is (its batches, the number of files it reads), so the result says what was read.
 """
 import json
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddpgpt import data, sources, tokenfile
+from ddpgpt import data, sources
 
 BATCH, BLOCK, VOCAB, SEED = 12, 1024, 50304, 1337
 
@@ -32,18 +34,23 @@ def data_sources(data_dir):
         [sources.Source(data_dir, 1.0, "")]
 
 
-def ddpgpt(data_dir, rank, world):
+def ddpgpt(data_dir, rank, world, mode="epoch"):
     """train.py's loader without its background thread (prefetch=0), so that a next() times
     making one batch, as it does for (a). With the thread, as in training, a loop that does
     nothing between batches would time two threads passing the interpreter lock back and
     forth; the training part measures what the thread is for, a step's wait for data. The
     data is opened as train.py opens it: a Mixture of each source's train split."""
     train = sources.open_splits(data_sources(data_dir), BLOCK, VOCAB, log=lambda *a: None,
-                                splits=["train"])["train"]
+                                splits=["train"], mode=mode)["train"]
     return data.rank_batches(train, block_size=BLOCK, batch_size=BATCH, micro_steps=1,
-                             rank=rank, world_size=world, seed=SEED, mode="epoch", start_step=0,
+                             rank=rank, world_size=world, seed=SEED, mode=mode, start_step=0,
                              device="cpu", vocab_size=VOCAB, prefetch=0), \
         sum(len(split.paths) for split in train.splits)
+
+
+def documents(data_dir, rank, world):
+    """ddpgpt's loader in sampling='documents' mode."""
+    return ddpgpt(data_dir, rank, world, mode="documents")
 
 
 def nanogpt(data_dir, rank, world):
@@ -85,7 +92,7 @@ def seed(data_dir, rank, world):
     return iter(DataLoader(dataset, batch_size=BATCH, sampler=sampler)), 1
 
 
-LOADERS = {"ddpgpt": ddpgpt, "nanogpt": nanogpt, "seed": seed}
+LOADERS = {"ddpgpt": ddpgpt, "documents": documents, "nanogpt": nanogpt, "seed": seed}
 
 
 def memory():

@@ -7,17 +7,25 @@
   3. Sample i comes from source s(i) of the mixture and is that source's sample j(i); with
      one source (the plain case) s = 0 and j = i. Of every MIX_BLOCK samples, a fixed number
      come from each source, as its weight says, in slots drawn from (seed, block).
-  4. A source's sample j reads the window that starts at token offset sample_offsets(j): a
-     pure function of (seed, j) and the split's file sizes. 'epoch' mode reads every block of
-     the split once per epoch, in an order and at a phase drawn from (seed, epoch); 'random'
-     draws windows uniformly, as nanoGPT. A split of many shards is one token space
-     (tokenfile.py), and no window crosses from one shard into the next.
-  5. The window at offset o gives x = tokens[o : o + T] and y = tokens[o + 1 : o + T + 1].
+  4. A source's sample j reads the window that starts at token offset o(j): a pure function of
+     (seed, j), the split's file sizes and, in 'documents' mode, its document index. 'epoch'
+     reads every block of the split once per epoch, in an order and at a phase drawn from
+     (seed, epoch); 'random' draws windows uniformly, as nanoGPT; 'documents' reads every
+     start once per epoch, in an order drawn from (seed, epoch): a start is a document's first
+     token (tokenfile.py says where documents start) and, in a document longer than
+     block_size + 1, every block_size-th token after it, so that each target of a document is
+     in a window that starts in it. A split of many shards is one token space, and no window
+     crosses from one file into the next.
+  5. The window at offset o gives x = tokens[o : o + T] and y = tokens[o + 1 : o + T + 1]; where
+     it meets its file's end ('documents' mode only), x goes on with token 0 and y with -1,
+     which the loss ignores.
 
 So no rank builds anything whose size depends on the data (start-up and memory do not grow
-with it), the ranks read disjoint slices of one global batch, any world size reads the same
-global batches, and resuming needs one integer: the number of samples consumed. The token
-files themselves are tokenfile.py's.
+with it): what point 4 needs of a split (its files' blocks; in 'documents' mode its runs of
+starts, from the index's distinct lengths) is computed once per source (windows()), never per
+batch, and a batch costs the same whatever its sources. The ranks read disjoint slices of one
+global batch, any world size reads the same global batches, and resuming needs one integer:
+the number of samples consumed. The token files themselves are tokenfile.py's.
 """
 import functools
 import hashlib
@@ -25,7 +33,7 @@ import operator
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from itertools import count
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -33,15 +41,19 @@ import torch
 from ddpgpt import tokenfile
 from ddpgpt.errors import UserError
 
-SAMPLING_MODES = ("epoch", "random")
+SAMPLING_MODES = ("epoch", "random", "documents")
+# the domains of hash_key(seed, domain, ...): one per thing drawn
+RANDOM_KEY, EPOCH_KEY, PHASE_KEY, MIX_KEY, DOCUMENTS_KEY = 1, 2, 3, 4, 5
 
 
 # ---- points 1 and 2: global sample indices ----
 
 def rank_sample_indices(step, micro_step, rank, world_size, batch_size, micro_steps):
-    """Global sample indices of one rank's micro-batch (contract, point 2)."""
-    first = ((step * micro_steps + micro_step) * world_size + rank) * batch_size
-    return np.arange(first, first + batch_size, dtype=np.int64)
+    """Global sample indices of one rank's micro-batch (contract, point 2); for arrays of steps
+    and micro-steps, of each of their micro-batches (a last axis of batch_size)."""
+    first = ((np.asarray(step, dtype=np.int64) * micro_steps + micro_step) * world_size
+             + rank) * batch_size
+    return np.add.outer(first, np.arange(batch_size, dtype=np.int64))
 
 
 # ---- keyed hashes and permutations, O(1) memory: the tools of points 3 and 4 ----
@@ -50,6 +62,7 @@ def rank_sample_indices(step, micro_step, rank, world_size, batch_size, micro_st
 # doubles the cost of a hash on the dozen indices of a micro-batch
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S1, _S2, _S3 = np.uint64(30), np.uint64(27), np.uint64(31)
+ROUNDS = 6
 
 
 def hash64(z):
@@ -69,13 +82,28 @@ def hash_key(*parts):
     return int(h[0])
 
 
-def feistel(x, high_bits, low_bits, round_keys):
-    """A bijection of [0, 2**(high_bits + low_bits)): each round XORs one half with a keyed hash
-    of the other, which can be undone, so any split of the bits works."""
-    shift = np.uint64(low_bits)
-    high_mask, low_mask = np.uint64((1 << high_bits) - 1), np.uint64((1 << low_bits) - 1)
+@functools.lru_cache(maxsize=1024)
+def round_keys(key):
+    """The Feistel network's round keys for one permutation key."""
+    return tuple(np.uint64(hash_key(key, r)) for r in range(ROUNDS))
+
+
+def feistel_shape(n):
+    """(shift, high mask, low mask) of the bijection of the smallest power of two >= n (at
+    least 4) whose bits a Feistel network splits in two halves."""
+    bits = max(2, (int(n) - 1).bit_length())
+    low_bits = bits // 2
+    return (np.uint64(low_bits), np.uint64((1 << (bits - low_bits)) - 1),
+            np.uint64((1 << low_bits) - 1))
+
+
+def feistel(x, shape, keys):
+    """A bijection of [0, 2**bits): each round XORs one half with a keyed hash of the other,
+    which can be undone, so any split of the bits works. shape and keys may be one for all
+    elements, or arrays of each one's own."""
+    shift, high_mask, low_mask = shape
     high, low = x >> shift, x & low_mask
-    for r, k in enumerate(round_keys):
+    for r, k in enumerate(keys):
         if r % 2:
             low ^= hash64(high ^ k) & low_mask
         else:
@@ -83,18 +111,21 @@ def feistel(x, high_bits, low_bits, round_keys):
     return (high << shift) | low
 
 
-def permute(i, n, key):
-    """A keyed bijection of [0, n): a Feistel network on the smallest power of two >= n,
-    cycle-walked back into range (fewer than 2 rounds on average). Nothing of size n is built."""
-    bits = max(2, (n - 1).bit_length())
-    low_bits = bits // 2
-    round_keys = [np.uint64(hash_key(key, r)) for r in range(6)]
-    out = feistel(np.asarray(i, dtype=np.uint64), bits - low_bits, low_bits, round_keys)
+def walk(x, n, shape, keys):
+    """feistel, cycle-walked back into [0, n): fewer than 2 rounds on average. Each element may
+    have its own n, shape and keys (arrays), as the samples of several sources do."""
+    out = feistel(x, shape, keys)
     outside = out >= n
     while outside.any():
-        out[outside] = feistel(out[outside], bits - low_bits, low_bits, round_keys)
+        out = np.where(outside, feistel(out, shape, keys), out)
         outside = out >= n
     return out
+
+
+def permute(i, n, key):
+    """A keyed bijection of [0, n): a Feistel network on the smallest power of two >= n,
+    cycle-walked back into range. Nothing of size n is built."""
+    return walk(np.asarray(i, dtype=np.uint64), np.uint64(n), feistel_shape(n), round_keys(key))
 
 
 def locate(i, counts):
@@ -112,10 +143,16 @@ MIX_BLOCK = 2**20  # the weights hold exactly over every MIX_BLOCK consecutive s
 
 class Mixture(NamedTuple):
     """The sources of one split's samples: each source's TokenSplit, how many of every
-    MIX_BLOCK consecutive samples come from it, and its name in metrics."""
+    MIX_BLOCK consecutive samples come from it, and its name in metrics; the sources' files as
+    one token space, in which source s begins at token bases[s], to read a batch's windows in
+    one pass (None where their formats differ); and the tables of point 4 for one block_size
+    and mode, where with_windows() made them."""
     splits: tuple
     counts: tuple
     names: tuple
+    joined: Optional[tokenfile.TokenSplit] = None
+    bases: Optional[np.ndarray] = None
+    windows: Optional["Windows"] = None
 
     @property
     def weights(self):
@@ -134,7 +171,19 @@ def mixture(splits, weights=(1.0,), names=("",)):
         raise UserError(f"a data_mix weight below 1/{MIX_BLOCK:,} of the total gets no samples "
                         f"(weights {', '.join(map(str, weights))}): raise it or leave the "
                         f"source out.")
-    return Mixture(tuple(splits), tuple(counts.tolist()), tuple(names))
+    return Mixture(tuple(splits), tuple(counts.tolist()), tuple(names), *join(splits))
+
+
+def join(splits):
+    """(the sources' files as one token space, where each source begins in it): of two or more
+    sources of one format (dtype and header), else (None, None)."""
+    if len(splits) < 2 or not all(isinstance(t, tokenfile.TokenSplit) for t in splits) or \
+            len({(t.dtype, t.header_bytes) for t in splits}) > 1:
+        return None, None
+    bases = np.concatenate([[0], np.cumsum([t.n_tokens for t in splits])])
+    starts = np.concatenate([t.starts[:-1] + b for t, b in zip(splits, bases)] + [bases[-1:]])
+    return (tokenfile.TokenSplit(sum((t.paths for t in splits), ()), splits[0].dtype,
+                                 splits[0].header_bytes, starts), bases[:-1])
 
 
 def source_indices(sample_indices, mix, seed):
@@ -148,7 +197,8 @@ def source_indices(sample_indices, mix, seed):
     blocks, slots = indices // MIX_BLOCK, np.empty_like(indices)
     for block in np.unique(blocks):
         here = blocks == block
-        slots[here] = permute(indices[here] % MIX_BLOCK, MIX_BLOCK, hash_key(seed, 4, block))
+        slots[here] = permute(indices[here] % MIX_BLOCK, MIX_BLOCK, hash_key(seed, MIX_KEY,
+                                                                              block))
     counts = np.asarray(mix.counts, dtype=np.int64)
     source, rank = locate(slots, counts)
     return source, blocks * counts[source] + rank
@@ -157,12 +207,7 @@ def source_indices(sample_indices, mix, seed):
 def sample_windows(sample_indices, mix, block_size, seed, mode):
     """(source, window offset in that source's split) of each global sample (points 3, 4)."""
     source, local = source_indices(sample_indices, mix, seed)
-    offsets = np.empty_like(local)
-    for s in np.unique(source).tolist():
-        here = source == s
-        offsets[here] = sample_offsets(local[here], mix.splits[s].starts, block_size, seed,
-                                       mode)
-    return source, offsets
+    return source, window_offsets(source, local, tables(mix, block_size, mode), seed)
 
 
 def samples_fingerprint(sample_indices, mix, block_size, seed, mode):
@@ -182,6 +227,28 @@ def global_batch_fingerprint(step, global_batch, mix, block_size, seed, mode):
 
 # ---- point 4: a source's sample -> its window offset ----
 
+class Windows(NamedTuple):
+    """Point 4's tables for the sources of a Mixture, for one block_size and mode, made once
+    by windows(). A source's samples of one epoch ('random': its window starts) are counted in
+    units: its files in order ('documents': its runs, below), and the units of all sources
+    make one sequence, so that one search finds any sample's unit, whatever its source.
+
+    A run ('documents') is a range of levels that hold the same number of documents: a
+    document's start k (k = 0 its first token, then k block_size later) is at level k, and the
+    documents with a start at level k are the longest ones, the first of the index's length
+    order. A run's sample q is at level at + q // size, in the (q % size)-th longest document."""
+    mode: str
+    block_size: int
+    n: np.ndarray  # per source: samples per epoch ('random': window starts)
+    base: np.ndarray  # per source: where its units begin in the sequence
+    shape: tuple  # per source: feistel_shape(n), as three uint64 arrays
+    firsts: np.ndarray  # per unit: where it begins in the sequence
+    ends: np.ndarray  # per unit: where it ends
+    at: np.ndarray  # per unit: its file's first token ('documents': the run's first level)
+    size: np.ndarray  # per unit: 'epoch': phases to draw from (uint64); 'documents': documents
+    indexes: tuple  # per source: its tokenfile.DocIndex ('documents'), else None
+
+
 def blocks_per_epoch(n_tokens, block_size):
     """Non-overlapping blocks read in one epoch of a file of n_tokens (an int or an array of
     them). One block is left as slack where the file is long enough, so that each epoch can
@@ -195,31 +262,136 @@ def check_mode(mode):
         raise ValueError(f"sampling mode {mode!r} is not one of {SAMPLING_MODES}")
 
 
-def sample_offsets(sample_indices, starts, block_size, seed, mode):
-    """The start offset of the window each sample index of a split reads (contract, point 4).
-    starts: where each file of the split begins in its token space, and its end (TokenSplit)."""
-    check_mode(mode)
-    indices = np.asarray(sample_indices, dtype=np.int64)
-    starts = np.asarray(starts, dtype=np.int64)
+def source_units(token_split, block_size, mode):
+    """(count, at, size) of each unit of one source (Windows)."""
+    starts = np.asarray(token_split.starts, dtype=np.int64)
     sizes = np.diff(starts)
     if mode == "random":  # any window inside a file, each as likely
-        windows = np.maximum(sizes - block_size, 0)
-        k, local = locate(hash64(indices.astype(np.uint64) ^ hash_key(seed, 1))
-                          % np.uint64(windows.sum()), windows)
-        return starts[k] + local.astype(np.int64)
-    blocks = blocks_per_epoch(sizes, block_size)
-    n_blocks = int(blocks.sum())
-    slack = np.clip(sizes - 1 - blocks * block_size, 0, block_size - 1)  # 0 for a file too short
-    max_phase = slack.astype(np.uint64)
-    out = np.empty(indices.shape, dtype=np.int64)
-    epochs = indices // n_blocks
-    for epoch in np.unique(epochs):
-        here = epochs == epoch
-        k, block = locate(permute(indices[here] % n_blocks, n_blocks, hash_key(seed, 2, epoch)),
-                          blocks)
-        phase = np.uint64(hash_key(seed, 3, epoch)) % (max_phase[k] + np.uint64(1))
-        out[here] = starts[k] + phase.astype(np.int64) + block.astype(np.int64) * block_size
-    return out
+        return np.maximum(sizes - block_size, 0), starts[:-1], np.zeros_like(sizes)
+    if mode == "epoch":
+        blocks = blocks_per_epoch(sizes, block_size)
+        slack = np.clip(sizes - 1 - blocks * block_size, 0, block_size - 1)  # 0: a short file
+        return blocks, starts[:-1], slack.astype(np.uint64) + np.uint64(1)
+    if token_split.docs is None:
+        raise ValueError("sampling mode 'documents' needs the split's document index: open it "
+                         "with tokenfile.open_split(..., documents=True)")
+    return document_runs(*tokenfile.doc_lengths(token_split.docs), block_size)
+
+
+def document_runs(lengths, counts, block_size):
+    """(starts, first level, documents per level) of each run of a split whose documents have
+    these lengths (longest first) and counts. A document of L tokens has ceil((L - 1) / T)
+    starts: one per block_size of its targets."""
+    starts_each = (lengths - 2) // block_size + 1  # 0 for a document of one token
+    at_least = np.cumsum(counts)  # documents at least as long as each length
+    keep = starts_each > 0
+    starts_each, at_least = starts_each[keep], at_least[keep]
+    last = np.append(starts_each[1:] != starts_each[:-1], True)  # each level count's last
+    top, documents = starts_each[last][::-1], at_least[last][::-1]  # fewest starts first
+    bottom = np.concatenate([[0], top[:-1]])
+    return (top - bottom) * documents, bottom, documents
+
+
+def windows(mix, block_size, mode):
+    """The Windows of mix's sources for block_size and mode."""
+    check_mode(mode)
+    units = [source_units(t, block_size, mode) for t in mix.splits]
+    counts = [np.asarray(c, dtype=np.int64) for c, _, _ in units]
+    n = np.array([int(c.sum()) for c in counts], dtype=np.int64)
+    if mode == "documents" and not n.all():
+        empty = mix.splits[int(np.argmin(n))]
+        raise UserError(f"{tokenfile.describe(empty)} holds no document of two tokens or more "
+                        f"(its document index): sampling='documents' has no window to read.")
+    ends = np.cumsum(np.concatenate(counts))
+    shapes = [feistel_shape(k) for k in n.tolist()]
+    return Windows(mode, block_size, n, np.concatenate([[0], np.cumsum(n)[:-1]]),
+                   tuple(np.array(part, dtype=np.uint64) for part in zip(*shapes)),
+                   ends - np.concatenate(counts), ends,
+                   np.concatenate([a for _, a, _ in units]).astype(np.int64),
+                   np.concatenate([s for _, _, s in units]),
+                   tuple(t.docs if mode == "documents" else None for t in mix.splits))
+
+
+def tables(mix, block_size, mode):
+    """mix's Windows for block_size and mode: those with_windows() made, else new ones."""
+    made = mix.windows
+    if made is not None and (made.block_size, made.mode) == (block_size, mode):
+        return made
+    return windows(mix, block_size, mode)
+
+
+def with_windows(mix, block_size, mode):
+    """mix with its Windows for block_size and mode, made now once for all its batches."""
+    return mix._replace(windows=tables(mix, block_size, mode))
+
+
+def epoch_keys(seed, epochs, domain):
+    """Each sample's permutation round keys for its epoch, and its phase key: shared scalars
+    when the samples are all of one epoch, as they nearly always are, else arrays."""
+    distinct, which = np.unique(epochs, return_inverse=True)
+    keys = [round_keys(hash_key(seed, domain, e)) for e in distinct.tolist()]
+    phases = [np.uint64(hash_key(seed, PHASE_KEY, e)) for e in distinct.tolist()]
+    if len(distinct) == 1:
+        return keys[0], phases[0]
+    return (tuple(np.array(k, dtype=np.uint64)[which] for k in zip(*keys)),
+            np.array(phases, dtype=np.uint64)[which])
+
+
+def window_offsets(source, local, w, seed):
+    """The offset of the window that each source's sample `local` reads (contract, point 4),
+    all sources at once."""
+    source = np.asarray(source, dtype=np.int64)
+    local = np.asarray(local, dtype=np.int64)
+    if w.mode == "random":
+        drawn = hash64(local.astype(np.uint64) ^ np.uint64(hash_key(seed, RANDOM_KEY)))
+        n = w.n[source].astype(np.uint64)
+        unit, within = unit_of(w, source, (drawn % n).astype(np.int64))
+        return w.at[unit] + within
+    unit, within, phase = drawn_units(source, local, w, seed)
+    if w.mode == "epoch":
+        phase = (phase % w.size[unit]).astype(np.int64)
+        return w.at[unit] + phase + within * w.block_size
+    return document_offsets(w, source, unit, within)
+
+
+def drawn_units(source, local, w, seed):
+    """(unit, position within it, phase key) of each sample in its source's epoch order
+    ('epoch' and 'documents' mode)."""
+    n = w.n[source]
+    keys, phase = epoch_keys(seed, local // n, EPOCH_KEY if w.mode == "epoch" else DOCUMENTS_KEY)
+    shape = tuple(part[source] for part in w.shape)
+    drawn = walk((local % n).astype(np.uint64), n.astype(np.uint64), shape, keys)
+    return (*unit_of(w, source, drawn.astype(np.int64)), phase)
+
+
+def unit_of(w, source, position):
+    """(unit, position within it) of each source's sample position."""
+    position = w.base[source] + position
+    unit = np.searchsorted(w.ends, position, side="right")
+    return unit, position - w.firsts[unit]
+
+
+def document_offsets(w, source, unit, within):
+    """The starts at these positions of their runs ('documents' mode): the document's first
+    token, read from its source's index, plus block_size per level."""
+    documents = w.size[unit]
+    level, place = w.at[unit] + within // documents, within % documents
+    first = np.empty_like(place)
+    for s in np.unique(source).tolist():
+        here = source == s
+        first[here] = tokenfile.doc_starts(w.indexes[s], place[here])
+    return first + level * w.block_size
+
+
+def sample_offsets(sample_indices, token_split, block_size, seed, mode):
+    """The start offset of the window each sample index of one split reads (point 4). The split
+    is a TokenSplit, or in 'epoch' and 'random' mode its starts alone (TokenSplit.starts)."""
+    if not isinstance(token_split, tokenfile.TokenSplit):
+        token_split = tokenfile.TokenSplit((), np.dtype(np.uint16), 0,
+                                           np.asarray(token_split, dtype=np.int64))
+    indices = np.asarray(sample_indices, dtype=np.int64)
+    return window_offsets(np.zeros_like(indices), indices,
+                          windows(mixture([token_split]), block_size, mode), seed)
 
 
 def eval_offsets(starts, block_size, n_windows):
@@ -232,40 +404,102 @@ def eval_offsets(starts, block_size, n_windows):
     return starts[k] + local
 
 
+def eval_document_offsets(token_split, block_size, n_windows):
+    """A fixed set of windows that start where 'documents' mode starts them, spread evenly over
+    the split's starts: a document-aligned evaluation, the same for every run and world size."""
+    w = windows(mixture([token_split]), block_size, "documents")
+    spread = np.linspace(0, w.n[0] - 1, num=n_windows).round().astype(np.int64)
+    source = np.zeros_like(spread)
+    return document_offsets(w, source, *unit_of(w, source, spread))
+
+
 # ---- point 5: windows -> (x, y) ----
 
 def read_xy(token_split, offsets, block_size, vocab_size=None):
-    """(x, y) int64 tensors of shape (len(offsets), block_size); y is x shifted by one.
-    With vocab_size, ids the model cannot embed are a UserError here rather than a CUDA
-    device-side assert later."""
+    """(x, y) int64 tensors of shape (len(offsets), block_size); y is x shifted by one, and -1
+    past the end of a window's file. With vocab_size, ids the model cannot embed are a
+    UserError here rather than a CUDA device-side assert later."""
     offsets = np.asarray(offsets, dtype=np.int64)
-    windows = tokenfile.read(token_split, offsets, block_size + 1).astype(np.int64)
-    if vocab_size is not None and windows.max() >= vocab_size:
-        row = int(np.argmax(windows.max(axis=1) >= vocab_size))
-        k = int(np.searchsorted(token_split.starts, offsets[row], side="right")) - 1
-        raise UserError(
-            f"{token_split.paths[k]} holds token id {int(windows[row].max())} in the window at "
-            f"token offset {int(offsets[row] - token_split.starts[k])}, but the model's "
-            f"vocab_size is {vocab_size}: the file was made with another tokenizer, or it is "
-            f"corrupt. Prepare the data with the model's tokenizer, or set vocab_size above "
-            f"the largest id.")
-    t = torch.from_numpy(windows)
-    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+    windows = tokenfile.read(token_split, offsets, block_size + 1)
+    check_ids(token_split, offsets, windows, vocab_size)
+    return to_xy(windows, held(token_split, offsets, block_size + 1))
 
 
 def read_mixture_xy(mix, source, offsets, block_size, vocab_size=None):
-    """read_xy for windows of several sources, in the order given."""
+    """read_xy for windows of several sources, in the order given: in one pass over the
+    sources' files as one token space, or where their formats differ each source's windows
+    into their rows of one array, which becomes x and y at once."""
     if len(mix.splits) == 1:
         return read_xy(mix.splits[0], offsets, block_size, vocab_size)
-    x = torch.empty((len(offsets), block_size), dtype=torch.long)
-    y = torch.empty_like(x)
+    if mix.joined is not None:
+        return read_xy(mix.joined, offsets + mix.bases[source], block_size, vocab_size)
+    windows = np.empty((len(offsets), block_size + 1), dtype=np.int64)
+    tokens = np.empty(len(offsets), dtype=np.int64)
     for s in np.unique(source).tolist():
-        here = torch.from_numpy(np.flatnonzero(source == s))
-        xs, ys = read_xy(mix.splits[s], offsets[source == s], block_size, vocab_size)
-        # index_copy_, not x[here] = xs: with several threads, that indexing costs 100x more
-        x.index_copy_(0, here, xs)
-        y.index_copy_(0, here, ys)
+        here = np.flatnonzero(source == s)
+        token_split = mix.splits[s]
+        read = tokenfile.read(token_split, offsets[here], block_size + 1)
+        check_ids(token_split, offsets[here], read, vocab_size)
+        windows[here] = read
+        tokens[here] = held(token_split, offsets[here], block_size + 1)
+    return to_xy(windows, tokens)
+
+
+def held(token_split, offsets, length):
+    """How many of each window's `length` tokens its file holds: all, but where the window meets
+    the file's end (sampling='documents')."""
+    ends = token_split.starts[np.searchsorted(token_split.starts, offsets, side="right")]
+    return np.minimum(ends - offsets, length)
+
+
+def to_xy(windows, tokens):
+    """x and y of windows that hold `tokens` tokens each: x goes on with the 0s that tokenfile
+    filled in, and y's targets beyond the window's tokens are -1, which the loss ignores."""
+    x = torch.from_numpy(windows[:, :-1].astype(np.int64, order="C"))
+    y = torch.from_numpy(windows[:, 1:].astype(np.int64, order="C"))
+    if (tokens < windows.shape[1]).any():
+        y[torch.from_numpy(np.arange(y.shape[1]) >= tokens[:, None] - 1)] = -1
     return x, y
+
+
+def check_ids(token_split, offsets, windows, vocab_size):
+    """Ids the model cannot embed are a UserError here rather than a CUDA assert later."""
+    if vocab_size is None or windows.max() < vocab_size:
+        return
+    row = int(np.argmax(windows.max(axis=1) >= vocab_size))
+    k = int(np.searchsorted(token_split.starts, offsets[row], side="right")) - 1
+    raise UserError(
+        f"{token_split.paths[k]} holds token id {int(windows[row].max())} in the window at "
+        f"token offset {int(offsets[row] - token_split.starts[k])}, but the model's "
+        f"vocab_size is {vocab_size}: the file was made with another tokenizer, or it is "
+        f"corrupt. Prepare the data with the model's tokenizer, or set vocab_size above "
+        f"the largest id.")
+
+
+SAMPLE_AHEAD = 64  # micro-batches whose windows are drawn in one call: numpy's cost is per
+# call, not per sample, so that 64 cost a rank about what one does
+
+
+def rank_windows(mix, block_size, batch_size, micro_steps, rank, world_size, seed, mode,
+                 start_step):
+    """(source, offsets) of this rank's micro-batches in order from start_step, drawn
+    SAMPLE_AHEAD micro-batches at a time. In 'documents' mode the starts are read from the
+    index a micro-batch at a time: a first batch reads its own from a cold disk, not 64's."""
+    w = tables(mix, block_size, mode)
+    steps = max(1, SAMPLE_AHEAD // micro_steps)
+    for first in count(start_step, steps):
+        indices = rank_sample_indices(np.arange(first, first + steps)[:, None],
+                                      np.arange(micro_steps), rank, world_size, batch_size,
+                                      micro_steps).reshape(-1)
+        source, local = source_indices(indices, mix, seed)
+        if mode == "documents":
+            unit, within, _ = drawn_units(source, local, w, seed)
+        else:
+            offsets = window_offsets(source, local, w, seed)
+        for b in range(0, len(indices), batch_size):
+            here = slice(b, b + batch_size)
+            yield source[here], offsets[here] if mode != "documents" else \
+                document_offsets(w, source[here], unit[here], within[here])
 
 
 def rank_batches(mix, *, block_size, batch_size, micro_steps, rank, world_size, seed,
@@ -273,12 +507,13 @@ def rank_batches(mix, *, block_size, batch_size, micro_steps, rank, world_size, 
     """This rank's micro-batches, step after step from start_step: yields (x, y) on device.
     The next `prefetch` batches are read in a background thread while the current step runs;
     prefetch=0 reads each batch when it is asked for."""
+    mix = with_windows(mix, block_size, mode)
     pin = torch.device(device).type == "cuda"
+    planned = rank_windows(mix, block_size, batch_size, micro_steps, rank, world_size, seed,
+                           mode, start_step)
 
-    def load(step, micro_step):
-        indices = rank_sample_indices(step, micro_step, rank, world_size, batch_size,
-                                      micro_steps)
-        source, offsets = sample_windows(indices, mix, block_size, seed, mode)
+    def load():  # in one thread at a time, in order: the reader's, or this one's
+        source, offsets = next(planned)
         x, y = read_mixture_xy(mix, source, offsets, block_size, vocab_size)
         return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
 
@@ -286,16 +521,14 @@ def rank_batches(mix, *, block_size, batch_size, micro_steps, rank, world_size, 
         x, y = batch
         return x.to(device, non_blocking=pin), y.to(device, non_blocking=pin)
 
-    order = ((s, m) for s in count(start_step) for m in range(micro_steps))
     if not prefetch:
-        for s, m in order:
-            yield on_device(load(s, m))
-        return
+        while True:
+            yield on_device(load())
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="batches") as pool:
-        pending = deque(pool.submit(load, *next(order)) for _ in range(prefetch))
+        pending = deque(pool.submit(load) for _ in range(prefetch))
         while True:
             batch = pending.popleft().result()
-            pending.append(pool.submit(load, *next(order)))
+            pending.append(pool.submit(load))
             yield on_device(batch)
 
 
@@ -319,10 +552,11 @@ def check_int(name, value, minimum=None, maximum=None):
 
 
 class BlockDataset(torch.utils.data.Dataset):
-    """Map-style dataset over global sample indices: item i is the window sample_offsets()
-    assigns to i. Its length is one epoch of blocks; every index from 0 to MAX_INDEX is valid,
-    later epochs beyond len(). A negative index is an IndexError, not counted from the end:
-    there is no end, and wrapping into epoch 0 would hide an off-by-one."""
+    """Map-style dataset over global sample indices: item i is the window that sample i reads
+    (point 4). Its length is one epoch of blocks ('documents': of starts); every index from 0
+    to MAX_INDEX is valid, later epochs beyond len(). A negative index is an IndexError, not
+    counted from the end: there is no end, and wrapping into epoch 0 would hide an off-by-one.
+    'documents' mode needs the split opened with its index (open_split(..., documents=True))."""
 
     def __init__(self, token_split, block_size, seed=0, mode="epoch"):
         if not isinstance(token_split, tokenfile.TokenSplit):
@@ -333,11 +567,26 @@ class BlockDataset(torch.utils.data.Dataset):
         self.block_size = check_int("block_size", block_size, 1)
         self.seed = check_int("seed", seed)
         check_mode(mode)
+        if mode == "documents" and token_split.docs is None:
+            raise ValueError("BlockDataset(mode='documents') reads the split's document index: "
+                             "open the split with tokenfile.open_split(data_dir, 'train', "
+                             "block_size, documents=True)")
         self.mode = mode
         tokenfile.check_block_size(token_split, self.block_size)
+        self._windows = None  # made in each process that reads, once (windows())
+
+    def __getstate__(self):  # pickles small: each worker makes the tables again
+        return {**self.__dict__, "_windows": None}
+
+    def windows(self):
+        if self._windows is None:
+            self._windows = windows(mixture([self.token_split]), self.block_size, self.mode)
+        return self._windows
 
     def __len__(self):
-        return int(blocks_per_epoch(np.diff(self.token_split.starts), self.block_size).sum())
+        if self.mode == "random":  # an epoch of blocks, as many samples as 'epoch' has
+            return int(blocks_per_epoch(np.diff(self.token_split.starts), self.block_size).sum())
+        return int(self.windows().n[0])
 
     def __getitem__(self, i):
         i = operator.index(i)  # TypeError for a float or a str, as a list's indexing
@@ -345,8 +594,7 @@ class BlockDataset(torch.utils.data.Dataset):
             raise IndexError(f"BlockDataset index {i} is out of range: indices are global sample "
                              f"numbers from 0 to 2**63 - 1 (len() is one epoch, later indices "
                              f"are later epochs); negative ones do not count from the end")
-        offsets = sample_offsets([i], self.token_split.starts, self.block_size, self.seed,
-                                 self.mode)
+        offsets = window_offsets([0], [i], self.windows(), self.seed)
         x, y = read_xy(self.token_split, offsets, self.block_size)
         return x[0], y[0]
 

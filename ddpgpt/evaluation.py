@@ -3,7 +3,9 @@ of each split, bits per byte, and HellaSwag (hellaswag.py), each shared out over
 
 The windows (data.eval_offsets) are spread evenly over a split and are the same for every run
 and world size, so that losses are comparable: with the same eval_iters, batch_size and
-block_size, eval.py's val loss is the one train.py reported.
+block_size, eval.py's val loss is the one train.py reported. Beside it, where the val split has
+its document index, val_loss_docs: the loss over as many fixed windows that start where
+sampling='documents' starts them (data.eval_document_offsets), in whatever mode a run trains.
 
 Bits per byte: the summed cross-entropy of every target token scored, in bits, over the bytes
 of text those same tokens stand for (tokenizer.byte_lengths), end-of-text counting as one
@@ -24,6 +26,8 @@ from ddpgpt.tokenizer import byte_lengths
 class Evaluation(NamedTuple):
     """What an evaluation reads, made once per run."""
     splits: dict  # {split: data.Mixture}
+    windows: dict  # {split: each source's fixed windows}
+    val_docs: Optional[list]  # each val source's document-aligned windows; None: not all have
     block_size: int
     batch_size: int  # windows per forward
     eval_iters: int  # eval_iters * batch_size windows per split
@@ -53,56 +57,80 @@ def make(splits, cfg, vocab_size, tok, with_hellaswag, hellaswag_path, log):
     batch holds batch_size x block_size tokens, as a training micro-batch does."""
     swag = hellaswag.prepare(hellaswag_path, tok, cfg.block_size,
                              cfg.batch_size * cfg.block_size, log) if with_hellaswag else None
-    return Evaluation(splits, cfg.block_size, cfg.batch_size, cfg.eval_iters, vocab_size,
-                      None if tok is None else byte_lengths(tok, vocab_size), swag)
+    n = cfg.eval_iters * cfg.batch_size
+    windows = {split: [data.eval_offsets(t.starts, cfg.block_size, n) for t in mix.splits]
+               for split, mix in splits.items()}
+    val = splits.get("val")
+    docs = [data.eval_document_offsets(t, cfg.block_size, n) for t in val.splits] \
+        if val is not None and all(t.docs is not None for t in val.splits) else None
+    return Evaluation(splits, windows, docs, cfg.block_size, cfg.batch_size, cfg.eval_iters,
+                      vocab_size, None if tok is None else byte_lengths(tok, vocab_size), swag)
 
 
 @torch.no_grad()
 def losses(model, ev, ranks, autocast, device):
-    """{'train_loss': ..., 'val_loss': ..., 'val_bpb': ...}: each split's mean loss over its
-    windows, and its bits per byte where the tokenizer is known; for a mixture, each source's
-    too ('val_loss/web', 'val_bpb/web'), and the split's value is their average by weight."""
+    """{'train_loss': ..., 'val_loss': ..., 'val_bpb': ..., 'val_loss_docs': ...}: each split's
+    mean loss over its windows, and its bits per byte where the tokenizer is known; for a
+    mixture, each source's too ('val_loss/web', 'val_bpb/web'), and the split's value is their
+    average by weight."""
     was_training = model.training
     model.eval()
     out = {}
     for split, mix in ev.splits.items():
-        results = [split_loss(model, t, ev, ranks, autocast, device) for t in mix.splits]
-        for k, what in enumerate(("loss",) if ev.token_bytes is None else ("loss", "bpb")):
-            values = [r[k] for r in results]
-            out[f"{split}_{what}"] = sum(w * v for w, v in zip(mix.weights, values))
-            if len(values) > 1:
-                out.update({f"{split}_{what}/{n}": v for n, v in zip(mix.names, values)})
+        results = [split_loss(model, t, offsets, ev, ranks, autocast, device)
+                   for t, offsets in zip(mix.splits, ev.windows[split])]
+        names = ("loss",) if ev.token_bytes is None else ("loss", "bpb")
+        for k, what in enumerate(names):
+            out.update(by_weight(f"{split}_{what}", [r[k] for r in results], mix))
+    if ev.val_docs is not None:
+        mix = ev.splits["val"]
+        results = [split_loss(model, t, offsets, ev, ranks, autocast, device, bpb=False)
+                   for t, offsets in zip(mix.splits, ev.val_docs)]
+        out.update(by_weight("val_loss_docs", [r[0] for r in results], mix))
     model.train(was_training)
     return out
 
 
-def split_loss(model, token_split, ev, ranks, autocast, device):
-    """(mean loss, bits per byte or None) of one source's split. The losses stay on the device
-    until the one transfer at the end."""
-    every = data.eval_offsets(token_split.starts, ev.block_size, ev.eval_iters * ev.batch_size)
-    offsets = every[ranks.rank::ranks.world_size]
+def by_weight(key, values, mix):
+    """{key: the sources' values averaged by weight}, and each one's for a mixture."""
+    out = {key: sum(w * v for w, v in zip(mix.weights, values))}
+    if len(values) > 1:
+        out.update({f"{key}/{n}": v for n, v in zip(mix.names, values)})
+    return out
+
+
+def split_loss(model, token_split, offsets, ev, ranks, autocast, device, bpb=True):
+    """(mean loss, bits per byte or None) of one source's windows, shared out over the ranks.
+    The losses stay on the device until the one transfer at the end."""
+    mine = offsets[ranks.rank::ranks.world_size]
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    n_bytes = 0
+    windows = n_bytes = 0
     # every rank runs as many forwards as the rank with the most windows: under fsdp each one
     # gathers the weights with the other ranks. A rank with a batch fewer reads one more
     # (the first windows again) and does not count it
-    for i in range(0, len(every[::ranks.world_size]), ev.batch_size):
-        chunk = offsets[i:i + ev.batch_size]
-        x, y = data.read_xy(token_split, chunk if len(chunk) else every[:1], ev.block_size,
+    for i in range(0, len(offsets[::ranks.world_size]), ev.batch_size):
+        chunk = mine[i:i + ev.batch_size]
+        x, y = data.read_xy(token_split, chunk if len(chunk) else offsets[:1], ev.block_size,
                             ev.vocab_size)
         with autocast:
             _, loss = model(x.to(device), y.to(device))
-        loss_sum += loss.double() * len(chunk)
-        if ev.token_bytes is not None:
+        if not len(chunk):
+            continue
+        # the mean over the chunk's targets, weighed by them in windows: fewer than the chunk's
+        # where a window meets its file's end (-1 targets, in document-aligned windows)
+        weight = int((y != -1).sum()) / ev.block_size
+        loss_sum += loss.double() * weight
+        windows += weight
+        if bpb and ev.token_bytes is not None:
             n_bytes += int(ev.token_bytes[y.numpy()].sum())
-    total = torch.stack([loss_sum, torch.full_like(loss_sum, len(offsets)),
+    total = torch.stack([loss_sum, torch.full_like(loss_sum, windows),
                          torch.full_like(loss_sum, n_bytes)])
     if ranks.world_size > 1:
         dist.all_reduce(total)
     loss_sum, n, n_bytes = total.tolist()
     # every window's loss is the mean over its block_size targets: times block_size, the sum
-    bpb = None if ev.token_bytes is None else loss_sum * ev.block_size / math.log(2) / n_bytes
-    return loss_sum / n, bpb
+    with_bpb = bpb and ev.token_bytes is not None
+    return loss_sum / n, loss_sum * ev.block_size / math.log(2) / n_bytes if with_bpb else None
 
 
 def hellaswag_scores(model, ev, ranks, autocast, device):
@@ -119,6 +147,8 @@ def describe(iter_num, results):
     sources = ", ".join(f"{k.removeprefix('val_loss/')} {v:.4f}" for k, v in results.items()
                         if k.startswith("val_loss/"))
     bpb = f", {results['val_bpb']:.4f} bits per byte" if "val_bpb" in results else ""
+    if "val_loss_docs" in results:
+        bpb += f", document-aligned val loss {results['val_loss_docs']:.4f}"
     swag = "" if "hellaswag_n" not in results else (
         f", HellaSwag acc_norm {results['hellaswag_acc_norm']:.4f} (acc "
         f"{results['hellaswag_acc']:.4f}, {results['hellaswag_n']} examples)")

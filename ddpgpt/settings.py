@@ -15,7 +15,7 @@ from ddpgpt.errors import UserError
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Backend = Literal["", "nccl", "gloo"]
-Sampling = Literal["epoch", "random"]
+Sampling = Literal["epoch", "random", "documents"]
 Arch = Literal["gpt2", "modern"]
 Parallel = Literal["ddp", "fsdp"]
 INIT_FROM = ("scratch", "resume", "auto")  # train.py's; else GPT-2's weights
@@ -62,7 +62,8 @@ class TrainConfig:
                             "'data/web=0.7,data/code=0.3'; replaces data_dir")
     allow_data_change: bool = key(False, "resume on other data than the checkpoint's")
     sampling: Sampling = key("epoch", "epoch: every block once per epoch in a new order; "
-                                      "random: windows anywhere, as nanoGPT")
+                                      "random: windows anywhere, as nanoGPT; documents: windows "
+                                      "that start where documents do (the document index)")
     gradient_accumulation_steps: int = key(5 * 8, "micro-steps per optimizer step, global: "
                                                   "divided by the world size", at_least=1)
     batch_size: int = key(12, "sequences per rank and micro-step", at_least=1)
@@ -306,3 +307,13 @@ class PrepareConfig:
 
     def __post_init__(self):
         configurator.check(self)
+
+
+@dataclass
+class IndexConfig:
+    """Make the document index of a data folder's splits (the format is tokenfile.py's), which
+    sampling='documents' reads, for token files that have none: nanoGPT's, llm.c's, ddpgpt
+    folders made before prepare.py wrote it."""
+    data_dir: str = key("data/openwebtext", "the folder that holds the token files")
+    eot_token: int = key(-1, "the id that ends each document; -1: meta.json's, else GPT-2's "
+                             "50256 (nanoGPT's and llm.c's files)", at_least=-1)

@@ -80,12 +80,31 @@ def read_meta(sources):
     return metas[0]
 
 
-def open_splits(sources, block_size, vocab_size, log, splits=tokenfile.SPLITS):
-    """{split: the Mixture of the sources' token files}; one source is the plain case."""
-    return {split: data.mixture(
-        [tokenfile.open_split(s.folder, split, block_size, vocab_size, log=log)
-         for s in sources], [s.weight for s in sources], [s.name for s in sources])
-        for split in splits}
+def open_splits(sources, block_size, vocab_size, log, splits=tokenfile.SPLITS, mode="epoch"):
+    """{split: the Mixture of the sources' token files}; one source is the plain case. Train's
+    is made ready to sample in `mode` (data.with_windows), with each source's document index
+    in 'documents' mode, which needs it; val's has each source's index where there is one, for
+    the document-aligned val loss."""
+    out = {}
+    for split in splits:
+        parts = [open_split(s.folder, split, block_size, vocab_size, log, mode) for s in sources]
+        mix = data.mixture(parts, [s.weight for s in sources], [s.name for s in sources])
+        out[split] = data.with_windows(mix, block_size, mode) if split == "train" else mix
+    return out
+
+
+def open_split(folder, split, block_size, vocab_size, log, mode="epoch"):
+    """One source's split (tokenfile.open_split), with its document index as open_splits says."""
+    needed = split == "train" and mode == "documents"
+    token_split = tokenfile.open_split(folder, split, block_size, vocab_size, log=log,
+                                       documents=needed)
+    if split != "val":
+        return token_split
+    try:
+        return token_split._replace(docs=tokenfile.open_doc_index(token_split, folder, split))
+    except UserError as e:
+        log(f"note: the evaluations leave the document-aligned val loss (val_loss_docs) out: {e}")
+        return token_split
 
 
 def open_for_model(data_dir, split, tok, block_size, vocab_size, log):
@@ -95,15 +114,14 @@ def open_for_model(data_dir, split, tok, block_size, vocab_size, log):
         raise UserError(f"{data_dir} holds {used!r} tokens, but the model reads "
                         f"{tok.name!r} tokens: give a data_dir prepared with "
                         f"--tokenizer={tok.name}.")
-    return data.mixture([tokenfile.open_split(data_dir, split, block_size, vocab_size,
-                                              log=log)])
+    return data.mixture([open_split(data_dir, split, block_size, vocab_size, log)])
 
 
 def identity(splits):
     """{split: [tokens, fingerprint] of each source, sorted}: what the data is, whatever its
     folder is called or its sources are weighed."""
-    return {split: sorted([t.n_tokens, tokenfile.sampled_fingerprint(t.paths, t.header_bytes)]
-                          for t in mix.splits) for split, mix in splits.items()}
+    return {split: sorted([t.n_tokens, t.fingerprint] for t in mix.splits)
+            for split, mix in splits.items()}
 
 
 def check_same_data(what, before, now, checkpoint, allow, log):
@@ -135,11 +153,20 @@ def same_on_all_ranks(identities, data_dir, ranks, script):
     return False
 
 
-def log_mixture(log, mix, samples, block_size):
-    """Each source's share of the samples (not of the tokens on disk), and so how many epochs
-    of it max_iters reads."""
-    for name, weight, token_split in zip(mix.names, mix.weights, mix.splits):
-        blocks = int(data.blocks_per_epoch(np.diff(token_split.starts), block_size).sum())
-        log(f"data: {name} ({os.path.dirname(token_split.paths[0])}): {weight:.2%} of the "
-            f"samples, {samples * weight / blocks:,.2f} epochs of its {blocks:,} blocks by "
+def log_train(log, mix, samples):
+    """For a mixture, each source's share of the samples (not of the tokens on disk); for a
+    mixture or in 'documents' mode, how many epochs of each source max_iters reads (of its
+    document starts, in that mode). mix is ready to sample (data.with_windows)."""
+    w = mix.windows
+    if len(mix.splits) == 1 and w.mode != "documents":
+        return
+    for k, (name, weight, token_split) in enumerate(zip(mix.names, mix.weights, mix.splits)):
+        if w.mode == "documents":
+            per_epoch, what = int(w.n[k]), "document starts"
+        else:  # 'random' draws as many samples per epoch as 'epoch'
+            per_epoch = int(data.blocks_per_epoch(np.diff(token_split.starts), w.block_size).sum())
+            what = "blocks"
+        share = f"{weight:.2%} of the samples, " if len(mix.splits) > 1 else ""
+        log(f"data: {name or 'train'} ({os.path.dirname(token_split.paths[0])}): {share}"
+            f"{samples * weight / per_epoch:,.2f} epochs of its {per_epoch:,} {what} by "
             f"max_iters")

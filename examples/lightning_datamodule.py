@@ -51,7 +51,8 @@ class LightningConfig:
     allow_data_change: bool = key(False, "resume on other data than the checkpoint's")
     checkpoint_interval: int = key(50, "save every this many steps", at_least=1)
     log_interval: int = key(10, "print the loss every this many steps", at_least=1)
-    sampling: Sampling = key("epoch", "as train.py's")
+    sampling: Sampling = key("epoch", "as train.py's; documents needs the data's document "
+                                      "index")
     gradient_accumulation_steps: int = key(4, "global: divided by the world size", at_least=1)
     batch_size: int = key(12, "sequences per rank and micro-step", at_least=1)
     block_size: int = key(128, "tokens per sequence", at_least=1)
@@ -103,10 +104,14 @@ class BlockDataModule(L.LightningDataModule):
         self.num_workers, self.allow_data_change = num_workers, allow_data_change
         self.samples_at_start, self.steps_at_start = 0, 0  # where this fit began
         self.identity_at_start = None  # of the data a resumed checkpoint was trained on
-        self.train_file, self.train_identity = None, None
+        self.train_file = self.train_mix = self.train_identity = None
 
     def setup(self, stage):
-        self.train_file = tokenfile.open_split(self.data_dir, "train", self.block_size)
+        self.train_file = tokenfile.open_split(self.data_dir, "train", self.block_size,
+                                               documents=self.mode == "documents")
+        # what the fingerprints need, made once: the tables that samples_fingerprint reads
+        self.train_mix = data.with_windows(data.mixture([self.train_file]), self.block_size,
+                                           self.mode)
         # what the data is, as train.py's checkpoints keep it, for this one's
         self.train_identity = sources.identity({"train": data.mixture([self.train_file])})
 
@@ -183,8 +188,8 @@ class BlockDataModule(L.LightningDataModule):
         self.identity_at_start = state.get("data_identity")
 
     def fingerprint(self, sample_indices):
-        return data.samples_fingerprint(sample_indices, data.mixture([self.train_file]),
-                                        self.block_size, self.seed, self.mode)
+        return data.samples_fingerprint(sample_indices, self.train_mix, self.block_size,
+                                        self.seed, self.mode)
 
 
 class GPTModule(L.LightningModule):

@@ -31,7 +31,8 @@ from ddpgpt.tokenizer import install_tiktoken_file
 # no network and nothing beside the checkout; its sha256 is the one tiktoken checks for r50k_base
 VOCAB = os.path.join(ROOT, "tests", "fixtures", "r50k_base.tiktoken")
 VOCAB_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
-OUTPUTS = ("train.bin", "val.bin", tokenfile.META_NAME)  # what prepare.py writes by default
+# what prepare.py writes by default
+OUTPUTS = ("train.bin", "val.bin", tokenfile.META_NAME, "train.docidx", "val.docidx")
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--eval_iters=4", "--device=cpu", "--learning_rate=3e-3", "--warmup_iters=2",
         "--lr_decay_iters=40", "--min_lr=3e-4"]

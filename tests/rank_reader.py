@@ -13,7 +13,8 @@ from ddpgpt import data, tokenfile
 def main(data_dir, out, block_size, batch_size, micro_steps, start_step, steps, mode):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
-    train = data.mixture([tokenfile.open_split(data_dir, "train", block_size)])
+    train = data.mixture([tokenfile.open_split(data_dir, "train", block_size,
+                                               documents=mode == "documents")])
     batches = data.rank_batches(train, block_size=block_size, batch_size=batch_size,
                                 micro_steps=micro_steps, rank=rank, world_size=world, seed=7,
                                 mode=mode, start_step=start_step, device="cpu",
@@ -25,8 +26,10 @@ def main(data_dir, out, block_size, batch_size, micro_steps, start_step, steps, 
             if rss_first is None:
                 rss_first = psutil.Process().memory_info().rss
             # for a file of tokens 0, 1, 2, ... a window's first token is its offset
+            # y is x shifted by one, but for the -1s past a file's end ('documents' mode)
             read.append({"step": step, "micro": micro, "first_tokens": x[:, 0].tolist(),
-                         "shift_ok": bool((x[:, 1:] == y[:, :-1]).all())})
+                         "shift_ok": bool(((x[:, 1:] == y[:, :-1]) | (y[:, :-1] == -1)).all()),
+                         "targets": (y != -1).sum(dim=1).tolist()})
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump({"rank": rank, "world": world, "rss_first_batch": rss_first,
                    "reads": read}, f)

@@ -27,7 +27,10 @@ SHARD_KEYS = ("startup_s", "rss_first", "rss_after")
 def data_verdicts(result):
     """Each target's rule, restated: ddpgpt's start-up and memory at the largest file within
     10% of the smallest at every rank count; its p50 and p99 latency no worse than (a)'s; its
-    start-up and RSS on the largest size as a shard set within 10% of it as one file."""
+    start-up and RSS on the largest size as a shard set within 10% of it as one file. And
+    where the run has the document index's rows (runs made since 'documents' mode): that
+    mode's start-up and RSS at the largest file within 10% of the smallest, the index built at
+    1 GB/s per core or more, every window of an epoch at a start, each start once."""
     rows = {(r["loader"], r["size"], r["files"], r["ranks"]): r for r in result["results"]}
     s = result["settings"]
     sizes, ranks, large = s["sizes"], s["ranks"], s["sizes"][-1]
@@ -38,7 +41,14 @@ def data_verdicts(result):
                for key in ("p50_ms", "p99_ms")]
     shards = [all(rows["ddpgpt", large, s["shards"], n][key] / ours[large, n][key] - 1 <= 0.10
                   for n in ranks) for key in SHARD_KEYS]
-    return growth + latency + shards
+    if not result["index"]:
+        return growth + latency + shards
+    docs = {(size, n): rows["documents", size, 1, n] for size in sizes for n in ranks}
+    documents = [all(docs[large, n][key] / docs[sizes[0], n][key] - 1 <= 0.10 for n in ranks)
+                 for key in SHARD_KEYS]
+    index = result["index"][0]
+    return growth + latency + shards + documents + [
+        index["gb_per_cpu_s"] >= 1, index["aligned"] == 1 and index["each_once"]]
 
 
 def mix_verdicts(result):
@@ -152,9 +162,15 @@ def fsdp_verdicts(result):
         all(result["settings"]["same_checkpoints"].values())]
 
 
+def documents_verdicts(result):
+    """None: the part measures what documents mode does to the loss, and sets no target."""
+    return []
+
+
 VERDICTS = {"data": data_verdicts, "mix": mix_verdicts, "training": training_verdicts,
             "prepare": prepare_verdicts, "gpu": gpu_verdicts, "eval": eval_verdicts,
-            "fsdp": fsdp_verdicts, "recipe": recipe_verdicts}
+            "documents": documents_verdicts, "fsdp": fsdp_verdicts,
+            "recipe": recipe_verdicts}
 
 
 def bench_part(part, env, tmp_path, flag="--small", timeout=600):
@@ -180,7 +196,7 @@ def test_data_path(env, tmp_path):
     assert len(rows) == len(result["results"])
     large, n_shards = max(s["sizes"]), s["shards"]
     assert set(rows) == {(size, 1, ranks, loader) for size in s["sizes"] for ranks in s["ranks"]
-                         for loader in ("ddpgpt", "nanogpt", "seed")} | \
+                         for loader in ("ddpgpt", "documents", "nanogpt", "seed")} | \
         {(large, n_shards, ranks, "ddpgpt") for ranks in s["ranks"]}
     for (size, files, ranks, loader), r in rows.items():
         if loader == "seed" and size == max(s["sizes"]):
@@ -195,8 +211,14 @@ def test_data_path(env, tmp_path):
         for when in ("first", "after"):
             assert 0 < r[f"private_{when}"] < r[f"rss_{when}"]
     assert "| 2 | 64 MiB | 1 | seed | exceeded the " in page
-    assert "| 2 | 64 MiB | 1,000 | ddpgpt | " in page
-    assert len(result["targets"]) == 10
+    assert "| 2 | 64 MiB | 1,000 | ddpgpt | " in page and "| 2 | 64 MiB | 1 | documents | " in page
+    assert len(result["targets"]) == 15
+    # the document index of a real token file: its documents, and every window of an epoch of
+    # 'documents' mode at a start the bench found in the tokens itself, each start once
+    index, = result["index"]
+    assert index["size"] == s["index_size"] and index["windows"] > index["documents"] > 1000
+    assert index["aligned"] == 1 and index["each_once"] and index["build_cpu_s"] > 0
+    assert f"| {report.size(s['index_size'])} | {index['documents']:,} | " in page
 
 
 def test_mix(env, tmp_path):
@@ -252,6 +274,27 @@ def test_prepare(env, tmp_path):
     phases = {"documents", "load_s", "tokenize_s", "write_s"}
     assert set(rows[copies[0], "reference"]["phases"]) == phases
     assert set(rows[copies[0], "llmc"]["phases"]) == phases | {"shards"}
+
+
+def test_documents(env, tmp_path):
+    result, page = bench_part("documents", env, tmp_path)
+    runs = {(r["corpus"], r["mode"], r["seed"]): r for r in result["results"]}
+    seeds = result["settings"]["seeds"]
+    assert set(runs) == {(c, m, s) for c in ("quick start", "functions")
+                         for m in ("epoch", "documents") for s in seeds}
+    for r in runs.values():
+        assert r["status"] == "ok" and r["steps"] == result["settings"]["steps"]
+        assert all(np.isfinite(r[k]) and r[k] > 0 for k in ("train_loss", "val_loss",
+                                                             "val_loss_docs"))
+    for d in result["differences"]:  # documents' number less epoch's, at equal tokens
+        epoch, docs = (runs[d["corpus"], mode, d["seed"]] for mode in ("epoch", "documents"))
+        assert epoch["tokens"] == docs["tokens"] > 0
+        assert d["val_loss_docs"] == docs["val_loss_docs"] - epoch["val_loss_docs"]
+    corpora = {c["corpus"]: c for c in result["corpora"]}
+    for c in corpora.values():  # every document starts a window; a long one, more
+        assert c["windows"] >= c["documents"] > 1 and 0 < c["first_share"] <= 1
+    assert corpora["functions"]["mean_length"] < corpora["quick start"]["mean_length"]
+    assert "| quick start | documents | " in page and "val_loss_docs: documents - epoch" in page
 
 
 def test_shard_set_is_the_token_space_of_one_file(tmp_path):
@@ -323,8 +366,8 @@ def test_every_part_is_all_but_gpu_without_a_gpu():
     # so that a CPU run of every part never replaces a GPU run's results with "not run"
     cli = load_bench_cli()
     every = list(cli.PARTS) if torch.cuda.is_available() else ["data", "mix", "training",
-                                                                "prepare", "eval", "fsdp",
-                                                                "recipe"]
+                                                                "prepare", "eval", "documents",
+                                                                "fsdp", "recipe"]
     assert cli.parse_args([]).parts == every
     assert cli.parse_args(["--small"]).parts == list(cli.PARTS)
     assert cli.parse_args(["gpu"]).parts == ["gpu"]

@@ -1,8 +1,9 @@
 """examples/lightning_datamodule.py under real Lightning, run as a user runs it: a script on 2
 CPU processes (gloo) that Lightning starts itself. A 16 GiB file costs the ranks what a 16 MiB
 one does, where the seed's design grows with the file; the ranks read train.py's global
-batches, and a resumed checkpoint continues them exactly; under Lightning's default
-use_distributed_sampler=True the DataModule stops with one clear error."""
+batches (also in sampling='documents' mode), and a resumed checkpoint continues them exactly;
+under Lightning's default use_distributed_sampler=True the DataModule stops with one clear
+error."""
 import glob
 import json
 import os
@@ -134,6 +135,17 @@ def test_ranks_read_train_py_batches_and_a_resumed_checkpoint_continues_them(
     assert [b[i]["loss"] for i in range(6)] == [c[i]["loss"] for i in range(6)]
     p = python("compare_runs.py", ref, whole, env=env)
     assert "identical batch_fp over 6 steps" in p.stdout
+
+
+def test_documents_mode_reads_train_py_batches(env, corpus, tmp_path):
+    ref, run = tmp_path / "train_py", tmp_path / "lightning"
+    python("train.py", f"--data_dir={corpus}", f"--out_dir={ref}", *TINY, "--max_iters=3",
+           "--gradient_accumulation_steps=4", "--sampling=documents", env=env)
+    lightning(2, run, f"--data_dir={corpus}", *TINY_LIGHTNING, "--gradient_accumulation_steps=4",
+              "--max_steps=3", "--num_workers=1", "--sampling=documents", env=env)
+    a, b = steps(ref), steps(run)
+    assert [a[i]["batch_fp"] for i in range(3)] == [b[i]["batch_fp"] for i in range(3)]
+    assert b[0]["loss"] == pytest.approx(a[0]["loss"], rel=1e-5)
 
 
 def test_default_use_distributed_sampler_is_one_clear_error_not_a_second_sharding(

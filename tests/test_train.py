@@ -88,7 +88,7 @@ def train_error(env, *args, nproc=1):
     (["--batch_size=big"], "cannot read the value 'big'"),
     (["--batch_size=1.5"], "batch_size must be int, got 1.5"),
     (["--compile=1"], "compile must be bool"),
-    (["--sampling=shuffle"], "sampling='shuffle' is not one of 'epoch', 'random'"),
+    (["--sampling=shuffle"], "sampling='shuffle' is not one of 'epoch', 'random', 'documents'"),
     (["--n_embd=100", "--n_head=3"], "n_embd=100 must be a multiple of n_head=3"),
     (["config/nope.py"], "config file config/nope.py does not exist"),
     (["--max_iters"], "settings are written --key=value"),

@@ -1,0 +1,83 @@
+"""
+Make the document index of a data folder's splits, which sampling='documents' reads (data.py),
+for token files that have none: nanoGPT's train.bin and val.bin, llm.c's shards, ddpgpt folders
+made before prepare.py wrote it with the tokens.
+
+    python index_documents.py --data_dir=data/openwebtext    # nanoGPT's files, or an older folder
+    python index_documents.py --data_dir=data/fineweb10B     # llm.c / modded-nanogpt shards
+
+Each split's token files are read once, a chunk at a time (memory stays flat), at more than
+1 GB of tokens per second from the page cache, with a progress bar. Its index,
+<data_dir>/<split>.docidx (the format is tokenfile.py's), is written under a temporary name and
+renamed when complete: a stopped run keeps the splits it finished and leaves nothing half
+written, so running it again does the rest, and an index that still matches its token files is
+kept. A document starts at each file's first token and after every end-of-text id: meta.json's,
+or GPT-2's 50256 for nanoGPT's and llm.c's files, which have no meta.json (--eot_token=N for
+another). Keys as in IndexConfig (ddpgpt/settings.py; `python index_documents.py --help`).
+"""
+import sys
+import time
+
+from tqdm import tqdm
+
+from ddpgpt import configurator, docindex, errors, fileio, lock, signals, tokenfile
+from ddpgpt.errors import UserError
+from ddpgpt.settings import IndexConfig
+from ddpgpt.signals import Interrupted
+
+GPT2_EOT = 50256  # nanoGPT's raw files and llm.c's shards hold GPT-2's tokens
+
+
+def end_of_text(cfg, meta):
+    """The id that ends each document; None for data that has none (nanoGPT's characters:
+    each file is one document)."""
+    if cfg.eot_token >= 0:
+        return cfg.eot_token
+    return GPT2_EOT if meta is None else meta.get("eot_token")
+
+
+def index_split(token_split, data_dir, split, eot):
+    """Make one split's index, unless the one there matches its token files and eot."""
+    path = tokenfile.doc_index_path(data_dir, split)
+    try:
+        if tokenfile.open_doc_index(token_split, data_dir, split).eot == eot:
+            print(f"{split}: {path} matches its token files: kept")
+            return
+    except UserError:  # missing, damaged or stale: made again
+        pass
+    t0 = time.perf_counter()
+    with tqdm(total=token_split.n_tokens, desc=split, unit=" tokens", unit_scale=True) as bar:
+        docindex.build(token_split, path, eot, bar.update)
+    seconds = time.perf_counter() - t0
+    index = tokenfile.open_doc_index(token_split, data_dir, split)
+    size = token_split.n_tokens * token_split.dtype.itemsize
+    print(f"{split}: {index.documents:,} documents in {token_split.n_tokens:,} tokens -> {path} "
+          f"({seconds:.1f} s, {size / seconds / 1e9:.2f} GB of tokens/s)")
+
+
+def main(argv):
+    signals.raise_on_stop_signals()
+    cfg = configurator.parse(IndexConfig, argv, "index_documents.py")
+    eot = end_of_text(cfg, tokenfile.read_meta(cfg.data_dir))
+    print(f"index_documents.py: {cfg.data_dir}: " + (
+        f"documents end with token {eot}" if eot is not None else
+        "its tokens have no end-of-text id: each file is one document"))
+    splits = {split: tokenfile.open_split(cfg.data_dir, split, block_size=1)  # checked first
+              for split in tokenfile.SPLITS}
+    try:
+        with lock.locked(cfg.data_dir, "index_documents.py"):
+            fileio.remove_stale_temporaries(cfg.data_dir)  # of a killed run
+            for split, token_split in splits.items():
+                index_split(token_split, cfg.data_dir, split, eot)
+    except Interrupted as e:  # the shell's convention: 128 + the signal's number
+        print(f"index_documents.py: interrupted ({e}): the splits finished before are kept, and "
+              f"nothing half written is left; run it again for the rest.", file=sys.stderr)
+        return 128 + e.signum
+    except OSError as e:  # a disk's error reading the tokens or writing the index
+        raise UserError(f"{fileio.disk_full(e, cfg.data_dir) or e}: no index was left half "
+                        f"written in {cfg.data_dir}; run it again when that is fixed.") from e
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(errors.run(main, "index_documents.py", sys.argv[1:]))
