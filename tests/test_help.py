@@ -12,7 +12,8 @@ from ddpgpt import configurator, settings
 from conftest import fails, python
 
 SCRIPTS = {"train.py": settings.TrainConfig, "sample.py": settings.SampleConfig,
-           "eval.py": settings.EvalConfig, "prepare.py": settings.PrepareConfig}
+           "eval.py": settings.EvalConfig, "prepare.py": settings.PrepareConfig,
+           "index_documents.py": settings.IndexConfig}
 
 
 def expected_entries(config_cls):
@@ -54,15 +55,18 @@ def test_the_lightning_example_answers_help(env):
     out = python("examples/lightning_datamodule.py", "--help", env=env).stdout
     assert out.startswith("usage: python examples/lightning_datamodule.py [config files]")
     for line in ("  --devices=1  (int, at least 1)\n", "  --max_steps=100  (int, at least 1)\n",
-                 "  --sampling='epoch'  (epoch|random)\n"):
+                 "  --sampling='epoch'  (epoch|random|documents)\n"):
         assert line in out, out
 
 
 @pytest.mark.parametrize("script, words", [
     ("export.py", ["usage: export.py [-h] OUT_DIR DEST", "a run's out_dir (its newest "
-                   "checkpoint) or a checkpoint file", "the folder to write; it must not exist"]),
+                   "checkpoint), or a checkpoint file or", "the folder to write, or a file "
+                   "ending in .pt; it must not exist"]),
     ("compare_runs.py", ["usage: compare_runs.py [-h] [--losses] run_a run_b",
                          "a run's out_dir (its metrics.jsonl)", "also compare losses exactly"]),
+    ("plot.py", ["usage: plot.py [-h]", "a run's out_dir (its metrics.jsonl); several for one "
+                 "figure"]),
 ])
 def test_scripts_with_positional_arguments_answer_argparses_help(script, words, env):
     out = python(script, "--help", env=env).stdout
