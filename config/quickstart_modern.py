@@ -8,7 +8,6 @@
 #   python export.py out-quickstart-modern quickstart-qwen3   # a Hugging Face Qwen3 folder
 data_dir = "data/pystdlib"
 out_dir = "out-quickstart-modern"
-device = "cpu"
 
 arch = "modern"
 n_layer = 4

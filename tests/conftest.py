@@ -164,6 +164,25 @@ def evals(out_dir):
     return [r for r in metrics(out_dir) if "val_loss" in r]
 
 
+def same_on_any_world_size_and_resumed(args, tmp_path, env, steps_in_all=6):
+    """train.py on 1 rank, on 2, and on 2 stopped halfway and resumed: the three read the same
+    global batches, and the resumed run's losses are the uninterrupted one's. The 1-rank run's
+    (out_dir, CompletedProcess), for what a test checks beyond that."""
+    one, two, halves = (str(tmp_path / n) for n in ("one", "two", "halves"))
+    p = python("train.py", *args, f"--out_dir={one}", f"--max_iters={steps_in_all}", env=env)
+    torchrun(2, "train.py", *args, f"--out_dir={two}", f"--max_iters={steps_in_all}", env=env)
+    torchrun(2, "train.py", *args, f"--out_dir={halves}", f"--max_iters={steps_in_all // 2}",
+             env=env)
+    torchrun(2, "train.py", *args, f"--out_dir={halves}", f"--max_iters={steps_in_all}",
+             "--init_from=resume", env=env)
+    a, b, c = steps(one), steps(two), steps(halves)
+    every = range(steps_in_all)
+    assert [a[i]["batch_fp"] for i in every] == [b[i]["batch_fp"] for i in every]
+    assert [(b[i]["batch_fp"], b[i]["loss"]) for i in every] == \
+        [(c[i]["batch_fp"], c[i]["loss"]) for i in every]
+    return one, p
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory, session_env):
     """A few standard-library modules as text files, prepared with the byte tokenizer."""

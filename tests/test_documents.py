@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ddpgpt import data, tokenfile
-from conftest import TINY, evals, fails, python, read_with_ranks, steps, torchrun
+from conftest import (TINY, evals, fails, python, read_with_ranks,
+                      same_on_any_world_size_and_resumed, steps)
 
 EOT, BLOCK = 65535, 32  # a vocabulary of 65,536: the counting tokens fit below the end-of-text
 
@@ -128,17 +129,8 @@ def test_mixtures_of_shards_and_llmc_shards_train_the_same_batches_on_any_world_
     web, code = gpt2_sources
     args = [f"--data_mix={web}=0.6,{code}=0.4", *TINY, "--gradient_accumulation_steps=2",
             "--eval_interval=3", "--sampling=documents"]
-    one, two, halves = (str(tmp_path / n) for n in ("one", "two", "halves"))
-    p = python("train.py", *args, f"--out_dir={one}", "--max_iters=6", env=env)
+    one, p = same_on_any_world_size_and_resumed(args, tmp_path, env)
     assert "document starts by max_iters" in p.stdout
-    torchrun(2, "train.py", *args, f"--out_dir={two}", "--max_iters=6", env=env)
-    torchrun(2, "train.py", *args, f"--out_dir={halves}", "--max_iters=3", env=env)
-    torchrun(2, "train.py", *args, f"--out_dir={halves}", "--max_iters=6",
-             "--init_from=resume", env=env)
-    a, b, c = steps(one), steps(two), steps(halves)
-    assert [a[i]["batch_fp"] for i in range(6)] == [b[i]["batch_fp"] for i in range(6)]
-    assert [(b[i]["batch_fp"], b[i]["loss"]) for i in range(6)] == \
-        [(c[i]["batch_fp"], c[i]["loss"]) for i in range(6)]
     last = evals(one)[-1]  # beside the fixed windows' loss, the document-aligned one
     assert {"val_loss", "val_loss_docs", "val_loss_docs/web", "val_loss_docs/code"} <= set(last)
     assert last["val_loss_docs"] == pytest.approx(
@@ -146,7 +138,7 @@ def test_mixtures_of_shards_and_llmc_shards_train_the_same_batches_on_any_world_
     epoch = str(tmp_path / "epoch")
     python("train.py", *args, f"--out_dir={epoch}", "--max_iters=1", "--sampling=epoch",
            env=env)
-    assert steps(epoch)[0]["batch_fp"] != a[0]["batch_fp"]
+    assert steps(epoch)[0]["batch_fp"] != steps(one)[0]["batch_fp"]
 
 
 def test_index_of_nanogpt_files_is_prepares_and_a_stale_one_is_refused(env, tmp_path):

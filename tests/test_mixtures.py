@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ddpgpt import data, tokenfile
-from conftest import TINY, evals, fails, python, steps, torchrun
+from conftest import TINY, evals, fails, python, same_on_any_world_size_and_resumed, steps
 
 WEIGHTS = (0.7, 0.2, 0.1)
 
@@ -65,17 +65,8 @@ def test_each_source_reads_every_block_once_per_its_own_epoch():
 def test_mixture_trains_the_same_batches_on_any_world_size_and_resumes_exactly(
         env, sources, tmp_path):
     args = [mix_arg(sources), *TINY, "--gradient_accumulation_steps=2", "--eval_interval=3"]
-    one, two, halves = (str(tmp_path / n) for n in ("one", "two", "halves"))
-    p = python("train.py", *args, f"--out_dir={one}", "--max_iters=6", env=env)
+    one, p = same_on_any_world_size_and_resumed(args, tmp_path, env)
     assert "data: code (" in p.stdout and "20.00% of the samples" in p.stdout
-    torchrun(2, "train.py", *args, f"--out_dir={two}", "--max_iters=6", env=env)
-    torchrun(2, "train.py", *args, f"--out_dir={halves}", "--max_iters=3", env=env)
-    torchrun(2, "train.py", *args, f"--out_dir={halves}", "--max_iters=6",
-             "--init_from=resume", env=env)
-    a, b, c = steps(one), steps(two), steps(halves)
-    assert [a[i]["batch_fp"] for i in range(6)] == [b[i]["batch_fp"] for i in range(6)]
-    assert [(b[i]["batch_fp"], b[i]["loss"]) for i in range(6)] == \
-        [(c[i]["batch_fp"], c[i]["loss"]) for i in range(6)]
     last = evals(one)[-1]
     names = [os.path.basename(f) for f in sources]
     weights = data.mixture([None] * 3, WEIGHTS, names).weights  # as rounded per MIX_BLOCK
