@@ -88,7 +88,10 @@ def train(name, folder, mode, seed, settings, workdir, env):
             f"--seed={seed}",
             f"--sampling={mode}", f"--max_iters={steps}", f"--lr_decay_iters={steps}",
             f"--warmup_iters={max(1, steps // 20)}", f"--eval_interval={steps}",
-            f"--eval_iters={settings['eval_iters']}", "--device=cpu"]
+            f"--eval_iters={settings['eval_iters']}", "--device=cpu",
+            # TIME_CAP_S stops a hung run; train.py's watchdog would stop a run that is only
+            # slow on a loaded machine (an evaluation of GPT-2's vocabulary can take minutes)
+            "--hang_timeout_s=0", "--startup_timeout_s=0"]
     print(f"bench documents: {name}, {mode}, seed {seed}", file=sys.stderr)
     common.check(common.run_watched([sys.executable, "train.py", *args], env, TIME_CAP_S),
                  f"train.py ({name}, {mode})")
