@@ -28,11 +28,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.tensor import DTensor
 
-from ddpgpt import fileio, sharded, watchdog
+from ddpgpt import fileio, parallel, watchdog
 from ddpgpt.errors import UserError
+
+# sharded.py (torch.distributed.checkpoint, DTensor) is imported only where a folder is read or
+# written: importing it takes 1-2 s, a third of every process's start-up, for runs that write
+# files and never need it
 
 _NAME = re.compile(r"ckpt_(\d+)(\.pt)?$")
 REQUIRED_KEYS = ("model", "model_args", "iter_num")
@@ -58,6 +60,7 @@ def list_checkpoints(out_dir):
 
 def is_folder(path):
     """Is path a checkpoint folder (rather than an out_dir)?"""
+    from ddpgpt import sharded
     return os.path.isdir(path) and any(os.path.exists(os.path.join(path, name))
                                        for name in (VALUES, sharded.INDEX))
 
@@ -98,6 +101,8 @@ def save_folder(out_dir, state, aliases, keep, group, master):
     """Write state (host tensors, DTensors of this rank's shards) as the checkpoint folder of
     state['iter_num']: every rank of group its part, rank 0 (master) values.pt, the
     publishing and keeping the newest `keep`. The folder's path."""
+    from torch.distributed.checkpoint import CheckpointException
+    from ddpgpt import sharded
     path = path_for(out_dir, state["iter_num"], folder=True)
     tmp = f"{path}.tmp"  # one name for every rank; the out_dir's lock keeps other runs out
     values = {k: v for k, v in state.items() if k not in TENSORS}
@@ -120,6 +125,16 @@ def save_folder(out_dir, state, aliases, keep, group, master):
         replaced(path)
         prune(out_dir, keep)
     return path
+
+
+def aliases(model):
+    """{name: the name it is another name for} of each weight registered under two names (the
+    tied embedding and output layer), the same on every rank."""
+    first, found = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(p), name) != name:
+            found[name] = first[id(p)]
+    return found
 
 
 def not_written(path, out_dir, why):
@@ -210,6 +225,7 @@ def read(path, whole=TENSORS):
 
 
 def read_folder(path, whole):
+    from ddpgpt import sharded
     values, problem = load_file(os.path.join(path, VALUES))
     if problem or not isinstance(values, dict):
         return None, problem if problem and problem.startswith("was refused") else \
@@ -242,9 +258,13 @@ def restore(model, optimizer, resume):
     """The optimizer state of the checkpoint resumed, and the weights too of a folder read in
     parts: into the model as wrap() left it, sharded or not (the weights of a whole checkpoint
     are the model's already)."""
+    if "folder" not in resume and not any(map(parallel.is_dtensor, model.parameters())):
+        optimizer.load_state_dict(resume["optimizer"])  # a file into a model that is whole
+        return
+    from ddpgpt import sharded
     if "folder" in resume:
         sharded.read_parts(resume["folder"], model, optimizer,
-                           resume["optimizer"]["param_groups"])
+                           resume["optimizer"]["param_groups"], aliases(model))
     else:
         optimizer.load_state_dict(sharded.shard_like(resume["optimizer"], optimizer))
 
@@ -285,7 +305,7 @@ class Saver:
         # a save in the background never meets the training's collectives
         self.group = dist.new_group(backend="gloo") if self.folder and ranks.world_size > 1 \
             else None
-        self.aliases = sharded.aliases(model)
+        self.aliases = aliases(model)
         self.background = ThreadPoolExecutor(1, "checkpoint") if background else None
         self.buffers = {}  # the host copies, reused from one background save to the next
         self.pending = None  # the Future of the save in the background
@@ -361,7 +381,7 @@ def to_host(state, buffers=None):
     seen = {}
 
     def host(t, key):
-        local = t.to_local() if isinstance(t, DTensor) else t
+        local = t.to_local() if parallel.is_dtensor(t) else t
         where = (local.device, local.untyped_storage().data_ptr(), local.storage_offset(),
                  tuple(local.shape), local.stride(), local.dtype)
         if local.numel() and where in seen:
@@ -374,8 +394,8 @@ def to_host(state, buffers=None):
                 copy = buffers[key] = torch.empty(local.shape, dtype=local.dtype,
                                                   pin_memory=torch.cuda.is_available())
             copy.copy_(local, non_blocking=True)
-        if isinstance(t, DTensor):  # the same shard of the same tensor, held in host memory
-            copy = DTensor(copy, t._spec, requires_grad=False)
+        if parallel.is_dtensor(t):  # the same shard of the same tensor, held in host memory
+            copy = type(t)(copy, t._spec, requires_grad=False)
         seen[where] = copy
         return copy
 

@@ -16,13 +16,11 @@ One rank trains the model itself, either way. What the training step does differ
 each is here: which micro-step reduces the gradients (sync_gradients) and the gradient norm
 over sharded gradients (clip_grad_norm).
 """
+import sys
 from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpgpt import runtime, settings
@@ -90,6 +88,8 @@ def shard(model, device, dtype, reshard_after_forward, compile):
     """fully_shard each block, then the root (the embeddings, the final LayerNorm and the tied
     output layer), in place: each rank keeps its shard of every weight, on the device. The
     weights keep their names, so checkpoints hold the same keys as under ddp."""
+    from torch.distributed.device_mesh import init_device_mesh  # see is_dtensor()
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(runtime.device_type(device), (dist.get_world_size(),))
     # bfloat16 gathers and matmuls; float32 gradient sums and master weights. autocast still
     # wraps the forward, and keeps LayerNorm, softmax and the loss in float32, as under ddp
@@ -110,7 +110,7 @@ def sync_gradients(train_model, sync):
     DDP's model.no_sync() is the official way, but it bloats the code."""
     if isinstance(train_model, DDP):
         train_model.require_backward_grad_sync = sync
-    elif isinstance(train_model, FSDPModule):
+    elif is_dtensor(next(train_model.parameters())):  # a model that shard() sharded
         train_model.set_requires_gradient_sync(sync)
 
 
@@ -121,7 +121,15 @@ def clip_grad_norm(model, max_norm):
     device, as torchtitan computes it."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads)
-    if isinstance(norm, DTensor):
+    if is_dtensor(norm):
         norm = norm.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
     return norm
+
+
+def is_dtensor(t):
+    """isinstance(t, DTensor), without importing torch.distributed.tensor: that import (and
+    FSDP's and DCP's, which make it) takes 1-2 s, a third of every process's start-up, and a
+    DTensor exists only once shard() has imported it."""
+    tensor = sys.modules.get("torch.distributed.tensor")
+    return tensor is not None and isinstance(t, tensor.DTensor)

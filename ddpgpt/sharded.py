@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 
 INDEX = ".metadata"
 # DCP says so each time one process reads or writes alone, which it does here on purpose
@@ -35,16 +35,6 @@ _CALLS = "a checkpoint's index holds only DCP's own records of its tensors"
 
 
 # ---- writing ----
-
-def aliases(model):
-    """{name: the name it is another name for} of each weight registered under two names (the
-    tied embedding and output layer), the same on every rank."""
-    first, found = {}, {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if first.setdefault(id(p), name) != name:
-            found[name] = first[id(p)]
-    return found
-
 
 def write(folder, tensors, group):
     """Write tensors ({'model': ..., 'optimizer': ...} of host tensors, DTensors holding this
@@ -143,7 +133,7 @@ def read_whole(folder, what, aliases):
     return out
 
 
-def read_parts(folder, model, optimizer, param_groups):
+def read_parts(folder, model, optimizer, param_groups, aliases):
     """Load this rank's shards of a sharded checkpoint into the sharded model and its optimizer,
     at any world size: every rank calls it. The optimizer takes the checkpoint's param_groups
     (learning rate and betas as saved), as torch's load_state_dict does."""
@@ -158,7 +148,7 @@ def read_parts(folder, model, optimizer, param_groups):
             state.setdefault(int(i), {})[name] = torch.zeros_like(p) \
                 if tuple(meta.size) == tuple(p.shape) else torch.empty(meta.size,
                                                                        dtype=meta.properties.dtype)
-    tensors = {"model": {k: v for k, v in weights.items() if k not in aliases(model)},
+    tensors = {"model": {k: v for k, v in weights.items() if k not in aliases},
                "optimizer": state}
     dcp.load(tensors, storage_reader=_Reader(folder))
     if state:  # a checkpoint saved before the first optimizer step has none
@@ -168,11 +158,8 @@ def read_parts(folder, model, optimizer, param_groups):
 def shard_like(optimizer_state, optimizer):
     """A whole optimizer state ({'state': {i: {...}}, 'param_groups'}, as a single-file
     checkpoint holds it) sharded as the optimizer's parameters are, for its load_state_dict:
-    each rank keeps its shard of each tensor shaped like its parameter. Unchanged when the
-    parameters are not sharded."""
+    each rank keeps its shard of each tensor shaped like its parameter."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if not any(isinstance(p, DTensor) for p in params):
-        return optimizer_state
     state = {i: {name: distribute_tensor(t.to(params[i].device), params[i].device_mesh,
                                          params[i].placements, src_data_rank=None)
                  if isinstance(t, torch.Tensor) and t.shape == params[i].shape else t
