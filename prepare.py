@@ -11,10 +11,10 @@ shards of about that many tokens each, in ddpgpt's raw format or llm.c's (--form
         --streaming --shard_tokens=100000000 --format=llmc  # 10B tokens, never stored raw
 
 The corpus is read twice: pass 1 counts its non-empty documents, which fixes the train/val
-split up front (document d goes to val iff data.permute(d, documents, key(seed)) < n_val), and
-pass 2 tokenizes. Documents stream through a pool of workers in chunks and their tokens are
-appended to each split's file as they come back, so memory does not grow with the corpus
-(OpenWebText is 9B tokens). A shard is published under its final name as soon as it is
+split up front (document d goes to val iff permutation.permute(d, documents, key(seed)) <
+n_val), and pass 2 tokenizes. Documents stream through a pool of workers in chunks and their
+tokens are appended to each split's file as they come back, so memory does not grow with the
+corpus (OpenWebText is 9B tokens). A shard is published under its final name as soon as it is
 complete, and prepare.progress.json records where the corpus stands after it, so a prepare
 that dies at 90% and is run again with the same arguments goes on after the last complete
 shard, and writes the same bytes as a run that never stopped.
@@ -34,8 +34,8 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from ddpgpt import (configurator, corpus, data, docindex, errors, fileio, lock, signals,
-                    tokenfile, workers)
+from ddpgpt import (configurator, corpus, docindex, errors, fileio, lock, permutation,
+                    signals, tokenfile, workers)
 from ddpgpt.errors import UserError
 from ddpgpt.settings import PrepareConfig
 from ddpgpt.signals import Interrupted
@@ -85,7 +85,7 @@ def chunks(texts, n_docs, n_val, key, next_doc):
 
 def split_chunk(texts, first, n_docs, n_val, key, next_doc):
     indices = np.arange(first, first + len(texts))
-    splits = np.where(data.permute(indices, n_docs, key) < n_val, "val", "train")
+    splits = np.where(permutation.permute(indices, n_docs, key) < n_val, "val", "train")
     keep = [i for i, (split, index) in enumerate(zip(splits, indices))
             if index >= next_doc[split]]
     return ([texts[i] for i in keep], [str(splits[i]) for i in keep],
@@ -279,7 +279,7 @@ def write_tokens(writers, texts, counts, n_val, cfg, on_publish):
     next_doc = {split: w.shards[-1]["next_doc"] if w.shards else 0
                 for split, w in writers.items()}
     done = sum(s["documents"] for w in writers.values() for s in w.shards)
-    work = chunks(texts, counts["documents"], n_val, data.hash_key(cfg.seed), next_doc)
+    work = chunks(texts, counts["documents"], n_val, permutation.hash_key(cfg.seed), next_doc)
     with workers.ordered_map(encode_chunk, work, cfg.num_proc, init_worker,
                              (cfg.tokenizer,)) as results, \
             tqdm(total=counts["documents"], initial=done, desc="tokenizing",
@@ -364,8 +364,8 @@ def write_outputs(out_dir, writers, tokenizer, docs, counts, n_val, cfg, setting
             eot_token=tokenizer.eot, splits=splits, source=cfg.dataset,
             source_detail=docs.description, text_column=cfg.text_column, seed=cfg.seed,
             val_selection=f"non-empty document d (from 0, in corpus order) is in val iff "
-                          f"data.permute(d, {counts['documents']}, data.hash_key({cfg.seed})) "
-                          f"< {n_val}",
+                          f"permutation.permute(d, {counts['documents']}, "
+                          f"permutation.hash_key({cfg.seed})) < {n_val}",
             skipped_empty_documents=counts["empty"], prepared_with=settings,
             skipped_undecodable_files=counts["undecodable"],
             **({"format": "llmc"} if cfg.format == "llmc" else {}),

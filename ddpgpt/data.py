@@ -27,7 +27,6 @@ batch, and a batch costs the same whatever its sources. The ranks read disjoint 
 global batch, any world size reads the same global batches, and resuming needs one integer:
 the number of samples consumed. The token files themselves are tokenfile.py's.
 """
-import functools
 import hashlib
 import operator
 from collections import deque
@@ -40,6 +39,7 @@ import torch
 
 from ddpgpt import tokenfile
 from ddpgpt.errors import UserError
+from ddpgpt.permutation import feistel_shape, hash64, hash_key, permute, round_keys, walk
 
 SAMPLING_MODES = ("epoch", "random", "documents")
 # the domains of hash_key(seed, domain, ...): one per thing drawn
@@ -56,77 +56,7 @@ def rank_sample_indices(step, micro_step, rank, world_size, batch_size, micro_st
     return np.add.outer(first, np.arange(batch_size, dtype=np.int64))
 
 
-# ---- keyed hashes and permutations, O(1) memory: the tools of points 3 and 4 ----
-
-# numpy scalars, not python ints: numpy converts a python operand on every operation, which
-# doubles the cost of a hash on the dozen indices of a micro-batch
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_S1, _S2, _S3 = np.uint64(30), np.uint64(27), np.uint64(31)
-ROUNDS = 6
-
-
-def hash64(z):
-    """splitmix64's finaliser: a well-mixed 64-bit hash of each element of a uint64 array
-    (multiplication wraps, as it should)."""
-    z = (z ^ (z >> _S1)) * _M1
-    z = (z ^ (z >> _S2)) * _M2
-    return z ^ (z >> _S3)
-
-
-@functools.lru_cache(maxsize=1024)
-def hash_key(*parts):
-    """A 64-bit key (a python int) from a few integers, e.g. (seed, epoch)."""
-    h = np.zeros(1, dtype=np.uint64)
-    for p in parts:
-        h = hash64(h ^ hash64(np.array([int(p) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64)))
-    return int(h[0])
-
-
-@functools.lru_cache(maxsize=1024)
-def round_keys(key):
-    """The Feistel network's round keys for one permutation key."""
-    return tuple(np.uint64(hash_key(key, r)) for r in range(ROUNDS))
-
-
-def feistel_shape(n):
-    """(shift, high mask, low mask) of the bijection of the smallest power of two >= n (at
-    least 4) whose bits a Feistel network splits in two halves."""
-    bits = max(2, (int(n) - 1).bit_length())
-    low_bits = bits // 2
-    return (np.uint64(low_bits), np.uint64((1 << (bits - low_bits)) - 1),
-            np.uint64((1 << low_bits) - 1))
-
-
-def feistel(x, shape, keys):
-    """A bijection of [0, 2**bits): each round XORs one half with a keyed hash of the other,
-    which can be undone, so any split of the bits works. shape and keys may be one for all
-    elements, or arrays of each one's own."""
-    shift, high_mask, low_mask = shape
-    high, low = x >> shift, x & low_mask
-    for r, k in enumerate(keys):
-        if r % 2:
-            low ^= hash64(high ^ k) & low_mask
-        else:
-            high ^= hash64(low ^ k) & high_mask
-    return (high << shift) | low
-
-
-def walk(x, n, shape, keys):
-    """feistel, cycle-walked back into [0, n): fewer than 2 rounds on average. Each element may
-    have its own n, shape and keys (arrays), as the samples of several sources do."""
-    out = feistel(x, shape, keys)
-    outside = out >= n
-    while outside.any():
-        out = np.where(outside, feistel(out, shape, keys), out)
-        outside = out >= n
-    return out
-
-
-def permute(i, n, key):
-    """A keyed bijection of [0, n): a Feistel network on the smallest power of two >= n,
-    cycle-walked back into range. Nothing of size n is built."""
-    return walk(np.asarray(i, dtype=np.uint64), np.uint64(n), feistel_shape(n), round_keys(key))
-
+# ---- points 3 and 4 draw with permutation.py's keyed permutations, O(1) memory ----
 
 def locate(i, counts):
     """(file, index within that file) of item i of a sequence that is `counts[k]` items of each

@@ -9,9 +9,12 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from ddpgpt import configurator, hf, optim
+from ddpgpt import configurator
 from ddpgpt.configurator import key
 from ddpgpt.errors import UserError
+
+# hf.py and optim.py import torch, 3 s of start-up that prepare.py and index_documents.py do
+# without: the checks that need them import them
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Backend = Literal["", "nccl", "gloo"]
@@ -143,6 +146,7 @@ class TrainConfig:
                                  "memory for their copy")
 
     def __post_init__(self):
+        from ddpgpt import hf, optim
         configurator.check(self)
         if self.n_embd % self.n_head:
             raise UserError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
@@ -161,6 +165,7 @@ class TrainConfig:
 
     def check_recipe(self):
         """The combinations of arch and optimizer that cannot work."""
+        from ddpgpt import hf
         check_bias(self.arch, self.bias)
         if self.arch == "modern" and self.init_from in hf.NAMES:
             raise UserError(f"arch='modern' with init_from={self.init_from!r}: OpenAI's GPT-2 "
@@ -237,6 +242,7 @@ class SampleConfig:
     compile: bool = key(False, "torch.compile the model")
 
     def __post_init__(self):
+        from ddpgpt import hf
         configurator.check(self)
         hf.check_init_from(self.init_from, ("resume",))
 
@@ -268,6 +274,7 @@ class EvalConfig:
     dist_timeout_s: int = key(600, "how long a collective may wait", at_least=1)
 
     def __post_init__(self):
+        from ddpgpt import hf
         configurator.check(self)
         if not (self.hellaswag or self.val_loss):
             raise UserError("hellaswag=False and val_loss=False leave nothing to evaluate: "

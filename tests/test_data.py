@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddpgpt import data, tokenfile
+from ddpgpt import data, permutation, tokenfile
 from conftest import TINY, fails, global_batches, python, read_with_ranks
 from ddpgpt.errors import UserError
 
@@ -26,7 +26,7 @@ def counting_data(tmp_path):
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 16, 17, 255, 1000, 4099])
 def test_permute_is_a_bijection(n):
     for key in (0, 1, 12345):
-        assert sorted(data.permute(np.arange(n), n, key).tolist()) == list(range(n))
+        assert sorted(permutation.permute(np.arange(n), n, key).tolist()) == list(range(n))
 
 
 def test_epoch_mode_reads_every_block_once_per_epoch_in_a_new_order():

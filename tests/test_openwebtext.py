@@ -14,7 +14,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from ddpgpt import corpus, data, tokenfile
+from ddpgpt import corpus, permutation, tokenfile
 from conftest import OUTPUTS, ROOT, decoded, prepare_fails, python, run
 from ddpgpt.errors import UserError
 from ddpgpt.tokenizer import get_tokenizer
@@ -88,7 +88,8 @@ def check_documents(out_dir, documents, n_val, seed, tokenizer="byte"):
     rule, and meta.json counts the empty ones."""
     docs = decoded(out_dir, get_tokenizer(tokenizer))
     non_empty = [d for d in documents if d]
-    in_val = data.permute(np.arange(len(non_empty)), len(non_empty), data.hash_key(seed)) < n_val
+    in_val = permutation.permute(np.arange(len(non_empty)), len(non_empty),
+                                 permutation.hash_key(seed)) < n_val
     assert docs["val"] == [d for d, v in zip(non_empty, in_val) if v]
     assert docs["train"] == [d for d, v in zip(non_empty, in_val) if not v]
     meta = json.loads((out_dir / tokenfile.META_NAME).read_text())

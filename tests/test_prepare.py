@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ddpgpt import data, tokenfile
+from ddpgpt import permutation, tokenfile
 from conftest import OUTPUTS, decoded, prepare_fails, python
 from ddpgpt.tokenizer import get_tokenizer
 
@@ -42,7 +42,8 @@ def test_round_trip(tokenizer, env, tmp_path, monkeypatch):
     docs = decoded(tmp_path / "out", tok)
     assert Counter(docs["train"] + docs["val"]) == Counter(NON_EMPTY)
     # the documented rule: non-empty document d is in val iff permute(d, n, key(seed)) < n_val
-    in_val = data.permute(np.arange(len(NON_EMPTY)), len(NON_EMPTY), data.hash_key(7)) < 4
+    in_val = permutation.permute(np.arange(len(NON_EMPTY)), len(NON_EMPTY),
+                                 permutation.hash_key(7)) < 4
     assert docs["val"] == [d for d, v in zip(NON_EMPTY, in_val) if v]
     assert docs["train"] == [d for d, v in zip(NON_EMPTY, in_val) if not v]
     meta = json.loads((tmp_path / "out" / tokenfile.META_NAME).read_text())
