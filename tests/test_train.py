@@ -34,18 +34,18 @@ def test_two_ranks_train_save_and_the_loss_falls(env, corpus, tmp_path):
 @pytest.mark.parametrize("ranks", [2, 4])  # with 4, a sum's rounding depends on DDP's buckets
 def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(ranks, env, corpus, tmp_path):
     args = [f"--data_dir={corpus}", *TINY, "--gradient_accumulation_steps=4",
-            "--eval_interval=15", "--dropout=0.1"]
+            "--eval_interval=6", "--dropout=0.1"]
     whole, halves = tmp_path / "whole", tmp_path / "halves"
-    torchrun(ranks, "train.py", *args, f"--out_dir={whole}", "--max_iters=30", env=env)
-    torchrun(ranks, "train.py", *args, f"--out_dir={halves}", "--max_iters=15", env=env)
-    p = torchrun(ranks, "train.py", *args, f"--out_dir={halves}", "--max_iters=30",
+    torchrun(ranks, "train.py", *args, f"--out_dir={whole}", "--max_iters=12", env=env)
+    torchrun(ranks, "train.py", *args, f"--out_dir={halves}", "--max_iters=6", env=env)
+    p = torchrun(ranks, "train.py", *args, f"--out_dir={halves}", "--max_iters=12",
                  "--init_from=resume", env=env)
-    assert "resuming from" in p.stdout and "ckpt_0000015.pt" in p.stdout
+    assert "resuming from" in p.stdout and "ckpt_0000006.pt" in p.stdout
     a, b = steps(whole), steps(halves)
-    assert sorted(a) == sorted(b) == list(range(30))
-    for i in range(30):
+    assert sorted(a) == sorted(b) == list(range(12))
+    for i in range(12):
         assert (a[i]["loss"], a[i]["batch_fp"]) == (b[i]["loss"], b[i]["batch_fp"]), i
-    assert evals(whole)[-1] == evals(halves)[-1] and evals(whole)[-1]["iter"] == 30
+    assert evals(whole)[-1] == evals(halves)[-1] and evals(whole)[-1]["iter"] == 12
 
 
 def test_eval_only_reports_the_same_losses_on_any_world_size(env, corpus, tmp_path):
