@@ -35,12 +35,19 @@ def last_line(stderr):
 
 # ---- stop signals ----
 
+def as_in_a_terminal():
+    """A terminal's foreground job gets Ctrl-C and SIGHUP; a suite started under nohup or with
+    `&` would pass them on ignored, and prepare.py keeps an ignored signal ignored (nohup's)."""
+    for stop in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(stop, signal.SIG_DFL)
+
+
 def tokenizing(env, out, *launcher):
     """prepare.py of the standard library on 2 workers, once it is writing tokens."""
     p = subprocess.Popen([*launcher, sys.executable, os.path.join(ROOT, "prepare.py"),
                           "--dataset=pystdlib", "--tokenizer=byte", "--num_proc=2",
                           "--out_dir", out], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=as_in_a_terminal)
     deadline = time.time() + 120
     while not any(os.path.getsize(f) for f in glob.glob(f"{out}/train.bin.*.tmp")):
         assert p.poll() is None and time.time() < deadline, p.communicate()
