@@ -63,11 +63,20 @@ def walk(x, n, shape, keys):
     """feistel, cycle-walked back into [0, n): fewer than 2 rounds on average. Each element may
     have its own n, shape and keys (arrays), as the samples of several sources do."""
     out = feistel(x, shape, keys)
-    outside = out >= n
-    while outside.any():
-        out = np.where(outside, feistel(out, shape, keys), out)
-        outside = out >= n
+    # each pass hashes only the elements still outside: the batch waits for its slowest
+    # element, several passes where n is just above a power of two
+    outside = np.flatnonzero(out >= n)
+    while len(outside):
+        again = feistel(out[outside], *(tuple(_at(v, outside) for v in part)
+                                         for part in (shape, keys)))
+        out[outside] = again
+        outside = outside[again >= _at(n, outside)]
     return out
+
+
+def _at(value, where):
+    """value's elements at `where`, or value itself if it is one for all elements."""
+    return value[where] if np.ndim(value) else value
 
 
 def permute(i, n, key):
