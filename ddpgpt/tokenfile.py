@@ -58,6 +58,7 @@ read-ahead around each window; docs/benchmarks.md measures both), and so is the 
 under it). A window never crosses from one file into the next: data.py draws it inside one, and
 one that meets its file's end (sampling='documents') is cut there.
 """
+import gc
 import glob
 import hashlib
 import json
@@ -184,6 +185,19 @@ def meta_path(data_dir):
     return pickled if not os.path.exists(path) and os.path.exists(pickled) else path
 
 
+def load_without_gc(f):
+    """json.load with the garbage collector paused. A meta.json of 10,000 shards is 10,000
+    dicts, whose allocation sets off collections that walk every object torch made at import:
+    0.17 s of a 0.19 s parse, most of a sharded split's start-up."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return json.load(f)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def read_meta(data_dir):
     """meta.json as a dict; for nanoGPT's meta.pkl or llm.c shards without one, what they
     imply; None for a nanoGPT-style folder of raw .bin files."""
@@ -197,7 +211,7 @@ def read_meta(data_dir):
     hint = PREPARE_HINT.format(data_dir)
     try:
         with open(path) as f:
-            meta = json.load(f)
+            meta = load_without_gc(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         problem = f"{type(e).__name__}: {e}"
     else:
