@@ -40,6 +40,7 @@ def main(argv):
     except UserError as e:
         error = str(e)
     if not runtime.agree(error, ranks, "eval.py"):
+        runtime.finish(ranks.world_size)  # every rank is here: the group ends in step
         return 1
     with runtime.peers_watched(ranks, lambda: ("", "Nothing is lost: run it again.")):
         results = evaluate(model.to(device), ev, ranks, runtime.precision(cfg.dtype, device),

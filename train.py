@@ -115,6 +115,7 @@ def main(argv):
             error, identity = str(e), None
         if not runtime.agree(error, ranks, "train.py") or not sources.same_on_all_ranks(
                 runtime.gather(identity, ranks.world_size), cfg.data_dir, ranks, "train.py"):
+            runtime.finish(ranks.world_size)  # every rank is here: the group ends in step
             return 1
         log(f"configuration:\n{configurator.describe(cfg)}")
         run = make_run(cfg, ranks, device, log, found)

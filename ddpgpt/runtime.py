@@ -162,6 +162,13 @@ def init_distributed(device, world_size, backend="", timeout_s=600):
         torch.backends.cudnn.allow_tf32 = True
     if world_size > 1:
         backend = check_backend(backend, device)
+        # torch.distributed.nn.functional's collectives default to group=group.WORLD, taken
+        # when it is first imported (by torch._dynamo, which any optimizer's constructor
+        # imports): after init_process_group, that keeps the group alive past
+        # destroy_process_group, its gloo threads too, and one that drops a collective's
+        # tensor during the interpreter's exit aborts the process ("terminate called without
+        # an active exception"). Imported before, the default is None.
+        import torch.distributed.nn.functional  # noqa: F401
         timeout, rank = timedelta(seconds=timeout_s), int(os.environ["RANK"])
         with this_restarts_store(rank, world_size, timeout) as store:
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
@@ -191,8 +198,8 @@ def check_backend(backend, device):
 
 
 def finish(world_size):
-    """Leave the process group on the way out of a run that succeeded. (A failing rank exits
-    without it: since PyTorch 2.6 destroying a group waits for collectives that the other
+    """Leave the process group on the way out of a run that succeeded, or whose ranks all
+    agreed to stop (agree). (A rank that fails alone exits without it: since PyTorch 2.6 destroying a group waits for collectives that the other
     ranks may never join; errors.run says so.)"""
     if world_size > 1:
         dist.destroy_process_group()
