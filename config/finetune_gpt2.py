@@ -7,7 +7,7 @@
 #   python sample.py --out_dir=out-finetune-gpt2 --start="def "
 #   python export.py out-finetune-gpt2 gpt2-pystdlib
 # The first run downloads the weights into Hugging Face's cache (about 500 MB); with no network
-# see "Fine-tuning GPT-2" in the README. On 8 GPUs: torchrun --standalone --nproc_per_node=8
+# see "Fine-tuning GPT-2" in docs/evaluation.md. On 8 GPUs: torchrun --standalone --nproc_per_node=8
 # train.py config/finetune_gpt2.py (gradient_accumulation_steps is global).
 init_from = "gpt2"  # or gpt2-medium, gpt2-large, gpt2-xl, or a Hugging Face GPT-2 folder
 data_dir = "data/pystdlib-gpt2"

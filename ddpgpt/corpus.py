@@ -562,5 +562,5 @@ def report_openwebtext_total(total, archives):
               f"the archives read here hold {total:,} (missing archives: "
               f"{', '.join(missing) or 'none'}). They are a partial download or copy, or "
               f"upstream changed them; the token files will hold only these documents, and "
-              f"the README's expected numbers do not apply.", file=sys.stderr)
+              f"the expected numbers in docs/data.md do not apply.", file=sys.stderr)
 

@@ -127,7 +127,7 @@ def test_sixteen_gib_file_costs_eight_ranks_no_more_memory_than_sixteen_mib(env,
     assert rss["huge"] < rss["small"] + 16 * 2**20, rss
 
 
-# ---- the data API as the README shows it: every argument checked when the object is made ----
+# ---- the data API as docs/data.md shows it: every argument checked when the object is made ----
 
 @pytest.mark.parametrize("kwargs, error, words", [
     ({"batch_size": 0}, ValueError, "batch_size=0 must be >= 1"),  # looped forever, yielding none

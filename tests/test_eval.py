@@ -352,7 +352,7 @@ def test_offline_without_the_file_hellaswag_is_skipped_or_says_how_to_get_it(byt
                                   f"data/hellaswag_val.jsonl"), p.stderr
         assert "curl -L -o hellaswag_val.jsonl" in message and "--hellaswag_path=" in message
     assert not [f for f in os.listdir(tmp_path / "cache") if f.endswith((".jsonl", ".tmp"))]
-    # with the file in the cache, as the README says to put it, the same command works offline
+    # with the file in the cache, as docs/evaluation.md says to put it, the same command works offline
     shutil.copy(swag_file, tmp_path / "cache" / "hellaswag_val.jsonl")
     p = python("eval.py", f"--out_dir={byte_run}", "--device=cpu", env=env)
     assert last_json(p.stdout)["hellaswag_n"] == len(EXAMPLES)
