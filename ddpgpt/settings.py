@@ -318,7 +318,7 @@ class PrepareConfig:
 
 @dataclass
 class IndexConfig:
-    """Make the document index of a data folder's splits (the format is tokenfile.py's), which
+    """Make the document index of a data folder's splits (the format is docindex.py's), which
     sampling='documents' reads, for token files that have none: nanoGPT's, llm.c's, ddpgpt
     folders made before prepare.py wrote it."""
     data_dir: str = key("data/openwebtext", "the folder that holds the token files")
