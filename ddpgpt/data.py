@@ -32,7 +32,7 @@ import operator
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from itertools import count
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, get_args
 
 import numpy as np
 import torch
@@ -40,8 +40,9 @@ import torch
 from ddpgpt import docindex, tokenfile
 from ddpgpt.errors import UserError
 from ddpgpt.permutation import feistel_shape, hash64, hash_key, permute, round_keys, walk
+from ddpgpt.settings import Sampling
 
-SAMPLING_MODES = ("epoch", "random", "documents")
+SAMPLING_MODES = get_args(Sampling)
 # the domains of hash_key(seed, domain, ...): one per thing drawn
 RANDOM_KEY, EPOCH_KEY, PHASE_KEY, MIX_KEY, DOCUMENTS_KEY = 1, 2, 3, 4, 5
 
