@@ -20,7 +20,8 @@ import os
 import sys
 import time
 
-from ddpgpt import configurator, errors, evaluation, hellaswag, runtime, sources, weights
+from ddpgpt import (configurator, errors, evaluation, hellaswag, peers, runtime, sources,
+                    weights)
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import EvalConfig, TrainConfig
@@ -42,7 +43,7 @@ def main(argv):
     if not runtime.agree(error, ranks, "eval.py"):
         runtime.finish(ranks.world_size)  # every rank is here: the group ends in step
         return 1
-    with runtime.peers_watched(ranks, lambda: ("", "Nothing is lost: run it again.")):
+    with peers.watched(ranks, lambda: ("", "Nothing is lost: run it again.")):
         results = evaluate(model.to(device), ev, ranks, runtime.precision(cfg.dtype, device),
                            device)
     if ranks.master:

@@ -8,7 +8,7 @@ made before prepare.py wrote it with the tokens.
 
 Each split's token files are read once, a chunk at a time (memory stays flat), at more than
 1 GB of tokens per second from the page cache, with a progress bar. Its index,
-<data_dir>/<split>.docidx (the format is tokenfile.py's), is written under a temporary name and
+<data_dir>/<split>.docidx (the format is docindex.py's), is written under a temporary name and
 renamed when complete: a stopped run keeps the splits it finished and leaves nothing half
 written, so running it again does the rest, and an index that still matches its token files is
 kept. A document starts at each file's first token and after every end-of-text id: meta.json's,
@@ -38,9 +38,9 @@ def end_of_text(cfg, meta):
 
 def index_split(token_split, data_dir, split, eot):
     """Make one split's index, unless the one there matches its token files and eot."""
-    path = tokenfile.doc_index_path(data_dir, split)
+    path = docindex.doc_index_path(data_dir, split)
     try:
-        if tokenfile.open_doc_index(token_split, data_dir, split).eot == eot:
+        if docindex.open_doc_index(token_split, data_dir, split).eot == eot:
             print(f"{split}: {path} matches its token files: kept")
             return
     except UserError:  # missing, damaged or stale: made again
@@ -49,7 +49,7 @@ def index_split(token_split, data_dir, split, eot):
     with tqdm(total=token_split.n_tokens, desc=split, unit=" tokens", unit_scale=True) as bar:
         docindex.build(token_split, path, eot, bar.update)
     seconds = time.perf_counter() - t0
-    index = tokenfile.open_doc_index(token_split, data_dir, split)
+    index = docindex.open_doc_index(token_split, data_dir, split)
     size = token_split.n_tokens * token_split.dtype.itemsize
     print(f"{split}: {index.documents:,} documents in {token_split.n_tokens:,} tokens -> {path} "
           f"({seconds:.1f} s, {size / seconds / 1e9:.2f} GB of tokens/s)")

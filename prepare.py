@@ -138,7 +138,7 @@ class SplitWriter:
         self.dtype, self.eot = tokenfile.token_dtype(tokenizer.vocab_size), tokenizer.eot
         self.shards = list(published)  # meta.json's entries, plus where each leaves the corpus
         self.file, self.tokens, self.documents = None, 0, 0
-        self.index = docindex.Writer(tokenfile.doc_index_path(out_dir, split))
+        self.index = docindex.Writer(docindex.doc_index_path(out_dir, split))
         kept = self.token_split()
         for k in range(len(kept.paths)):
             for starts in docindex.scan(kept, k, self.eot):

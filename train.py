@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ddpgpt import (checkpoint, configurator, data, errors, evaluation, lock, metrics, optim,
-                    parallel, runtime, signals, sources, watchdog, weights)
+                    parallel, peers, runtime, signals, sources, watchdog, weights)
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import TrainConfig
@@ -105,7 +105,7 @@ def main(argv):
     # rank 0 holds out_dir's lock for the run: a second run there would delete this one's
     # checkpoints and interleave its metrics (refused like any start-up error, by agree())
     with contextlib.ExitStack() as out_dir_lock, \
-            runtime.peers_watched(ranks, lambda: standing(cfg, run)):
+            peers.watched(ranks, lambda: standing(cfg, run)):
         try:
             if ranks.master:
                 out_dir_lock.enter_context(lock.locked(cfg.out_dir, "train.py", log))

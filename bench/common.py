@@ -1,5 +1,6 @@
-"""What the parts of the benchmark share: a description of the machine, and running a command
-as a user would while watching its memory and time."""
+"""What the parts of the benchmark share (and the tests: tests/conftest.py imports it): a
+description of the machine, running a command as a user would while watching its memory and
+time, and small data folders written from arrays."""
 import os
 import platform
 import re
@@ -15,6 +16,7 @@ import psutil
 import torch
 
 from bench import report
+from ddpgpt import docindex, tokenfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB, GiB = 2**20, 2**30
@@ -58,6 +60,25 @@ def torchrun(nproc):
     """The start of a torchrun command line, as the tests and users run it."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={nproc}"]
+
+
+def write_token_files(data_dir, ids_by_split, *, tokenizer, vocab_size, eot_token):
+    """A complete data folder from in-memory arrays of ids, for small data, with each split's
+    document index; prepare.py streams instead. Documents are counted by their end-of-text
+    ids."""
+    os.makedirs(data_dir, exist_ok=True)
+    dtype, splits = tokenfile.token_dtype(vocab_size), {}
+    for split, ids in ids_by_split.items():
+        path = os.path.join(data_dir, f"{split}.bin")
+        ids = np.asarray(ids, dtype=dtype)
+        ids.tofile(path)
+        splits[split] = tokenfile.describe_split(path, dtype,
+                                                 int(np.count_nonzero(ids == eot_token)))
+    tokenfile.write_meta(data_dir, tokenizer=tokenizer, vocab_size=vocab_size,
+                         eot_token=eot_token, splits=splits)
+    for split in ids_by_split:
+        docindex.build(tokenfile.open_split(data_dir, split, 1, log=lambda *a: None),
+                       docindex.doc_index_path(data_dir, split), eot_token)
 
 
 @dataclass

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from bench import common, report
-from ddpgpt import data, docindex, tokenfile
+from ddpgpt import data, docindex, sources, tokenfile
 from bench.common import GiB, MiB
 from bench.datapath_rank import BATCH, BLOCK, SEED, data_sources
 
@@ -83,7 +83,7 @@ def sparse_documents(folder):
     text's lengths (its tokens, all 0, have no end-of-text to find), written by
     docindex.Writer as prepare.py writes one: about 8 bytes per 1,000 tokens."""
     token_split = tokenfile.open_split(folder, "train", 1, log=lambda *a: None)
-    writer, rng, at = docindex.Writer(tokenfile.doc_index_path(folder, "train")), \
+    writer, rng, at = docindex.Writer(docindex.doc_index_path(folder, "train")), \
         np.random.default_rng(0), 0
     while at < token_split.n_tokens:
         lengths = document_lengths(rng, 2**20)
@@ -237,9 +237,9 @@ def index_row(folder, size):
         while f.read(64 * MiB):
             pass
     t, cpu = time.perf_counter(), time.process_time()
-    docindex.build(token_split, tokenfile.doc_index_path(folder, "train"), EOT)
+    docindex.build(token_split, docindex.doc_index_path(folder, "train"), EOT)
     build_s, build_cpu_s = time.perf_counter() - t, time.process_time() - cpu
-    token_split = tokenfile.open_split(folder, "train", BLOCK, documents=True)
+    token_split = sources.open_split(folder, "train", BLOCK, mode="documents")
     n = int(data.windows(data.mixture([token_split]), BLOCK, "documents").n[0])
     offsets = data.sample_offsets(np.arange(n), token_split, BLOCK, SEED, "documents")
     expected = document_starts(np.memmap(path, dtype=np.uint16, mode="r"))

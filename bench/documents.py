@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 from bench import common, preparing
-from ddpgpt import configurator, corpus, data, tokenfile
+from ddpgpt import configurator, corpus, data, docindex, sources
 from ddpgpt.settings import TrainConfig
 
 TITLE = "Documents mode: val loss at equal tokens"
@@ -109,9 +109,9 @@ def train(name, folder, mode, seed, settings, workdir, env):
 def describe(name, folder, block_size):
     """What documents mode does with the corpus's train split."""
     cut, tokenizer, _ = CORPORA[name]
-    token_split = tokenfile.open_split(folder, "train", block_size, documents=True)
+    token_split = sources.open_split(folder, "train", block_size, mode="documents")
     windows = int(data.windows(data.mixture([token_split]), block_size, "documents").n[0])
-    lengths, counts = tokenfile.doc_lengths(token_split.docs)
+    lengths, counts = docindex.doc_lengths(token_split.docs)
     return {"corpus": name, "cut": {"modules": "modules", "functions": "top-level functions "
                                     "and classes"}[cut], "tokenizer": tokenizer,
             "tokens": token_split.n_tokens, "documents": token_split.docs.documents,

@@ -107,7 +107,7 @@ def random_data(folder, vocab_size, tokenizer, n_train):
     """Uniformly random ids: a model's speed does not depend on the text. The byte data is
     marked as the byte tokenizer's, so that sample.py decodes it with no download."""
     rng = np.random.default_rng(0)
-    tokenfile.write_token_files(
+    common.write_token_files(
         folder, {"train": rng.integers(0, vocab_size, n_train),
                  "val": rng.integers(0, vocab_size, 20_000)},
         tokenizer=tokenizer, vocab_size=vocab_size, eot_token=vocab_size - 1)

@@ -56,7 +56,7 @@ def make_data(kind, workdir):
     # uniformly random ids: the model's speed does not depend on the text
     vocab_size, n_train = RANDOM[kind]
     rng = np.random.default_rng(0)
-    tokenfile.write_token_files(
+    common.write_token_files(
         folder, {"train": rng.integers(0, vocab_size, n_train),
                  "val": rng.integers(0, vocab_size, 20_000)},
         tokenizer="random (benchmark)", vocab_size=vocab_size, eot_token=vocab_size - 1)

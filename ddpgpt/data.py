@@ -32,16 +32,17 @@ import operator
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from itertools import count
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, get_args
 
 import numpy as np
 import torch
 
-from ddpgpt import tokenfile
+from ddpgpt import docindex, tokenfile
 from ddpgpt.errors import UserError
 from ddpgpt.permutation import feistel_shape, hash64, hash_key, permute, round_keys, walk
+from ddpgpt.settings import Sampling
 
-SAMPLING_MODES = ("epoch", "random", "documents")
+SAMPLING_MODES = get_args(Sampling)
 # the domains of hash_key(seed, domain, ...): one per thing drawn
 RANDOM_KEY, EPOCH_KEY, PHASE_KEY, MIX_KEY, DOCUMENTS_KEY = 1, 2, 3, 4, 5
 
@@ -176,7 +177,7 @@ class Windows(NamedTuple):
     ends: np.ndarray  # per unit: where it ends
     at: np.ndarray  # per unit: its file's first token ('documents': the run's first level)
     size: np.ndarray  # per unit: 'epoch': phases to draw from (uint64); 'documents': documents
-    indexes: tuple  # per source: its tokenfile.DocIndex ('documents'), else None
+    indexes: tuple  # per source: its docindex.DocIndex ('documents'), else None
 
 
 def blocks_per_epoch(n_tokens, block_size):
@@ -204,8 +205,8 @@ def source_units(token_split, block_size, mode):
         return blocks, starts[:-1], slack.astype(np.uint64) + np.uint64(1)
     if token_split.docs is None:
         raise ValueError("sampling mode 'documents' needs the split's document index: open it "
-                         "with tokenfile.open_split(..., documents=True)")
-    return document_runs(*tokenfile.doc_lengths(token_split.docs), block_size)
+                         "with sources.open_split(..., mode='documents')")
+    return document_runs(*docindex.doc_lengths(token_split.docs), block_size)
 
 
 def document_runs(lengths, counts, block_size):
@@ -310,7 +311,7 @@ def document_offsets(w, source, unit, within):
     first = np.empty_like(place)
     for s in np.unique(source).tolist():
         here = source == s
-        first[here] = tokenfile.doc_starts(w.indexes[s], place[here])
+        first[here] = docindex.doc_starts(w.indexes[s], place[here])
     return first + level * w.block_size
 
 
@@ -487,7 +488,7 @@ class BlockDataset(torch.utils.data.Dataset):
     (point 4). Its length is one epoch of blocks ('documents': of starts); every index from 0
     to MAX_INDEX is valid, later epochs beyond len(). A negative index is an IndexError, not
     counted from the end: there is no end, and wrapping into epoch 0 would hide an off-by-one.
-    'documents' mode needs the split opened with its index (open_split(..., documents=True))."""
+    'documents' mode needs the split opened with its index (sources.open_split)."""
 
     def __init__(self, token_split, block_size, seed=0, mode="epoch"):
         if not isinstance(token_split, tokenfile.TokenSplit):
@@ -500,8 +501,8 @@ class BlockDataset(torch.utils.data.Dataset):
         check_mode(mode)
         if mode == "documents" and token_split.docs is None:
             raise ValueError("BlockDataset(mode='documents') reads the split's document index: "
-                             "open the split with tokenfile.open_split(data_dir, 'train', "
-                             "block_size, documents=True)")
+                             "open the split with sources.open_split(data_dir, 'train', "
+                             "block_size, mode='documents')")
         self.mode = mode
         tokenfile.check_block_size(token_split, self.block_size)
         self._windows = None  # made in each process that reads, once (windows())

@@ -1,23 +1,152 @@
-"""Building a split's document index (the format is tokenfile.py's, and reading it): as
-prepare.py writes the token files, or from token files that have none (index_documents.py).
-Either way in memory that does not grow with the data, published whole or not at all (fileio).
+"""A split's document index, in one home: its format (described here only), building it, and
+reading it.
 
-The documents' first tokens are kept in file order in a temporary file as they come: from the
-lengths prepare.py writes, or from a scan of the tokens for end-of-text ids (scan()). finish()
-then reads that file twice: once to count the documents of each length, once to put each first
-token at its place in length order, a counting sort that fills WINDOW places a pass.
+<data_dir>/train.docidx, val.docidx: a split's document index, for sampling='documents'
+(data.py). prepare.py writes it with the token files; `python index_documents.py
+--data_dir=<data_dir>` makes it for token files without one (nanoGPT's, llm.c's, older ddpgpt
+folders). A document starts at its file's first token and after every end-of-text id, and ends
+where the next one starts. Little-endian:
+  a header of 512 bytes: "DDPGDOCS", then int64 format version 1, documents D, distinct
+  document lengths H, the split's tokens, its files and its end-of-text id (-1: none, each
+  file is one document), then two fingerprints of 32 hex digits (ASCII): the split's, which
+  its token files must still match (tokenfile.sampled_fingerprint, as meta.json's), and the
+  index's own (sampled_fingerprint of the rest of this file);
+  int64[D]: each document's first token in the split's token space, the longest document
+  first, documents of one length in file order;
+  int64[H] and int64[H]: the distinct lengths, longest first, and how many documents have
+  each.
+In length order, the documents that hold a k-th start for any block_size are the first ones,
+so the starts of a block_size follow from the H lengths alone (data.py), and H is at most
+sqrt(2 x tokens).
+
+A run checks the index against its token files at start-up (open_doc_index), then reads the
+entries it needs with one os.pread each, as tokenfile.py reads windows: the index is never
+loaded, nor mapped (a memory map would keep its pages, and end the process with SIGBUS if the
+file were cut under it).
+
+Building it (Writer, build) takes memory that does not grow with the data, and publishes the
+index whole or not at all (fileio), as prepare.py writes the token files or from token files
+that have none (index_documents.py). The documents' first tokens are kept in file order in a
+temporary file as they come: from the lengths prepare.py writes, or from a scan of the tokens
+for end-of-text ids (scan()). finish() then reads that file twice: once to count the documents
+of each length, once to put each first token at its place in length order, a counting sort
+that fills WINDOW places a pass.
 """
 import contextlib
 import os
+import struct
+from typing import NamedTuple, Optional
 
 import numpy as np
 
 from ddpgpt import fileio, tokenfile
+from ddpgpt.errors import UserError
 
+DOCS_SUFFIX, DOCS_MAGIC, DOCS_VERSION, DOCS_HEADER_BYTES = ".docidx", b"DDPGDOCS", 1, 512
+DOCS_HEADER = struct.Struct("<8s6q32s32s")  # magic, 6 int64 as above, two fingerprints
+INDEX_HINT = "python index_documents.py --data_dir={}"
 CHUNK_TOKENS = 1 << 24  # tokens scanned at a time: 32 MiB of uint16
 CHUNK_DOCS = 1 << 22  # first tokens read back at a time: 32 MiB
 WINDOW = 1 << 24  # places of the index filled per pass: 128 MiB, and 1 pass below 16M documents
 
+
+class DocIndex(NamedTuple):
+    """A split's document index (the format above), checked: where it is and its sizes, never
+    its contents, so that it pickles small and costs no memory."""
+    path: str
+    documents: int
+    lengths: int  # distinct document lengths
+    eot: Optional[int]  # the end-of-text id that ends its documents; None: one per file
+
+
+# ---- reading ----
+
+def doc_index_path(data_dir, split):
+    return os.path.join(data_dir, split + DOCS_SUFFIX)
+
+
+def doc_header(documents, lengths, token_split, eot, own_fingerprint):
+    """The index's header (the format above) for a split's token_split."""
+    return DOCS_HEADER.pack(DOCS_MAGIC, DOCS_VERSION, documents, lengths, token_split.n_tokens,
+                            len(token_split.paths), -1 if eot is None else eot,
+                            token_split.fingerprint.encode(), own_fingerprint.encode())
+
+
+def read_doc_header(path):
+    """(documents, lengths, tokens, files, eot, the split's fingerprint, its own) of an index
+    file; ValueError saying what is wrong with one that is not whole."""
+    with open(path, "rb") as f:
+        head = f.read(DOCS_HEADER_BYTES)
+    if len(head) < DOCS_HEADER.size or head[:8] != DOCS_MAGIC:
+        raise ValueError("it does not start with a ddpgpt document index's header")
+    magic, version, documents, lengths, tokens, files, eot, split_fp, own_fp = \
+        DOCS_HEADER.unpack(head[:DOCS_HEADER.size])
+    if version != DOCS_VERSION:
+        raise ValueError(f"format version {version}; this code reads {DOCS_VERSION}")
+    size = os.path.getsize(path)
+    if size != DOCS_HEADER_BYTES + 8 * (documents + 2 * lengths):
+        raise ValueError(f"{size} bytes, where its header's {documents} documents and {lengths} "
+                         f"lengths take {DOCS_HEADER_BYTES + 8 * (documents + 2 * lengths)}: it "
+                         f"was cut short or written over")
+    return documents, lengths, tokens, files, None if eot < 0 else eot, split_fp.decode(), \
+        own_fp.decode()
+
+
+def open_doc_index(token_split, data_dir, split):
+    """The split's DocIndex, checked against its token files and its own fingerprint, at the
+    cost of 64 small reads: a UserError naming the command that makes it, if it is missing,
+    damaged or of other token files."""
+    path, files = doc_index_path(data_dir, split), tokenfile.describe(token_split)
+    make = f"`{INDEX_HINT.format(data_dir)}`"
+    if not os.path.isfile(path):
+        raise UserError(
+            f"{path} does not exist: it is the document index of {files}, "
+            f"which sampling='documents' reads. Make it with {make} (it reads the token "
+            f"files once; prepare.py writes it with them).")
+    try:
+        documents, lengths, _, _, eot, split_fp, own_fp = read_doc_header(path)
+    except ValueError as e:
+        raise UserError(f"{path} is not a document index that this code reads ({e}). Make it "
+                        f"again with {make}.") from None
+    if split_fp != token_split.fingerprint:
+        raise UserError(
+            f"{path} is the document index of other token files than {files}: "
+            f"they were made again, or changed, after it was. Make it again with {make}.")
+    if own_fp != tokenfile.sampled_fingerprint([path], DOCS_HEADER_BYTES):
+        raise UserError(f"{path} does not match its own fingerprint: it was damaged or written "
+                        f"over after it was made. Make it again with {make}.")
+    return DocIndex(path, documents, lengths, eot)
+
+
+def doc_lengths(index):
+    """(the distinct document lengths, longest first, and the documents of each): int64 arrays
+    of the index's H entries."""
+    values = np.fromfile(index.path, dtype="<i8", count=2 * index.lengths,
+                         offset=DOCS_HEADER_BYTES + 8 * index.documents)
+    return values[:index.lengths].astype(np.int64), values[index.lengths:].astype(np.int64)
+
+
+def doc_starts(index, places):
+    """The first token of the documents at these places in length order (longest first), one
+    pread each."""
+    try:
+        fd = os.open(index.path, os.O_RDONLY)
+        try:
+            raw = b"".join(os.pread(fd, 8, DOCS_HEADER_BYTES + 8 * p) for p in places.tolist())
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise UserError(f"{index.path} could not be read during the run ({e.strerror}): make it "
+                        f"again with `{INDEX_HINT.format(os.path.dirname(index.path))}`, and "
+                        f"resume.") from None
+    if len(raw) != 8 * len(places):
+        raise UserError(f"{index.path} is shorter than it was at start-up: it was cut or "
+                        f"replaced during the run. Make it again with "
+                        f"`{INDEX_HINT.format(os.path.dirname(index.path))}`, and resume.")
+    return np.frombuffer(raw, dtype="<i8").astype(np.int64)
+
+
+# ---- building ----
 
 class Writer:
     """One split's index: add() its documents' first tokens in file order, then finish()."""
@@ -40,13 +169,12 @@ class Writer:
         try:
             lengths, counts = self.histogram(token_split.n_tokens)
             with open(tmp, "wb") as out:
-                out.write(bytes(tokenfile.DOCS_HEADER_BYTES))  # written last, with fingerprints
+                out.write(bytes(DOCS_HEADER_BYTES))  # written last, with fingerprints
                 self.write_by_length(out, lengths, counts, token_split.n_tokens)
                 np.concatenate([lengths, counts]).astype("<i8").tofile(out)
-            own = tokenfile.sampled_fingerprint([tmp], tokenfile.DOCS_HEADER_BYTES)
+            own = tokenfile.sampled_fingerprint([tmp], DOCS_HEADER_BYTES)
             with open(tmp, "r+b") as out:
-                out.write(tokenfile.doc_header(self.documents, len(lengths), token_split, eot,
-                                               own))
+                out.write(doc_header(self.documents, len(lengths), token_split, eot, own))
             fileio.publish(tmp, self.path)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):

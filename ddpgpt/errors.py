@@ -16,7 +16,7 @@ class UserError(Exception):
 
 
 class PeerLost(UserError):
-    """Another rank of the run is gone (runtime.peers_watched): the process exits as soon as it
+    """Another rank of the run is gone (peers.watched): the process exits as soon as it
     has said so (exit_now)."""
 
 

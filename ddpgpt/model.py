@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from ddpgpt.errors import UserError
+
 ARCHES = ("gpt2", "modern")
 RMS_EPS = 1e-6  # RMSNorm's epsilon, Qwen3's
 
@@ -40,6 +42,8 @@ class GPTConfig:
     def __post_init__(self):
         if self.arch not in ARCHES:
             raise ValueError(f"arch={self.arch!r} is none of {ARCHES}")
+        if self.n_embd % self.n_head:
+            raise UserError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
 
 
 def swiglu_hidden(n_embd):
@@ -52,8 +56,6 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        if config.n_embd % config.n_head != 0:
-            raise ValueError(f"n_embd={config.n_embd} is not a multiple of n_head={config.n_head}")
         # one matmul for query, key and value of all heads
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -122,8 +124,6 @@ class RotaryAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        if config.n_embd % config.n_head != 0:
-            raise ValueError(f"n_embd={config.n_embd} is not a multiple of n_head={config.n_head}")
         C, head_dim = config.n_embd, config.n_embd // config.n_head
         self.c_q = nn.Linear(C, C, bias=False)
         self.c_k = nn.Linear(C, C, bias=False)

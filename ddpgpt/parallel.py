@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpgpt import runtime, settings
+from ddpgpt import runtime
 from ddpgpt.errors import UserError
 
 
@@ -33,10 +33,16 @@ def sharded(cfg, ranks):
 
 
 def check(cfg, dtype):
-    """What fsdp cannot train in (settings.py checks the keys themselves): float16, which
-    dtype='auto' is on a GPU without bfloat16 (V100, T4)."""
+    """What fsdp cannot train in: float16 (dtype, what cfg.dtype is on this device), asked for
+    or what dtype='auto' is on a GPU without bfloat16 (V100, T4). Checked here alone, where
+    the device says what 'auto' is."""
     if cfg.parallel == "fsdp" and dtype == "float16":
-        raise UserError(settings.fsdp_float16(f"dtype={cfg.dtype!r} is float16 on this GPU"))
+        what = "dtype='float16'" if cfg.dtype == "float16" else \
+            f"dtype={cfg.dtype!r} is float16 on this GPU"
+        raise UserError(f"parallel='fsdp' does not train in float16 ({what}): float16 needs a "
+                        f"gradient scaler, which the sharded gradients do not have here. Use "
+                        f"dtype='bfloat16' on a GPU that has it (A100, H100 and later), "
+                        f"dtype='float32', or parallel='ddp'.")
 
 
 class Wrapped(NamedTuple):

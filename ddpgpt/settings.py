@@ -148,8 +148,6 @@ class TrainConfig:
     def __post_init__(self):
         from ddpgpt import hf, optim
         configurator.check(self)
-        if self.n_embd % self.n_head:
-            raise UserError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
         hf.check_init_from(self.init_from, INIT_FROM)
         cooldown = optim.cooldown_start(self)
         if self.decay_lr and self.lr_schedule == "wsd" and self.max_iters and \
@@ -178,7 +176,8 @@ class TrainConfig:
                             "(the AdamW part's) above 0.")
 
     def check_parallel(self):
-        """The keys that only fsdp reads, and what it cannot train in."""
+        """The keys that only fsdp reads, and the optimizer it cannot train with (float16:
+        parallel.check, where the device says what dtype='auto' is)."""
         if self.parallel == "ddp":
             for name, default in (("reshard_after_forward", True),
                                   ("reduce_every_micro_step", False)):
@@ -186,8 +185,6 @@ class TrainConfig:
                     raise UserError(f"{name}={getattr(self, name)!r} is a setting of "
                                     f"parallel='fsdp', and this run is parallel='ddp': add "
                                     f"--parallel=fsdp, or leave {name} out.")
-        elif self.dtype == "float16":
-            raise UserError(fsdp_float16("dtype='float16'"))
         elif self.optimizer == "muon":
             # Muon's update is a function of the whole matrix (its orthogonalization), and
             # torch.optim.Muon computes it from the tensor it is given: under FSDP2 that is
@@ -215,13 +212,6 @@ class TrainConfig:
                 f"must be a multiple of the world size {world_size}: use "
                 f"{max(1, micro // world_size) * world_size}.")
         return self.gradient_accumulation_steps // world_size
-
-
-def fsdp_float16(what):
-    """Why parallel=fsdp refuses float16 (what: how float16 was chosen)."""
-    return (f"parallel='fsdp' does not train in float16 ({what}): float16 needs a gradient "
-            f"scaler, which the sharded gradients do not have here. Use dtype='bfloat16' on a "
-            f"GPU that has it (A100, H100 and later), dtype='float32', or parallel='ddp'.")
 
 
 @dataclass
@@ -318,7 +308,7 @@ class PrepareConfig:
 
 @dataclass
 class IndexConfig:
-    """Make the document index of a data folder's splits (the format is tokenfile.py's), which
+    """Make the document index of a data folder's splits (the format is docindex.py's), which
     sampling='documents' reads, for token files that have none: nanoGPT's, llm.c's, ddpgpt
     folders made before prepare.py wrote it."""
     data_dir: str = key("data/openwebtext", "the folder that holds the token files")

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ddpgpt import data, tokenfile
+from ddpgpt import data, docindex, tokenfile
 from ddpgpt.errors import UserError
 from ddpgpt.tokenizer import same_vocabulary
 
@@ -93,18 +93,23 @@ def open_splits(sources, block_size, vocab_size, log, splits=tokenfile.SPLITS, m
     return out
 
 
-def open_split(folder, split, block_size, vocab_size, log, mode="epoch"):
-    """One source's split (tokenfile.open_split), with its document index as open_splits says."""
-    needed = split == "train" and mode == "documents"
-    token_split = tokenfile.open_split(folder, split, block_size, vocab_size, log=log,
-                                       documents=needed)
+def open_split(folder, split, block_size, vocab_size=None, log=print, mode="epoch"):
+    """One source's split (tokenfile.open_split), with its document index as open_splits says:
+    the one place that decides which splits open theirs."""
+    token_split = tokenfile.open_split(folder, split, block_size, vocab_size, log=log)
+    if split == "train" and mode == "documents":
+        return with_index(token_split, folder, split)
     if split != "val":
         return token_split
     try:
-        return token_split._replace(docs=tokenfile.open_doc_index(token_split, folder, split))
+        return with_index(token_split, folder, split)
     except UserError as e:
         log(f"note: the evaluations leave the document-aligned val loss (val_loss_docs) out: {e}")
         return token_split
+
+
+def with_index(token_split, folder, split):
+    return token_split._replace(docs=docindex.open_doc_index(token_split, folder, split))
 
 
 def open_for_model(data_dir, split, tok, block_size, vocab_size, log):

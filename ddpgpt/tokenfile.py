@@ -28,24 +28,7 @@ reading a split. A split is one file or a set of shards, read as one token space
       characters. Only plain data is unpickled: a pickle that names any class or function,
       which loading would import and call, is refused.
   A folder with .bin files and no meta.json is read as nanoGPT's raw uint16.
-  <data_dir>/train.docidx, val.docidx: a split's document index, for sampling='documents'
-      (data.py). prepare.py writes it with the token files; `python index_documents.py
-      --data_dir=<data_dir>` makes it for token files without one (nanoGPT's, llm.c's, older
-      ddpgpt folders). A document starts at its file's first token and after every end-of-text
-      id, and ends where the next one starts. Little-endian:
-        a header of 512 bytes: "DDPGDOCS", then int64 format version 1, documents D, distinct
-        document lengths H, the split's tokens, its files and its end-of-text id (-1: none,
-        each file is one document), then two fingerprints of 32 hex digits (ASCII): the
-        split's, which its token files must still match (sampled_fingerprint, as meta.json's),
-        and the index's own (sampled_fingerprint of the rest of this file);
-        int64[D]: each document's first token in the split's token space, the longest document
-        first, documents of one length in file order;
-        int64[H] and int64[H]: the distinct lengths, longest first, and how many documents have
-        each.
-      In length order, the documents that hold a k-th start for any block_size are the first
-      ones, so the starts of a block_size follow from the H lengths alone (data.py), and H is
-      at most sqrt(2 x tokens). A run reads the entries it needs with one pread each, as it
-      reads windows: the index is never loaded, nor mapped.
+  <data_dir>/train.docidx, val.docidx: a split's document index (docindex.py describes it).
   While prepare.py writes a folder it also holds ddpgpt.lock (lock.py), temporary files
   <name>.<pid>@<host>.tmp (fileio.tmp_path) and, for shards, prepare.progress.json.
 
@@ -53,10 +36,9 @@ A TokenSplit holds paths, a dtype and where each file starts in the split's toke
 an open file: it pickles small and works in any process, forked or spawned. Each read opens the
 files it needs and reads each window with one os.pread, so no page read stays in the resident
 memory of a long run, and a random window costs one small read (a memmap faults in the disk's
-read-ahead around each window; docs/benchmarks.md measures both), and so is the document index
-(a memory map would also keep its pages, and end the process with SIGBUS if the file were cut
-under it). A window never crosses from one file into the next: data.py draws it inside one, and
-one that meets its file's end (sampling='documents') is cut there.
+read-ahead around each window; docs/benchmarks.md measures both). A window never crosses from
+one file into the next: data.py draws it inside one, and one that meets its file's end
+(sampling='documents') is cut there.
 """
 import gc
 import glob
@@ -65,8 +47,7 @@ import json
 import os
 import pickle
 import re
-import struct
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -81,22 +62,10 @@ SPLITS = ("train", "val")
 FINGERPRINT_CHUNKS, FINGERPRINT_CHUNK_BYTES = 64, 4096
 PREPARE_HINT = "python prepare.py --out_dir={}"
 LLMC_MAGIC, LLMC_VERSION, LLMC_HEADER_BYTES = 20240520, 1, 256 * 4
-DOCS_SUFFIX, DOCS_MAGIC, DOCS_VERSION, DOCS_HEADER_BYTES = ".docidx", b"DDPGDOCS", 1, 512
-DOCS_HEADER = struct.Struct("<8s6q32s32s")  # magic, 6 int64 as above, two fingerprints
-INDEX_HINT = "python index_documents.py --data_dir={}"
 # what llm.c's GPT-2 shards are, since they come without a meta.json
 LLMC_META = {"format_version": FORMAT_VERSION, "format": "llmc", "dtype": "uint16",
              "vocab_size": 50257, "tokenizer": "gpt2", "eot_token": 50256, "splits": {},
              "source": "llm.c shards (magic 20240520, version 1)"}
-
-
-class DocIndex(NamedTuple):
-    """A split's document index (the format above), checked: where it is and its sizes, never
-    its contents, so that it pickles small and costs no memory."""
-    path: str
-    documents: int
-    lengths: int  # distinct document lengths
-    eot: Optional[int]  # the end-of-text id that ends its documents; None: one per file
 
 
 class TokenSplit(NamedTuple):
@@ -108,7 +77,7 @@ class TokenSplit(NamedTuple):
     header_bytes: int
     starts: np.ndarray
     fingerprint: str = ""
-    docs: Optional[DocIndex] = None
+    docs: Any = None  # its docindex.DocIndex, where sources.open_split opened it
 
     @property
     def n_tokens(self):
@@ -151,25 +120,6 @@ def write_meta(data_dir, *, tokenizer, vocab_size, eot_token, splits, **provenan
         "format_version": FORMAT_VERSION, "dtype": token_dtype(vocab_size).name,
         "vocab_size": vocab_size, "tokenizer": tokenizer, "eot_token": eot_token,
         "splits": splits, **provenance})
-
-
-def write_token_files(data_dir, ids_by_split, *, tokenizer, vocab_size, eot_token):
-    """A complete data folder from in-memory arrays of ids, for small data (tests, benchmarks),
-    with each split's document index; prepare.py streams instead. Documents are counted by
-    their end-of-text ids."""
-    from ddpgpt import docindex  # which builds on this module
-    os.makedirs(data_dir, exist_ok=True)
-    dtype, splits = token_dtype(vocab_size), {}
-    for split, ids in ids_by_split.items():
-        path = os.path.join(data_dir, f"{split}.bin")
-        ids = np.asarray(ids, dtype=dtype)
-        ids.tofile(path)
-        splits[split] = describe_split(path, dtype, int(np.count_nonzero(ids == eot_token)))
-    write_meta(data_dir, tokenizer=tokenizer, vocab_size=vocab_size, eot_token=eot_token,
-               splits=splits)
-    for split in ids_by_split:
-        docindex.build(open_split(data_dir, split, 1, log=lambda *a: None),
-                       doc_index_path(data_dir, split), eot_token)
 
 
 # ---- reading ----
@@ -408,10 +358,10 @@ def file_tokens(paths, dtype, header_bytes, listed, hint):
     return counts
 
 
-def open_split(data_dir, split, block_size, vocab_size=None, log=print, documents=False):
+def open_split(data_dir, split, block_size, vocab_size=None, log=print):
     """Check one split on disk (against meta.json where there is one) and return its
-    TokenSplit; with documents=True, with its document index too (open_doc_index). The checks
-    cost the same for any file size: sizes, headers, and a fingerprint of 64 chunks."""
+    TokenSplit, without its document index (sources.open_split adds it). The checks cost the
+    same for any file size: sizes, headers, and a fingerprint of 64 chunks."""
     meta = read_meta(data_dir)
     hint = PREPARE_HINT.format(data_dir)
     paths, header, listed = split_files(data_dir, split, meta)
@@ -442,8 +392,6 @@ def open_split(data_dir, split, block_size, vocab_size=None, log=print, document
             f"{data_dir} was tokenized with {meta.get('tokenizer')!r}, whose {meta['vocab_size']} "
             f"ids do not fit the model's vocab_size={vocab_size}: use a model with vocab_size "
             f">= {meta['vocab_size']} or data prepared with a smaller vocabulary.")
-    if documents:
-        token_split = token_split._replace(docs=open_doc_index(token_split, data_dir, split))
     return token_split
 
 
@@ -471,93 +419,6 @@ def check_block_size(token_split, block_size):
             f"from one shard into the next: prepare the data again with larger shards "
             f"(--shard_tokens={block_size + 1} or more), or set block_size to at most "
             f"{max(longest - 1, 0)}.")
-
-
-# ---- the document index ----
-
-def doc_index_path(data_dir, split):
-    return os.path.join(data_dir, split + DOCS_SUFFIX)
-
-
-def doc_header(documents, lengths, token_split, eot, own_fingerprint):
-    """The index's header (the format above) for a split's token_split."""
-    return DOCS_HEADER.pack(DOCS_MAGIC, DOCS_VERSION, documents, lengths, token_split.n_tokens,
-                            len(token_split.paths), -1 if eot is None else eot,
-                            token_split.fingerprint.encode(), own_fingerprint.encode())
-
-
-def read_doc_header(path):
-    """(documents, lengths, tokens, files, eot, the split's fingerprint, its own) of an index
-    file; ValueError saying what is wrong with one that is not whole."""
-    with open(path, "rb") as f:
-        head = f.read(DOCS_HEADER_BYTES)
-    if len(head) < DOCS_HEADER.size or head[:8] != DOCS_MAGIC:
-        raise ValueError("it does not start with a ddpgpt document index's header")
-    magic, version, documents, lengths, tokens, files, eot, split_fp, own_fp = \
-        DOCS_HEADER.unpack(head[:DOCS_HEADER.size])
-    if version != DOCS_VERSION:
-        raise ValueError(f"format version {version}; this code reads {DOCS_VERSION}")
-    size = os.path.getsize(path)
-    if size != DOCS_HEADER_BYTES + 8 * (documents + 2 * lengths):
-        raise ValueError(f"{size} bytes, where its header's {documents} documents and {lengths} "
-                         f"lengths take {DOCS_HEADER_BYTES + 8 * (documents + 2 * lengths)}: it "
-                         f"was cut short or written over")
-    return documents, lengths, tokens, files, None if eot < 0 else eot, split_fp.decode(), \
-        own_fp.decode()
-
-
-def open_doc_index(token_split, data_dir, split):
-    """The split's DocIndex, checked against its token files and its own fingerprint, at the
-    cost of 64 small reads: a UserError naming the command that makes it, if it is missing,
-    damaged or of other token files."""
-    path = doc_index_path(data_dir, split)
-    make = f"`{INDEX_HINT.format(data_dir)}`"
-    if not os.path.isfile(path):
-        raise UserError(
-            f"{path} does not exist: it is the document index of {describe(token_split)}, "
-            f"which sampling='documents' reads. Make it with {make} (it reads the token "
-            f"files once; prepare.py writes it with them).")
-    try:
-        documents, lengths, _, _, eot, split_fp, own_fp = read_doc_header(path)
-    except ValueError as e:
-        raise UserError(f"{path} is not a document index that this code reads ({e}). Make it "
-                        f"again with {make}.") from None
-    if split_fp != token_split.fingerprint:
-        raise UserError(
-            f"{path} is the document index of other token files than {describe(token_split)}: "
-            f"they were made again, or changed, after it was. Make it again with {make}.")
-    if own_fp != sampled_fingerprint([path], DOCS_HEADER_BYTES):
-        raise UserError(f"{path} does not match its own fingerprint: it was damaged or written "
-                        f"over after it was made. Make it again with {make}.")
-    return DocIndex(path, documents, lengths, eot)
-
-
-def doc_lengths(index):
-    """(the distinct document lengths, longest first, and the documents of each): int64 arrays
-    of the index's H entries."""
-    values = np.fromfile(index.path, dtype="<i8", count=2 * index.lengths,
-                         offset=DOCS_HEADER_BYTES + 8 * index.documents)
-    return values[:index.lengths].astype(np.int64), values[index.lengths:].astype(np.int64)
-
-
-def doc_starts(index, places):
-    """The first token of the documents at these places in length order (longest first), one
-    pread each."""
-    try:
-        fd = os.open(index.path, os.O_RDONLY)
-        try:
-            raw = b"".join(os.pread(fd, 8, DOCS_HEADER_BYTES + 8 * p) for p in places.tolist())
-        finally:
-            os.close(fd)
-    except OSError as e:
-        raise UserError(f"{index.path} could not be read during the run ({e.strerror}): make it "
-                        f"again with `{INDEX_HINT.format(os.path.dirname(index.path))}`, and "
-                        f"resume.") from None
-    if len(raw) != 8 * len(places):
-        raise UserError(f"{index.path} is shorter than it was at start-up: it was cut or "
-                        f"replaced during the run. Make it again with "
-                        f"`{INDEX_HINT.format(os.path.dirname(index.path))}`, and resume.")
-    return np.frombuffer(raw, dtype="<i8").astype(np.int64)
 
 
 def read(token_split, offsets, length):

@@ -107,8 +107,8 @@ class BlockDataModule(L.LightningDataModule):
         self.train_file = self.train_mix = self.train_identity = None
 
     def setup(self, stage):
-        self.train_file = tokenfile.open_split(self.data_dir, "train", self.block_size,
-                                               documents=self.mode == "documents")
+        self.train_file = sources.open_split(self.data_dir, "train", self.block_size,
+                                             mode=self.mode)
         # what the fingerprints need, made once: the tables that samples_fingerprint reads
         self.train_mix = data.with_windows(data.mixture([self.train_file]), self.block_size,
                                            self.mode)

@@ -7,14 +7,13 @@ import sys
 import psutil
 import torch.distributed as dist
 
-from ddpgpt import data, tokenfile
+from ddpgpt import data, sources
 
 
 def main(data_dir, out, block_size, batch_size, micro_steps, start_step, steps, mode):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
-    train = data.mixture([tokenfile.open_split(data_dir, "train", block_size,
-                                               documents=mode == "documents")])
+    train = data.mixture([sources.open_split(data_dir, "train", block_size, mode=mode)])
     batches = data.rank_batches(train, block_size=block_size, batch_size=batch_size,
                                 micro_steps=micro_steps, rank=rank, world_size=world, seed=7,
                                 mode=mode, start_step=start_step, device="cpu",

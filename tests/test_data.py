@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.common import write_token_files
 from ddpgpt import data, permutation, tokenfile
 from conftest import TINY, fails, global_batches, python, read_with_ranks
 from ddpgpt.errors import UserError
@@ -18,7 +19,7 @@ def counting_data(tmp_path):
     """A split whose token at offset i is i, so every window names its own offset."""
     folder = str(tmp_path / "counting")
     n = 50_000
-    tokenfile.write_token_files(folder, {"train": np.arange(n), "val": np.arange(5_000)},
+    write_token_files(folder, {"train": np.arange(n), "val": np.arange(5_000)},
                                 tokenizer="test", vocab_size=n + 1, eot_token=n)
     return folder, n
 
@@ -207,7 +208,7 @@ def small_folder(tmp_path, n=1000, vocab=257, meta=True):
     folder = str(tmp_path / "d")
     rng = np.random.default_rng(0)
     ids = {split: rng.integers(0, vocab - 1, n) for split in tokenfile.SPLITS}
-    tokenfile.write_token_files(folder, ids, tokenizer="test", vocab_size=vocab,
+    write_token_files(folder, ids, tokenizer="test", vocab_size=vocab,
                                 eot_token=vocab - 1)
     if not meta:
         os.remove(os.path.join(folder, tokenfile.META_NAME))

@@ -8,6 +8,7 @@ from collections import deque
 import numpy as np
 import pytest
 
+from bench.common import write_token_files
 from ddpgpt import configurator, data, optim, tokenfile
 from ddpgpt import metrics as run_metrics
 from ddpgpt.settings import TrainConfig
@@ -34,7 +35,7 @@ def spiked_copy(corpus, folder, step, global_batch, block_size, seed=1337):
                                      train, block_size, seed, "epoch")
     for o in offsets:
         ids["train"][o:o + block_size + 1] = 0
-    tokenfile.write_token_files(folder, ids, tokenizer="byte", vocab_size=257, eot_token=256)
+    write_token_files(folder, ids, tokenizer="byte", vocab_size=257, eot_token=256)
     return folder
 
 
@@ -68,7 +69,7 @@ def test_a_spike_after_a_flat_history_is_judged_without_dividing_by_zero(env, tm
     for o in offsets:  # inside its block: the windows of the other steps stay all 'a'
         ids["train"][o + 1:o + 32] = rng.integers(0, 256, 31)
     folder = str(tmp_path / "flat")
-    tokenfile.write_token_files(folder, ids, tokenizer="byte", vocab_size=257, eot_token=256)
+    write_token_files(folder, ids, tokenizer="byte", vocab_size=257, eot_token=256)
     p = python("train.py", f"--data_dir={folder}", f"--out_dir={tmp_path / 'out'}", *RUN,
                "--max_iters=30", "--learning_rate=0", "--decay_lr=False",
                "--spike_policy=skip", env=env)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from ddpgpt import data, tokenfile
+from bench.common import write_token_files
+from ddpgpt import data, docindex, sources, tokenfile
 from conftest import (TINY, evals, fails, python, read_with_ranks,
                       same_on_any_world_size_and_resumed, steps)
 
@@ -188,9 +189,9 @@ def test_a_missing_damaged_or_stale_index_is_one_clear_error(case, words, env, c
         os.truncate(index, index.stat().st_size - 8)
     elif case == "damaged":  # one byte of a start changed
         with open(index, "r+b") as f:
-            f.seek(tokenfile.DOCS_HEADER_BYTES)
+            f.seek(docindex.DOCS_HEADER_BYTES)
             byte = f.read(1)[0]
-            f.seek(tokenfile.DOCS_HEADER_BYTES)
+            f.seek(docindex.DOCS_HEADER_BYTES)
             f.write(bytes([byte ^ 0xFF]))
     else:
         shutil.copy(os.path.join(corpus, "val.docidx"), index)
@@ -203,14 +204,14 @@ def test_a_missing_damaged_or_stale_index_is_one_clear_error(case, words, env, c
 
 def test_block_dataset_in_documents_mode_reads_what_the_trainer_reads(tmp_path):
     folder, starts = counting_documents(tmp_path / "one", [5000])
-    with pytest.raises(ValueError, match="open the split with tokenfile.open_split"):
+    with pytest.raises(ValueError, match="open the split with sources.open_split"):
         data.BlockDataset(tokenfile.open_split(folder, "train", BLOCK), BLOCK, mode="documents")
     with pytest.raises(tokenfile.UserError, match="train.docidx does not exist"):
-        tokenfile.open_split(folder, "train", BLOCK, documents=True)
-    tokenfile.write_token_files(folder, {"train": np.fromfile(
+        sources.open_split(folder, "train", BLOCK, mode="documents")
+    write_token_files(folder, {"train": np.fromfile(
         os.path.join(folder, "train_000000.bin"), dtype=np.uint16)}, tokenizer="test",
         vocab_size=EOT + 1, eot_token=EOT)  # train.bin and its index, as a test folder has
-    token_split = tokenfile.open_split(folder, "train", BLOCK, documents=True)
+    token_split = sources.open_split(folder, "train", BLOCK, mode="documents")
     dataset = data.BlockDataset(token_split, BLOCK, seed=7, mode="documents")
     assert len(dataset) == len(starts)
     loader = torch.utils.data.DataLoader(

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bench.common import write_token_files
 from ddpgpt import checkpoint, data, hellaswag, tokenfile
 from ddpgpt.errors import UserError
 from conftest import TINY, evals, fails, python, torchrun
@@ -182,7 +183,7 @@ def test_eval_of_a_checkpoint_whose_data_is_gone_says_what_to_give(corpus, swag_
 
 def test_a_mixture_reports_bits_per_byte_per_source(corpus, tmp_path, env):
     other = str(tmp_path / "other")
-    tokenfile.write_token_files(other, {s: np.random.default_rng(0).integers(0, 256, 20_000)
+    write_token_files(other, {s: np.random.default_rng(0).integers(0, 256, 20_000)
                                         for s in tokenfile.SPLITS},
                                 tokenizer="byte", vocab_size=257, eot_token=256)
     out = tmp_path / "out"
@@ -204,7 +205,7 @@ def test_a_mixture_reports_bits_per_byte_per_source(corpus, tmp_path, env):
 def test_without_the_data_tokenizer_bits_per_byte_are_left_out_and_hellaswag_refused(tmp_path,
                                                                                      env):
     folder, out = str(tmp_path / "data"), f"--out_dir={tmp_path / 'out'}"
-    tokenfile.write_token_files(folder, {s: np.random.default_rng(0).integers(0, 300, 5_000)
+    write_token_files(folder, {s: np.random.default_rng(0).integers(0, 300, 5_000)
                                          for s in tokenfile.SPLITS},
                                 tokenizer="test", vocab_size=300, eot_token=299)
     args = [f"--data_dir={folder}", *TINY, "--gradient_accumulation_steps=1", "--max_iters=0"]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bench.datapath import sparse_token_file
+from bench.common import write_token_files
 from ddpgpt import data, sources, tokenfile
 from bench.datapath_rank import BLOCK
 from conftest import TINY, fails, python, steps
@@ -106,7 +107,7 @@ def test_ranks_read_train_py_batches_and_a_resumed_checkpoint_continues_them(
                                             [tokenfile.open_split(corpus, "train", 1)])})}
     # on other data, it resumed "at the exact sample" of that data: refused, as train.py does
     other = tmp_path / "other"
-    tokenfile.write_token_files(str(other), {s: np.random.default_rng(1).integers(0, 256, 9000)
+    write_token_files(str(other), {s: np.random.default_rng(1).integers(0, 256, 9000)
                                              for s in ("train", "val")},
                                 tokenizer="byte", vocab_size=257, eot_token=256)
     err = fails(EXAMPLE, "--devices=2", f"--out_dir={halves}", *args, f"--data_dir={other}",

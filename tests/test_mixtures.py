@@ -6,6 +6,7 @@ import os
 import numpy as np
 import pytest
 
+from bench.common import write_token_files
 from ddpgpt import data, tokenfile
 from conftest import TINY, evals, fails, python, same_on_any_world_size_and_resumed, steps
 
@@ -14,7 +15,7 @@ WEIGHTS = (0.7, 0.2, 0.1)
 
 def byte_folder(folder, n_train, seed, tokenizer="byte", vocab=257):
     rng = np.random.default_rng(seed)
-    tokenfile.write_token_files(str(folder), {"train": rng.integers(0, vocab - 1, n_train),
+    write_token_files(str(folder), {"train": rng.integers(0, vocab - 1, n_train),
                                               "val": rng.integers(0, vocab - 1, 5_000)},
                                 tokenizer=tokenizer, vocab_size=vocab, eot_token=vocab - 1)
     return str(folder)

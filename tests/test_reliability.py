@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.common import write_token_files
 from ddpgpt import checkpoint, data, fileio, tokenfile
 from conftest import ROOT, TINY, fails, metrics, python, steps, torchrun
 
@@ -320,7 +321,7 @@ def test_a_second_ctrl_c_stops_at_once(env, corpus, tmp_path):
 def test_resuming_on_other_data_is_refused_unless_allowed(env, corpus, tmp_path):
     out = str(tmp_path / "out")
     other = tmp_path / "other"
-    tokenfile.write_token_files(str(other), {s: np.arange(5000) % 250 for s in tokenfile.SPLITS},
+    write_token_files(str(other), {s: np.arange(5000) % 250 for s in tokenfile.SPLITS},
                                 tokenizer="byte", vocab_size=257, eot_token=256)
     python("train.py", *train_args(corpus, out, "--max_iters=2", "--eval_interval=2"), env=env)
     again = [*train_args(corpus, out, "--max_iters=4", "--eval_interval=2",

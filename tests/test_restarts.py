@@ -1,6 +1,6 @@
 """Ranks that die, and runs that go on: torchrun's restarts with no variable to set (one node,
 and two agents as two nodes), the paragraph with which the survivors of a dead rank end, a
-stop signal before the first step, and what a failed collective's words say (runtime.py)."""
+stop signal before the first step, and what a failed collective's words say (peers.py)."""
 import os
 import re
 import signal
@@ -13,7 +13,7 @@ import psutil
 import torch
 import pytest
 
-from ddpgpt import runtime
+from ddpgpt import peers
 from conftest import ROOT, TINY, metrics, python, torchrun
 from test_reliability import wait_for_step
 
@@ -82,7 +82,7 @@ RESTARTS = int(os.environ.get("DDPGPT_TEST_RESTARTS", "3"))
 def test_torchrun_restarts_a_run_again_and_again_and_it_continues_exactly(
         env, corpus, uninterrupted, tmp_path):
     """kill -9 of rank 1, then rank 0, then rank 1, ... under plain torchrun --max-restarts,
-    no variable set. Before runtime.this_restarts_store, 4 restarts in 6 hung or failed in
+    no variable set. Before peers.this_restarts_store, 4 restarts in 6 hung or failed in
     init_process_group on the dead attempt's addresses (pytorch#135712), so three in a row
     failed nearly always. A checkpoint comes between any two kills, so every restart has one
     to resume from; the evaluations in between change no step."""
@@ -273,31 +273,31 @@ NCCL_TIMEOUT = ("[PG ID 0 PG GUID 0(default_pg) Rank 1] Watchdog caught collecti
     (NCCL_ABORTED, True, NCCL_ABORTED),
     (NCCL_TIMEOUT, False, NCCL_TIMEOUT)])
 def test_a_lost_peer_is_known_by_what_gloo_or_nccl_say(text, gone, said):
-    lost = runtime.lost_peer(RuntimeError(text), rank=0, world_size=4)
+    lost = peers.lost_peer(RuntimeError(text), rank=0, world_size=4)
     assert (lost.gone, lost.said) == (gone, said)
-    assert runtime.lost_peer(RuntimeError(text), rank=0, world_size=1) is None
+    assert peers.lost_peer(RuntimeError(text), rank=0, world_size=1) is None
 
 
 def test_other_errors_are_not_a_lost_peer():
     for text in ("CUDA out of memory. Tried to allocate 2.00 GiB", "Expected all tensors to "
                  "be on the same device", "mat1 and mat2 shapes cannot be multiplied"):
-        assert runtime.lost_peer(RuntimeError(text), rank=0, world_size=8) is None
+        assert peers.lost_peer(RuntimeError(text), rank=0, world_size=8) is None
 
 
 def test_the_lost_rank_is_found_by_the_address_gloo_names(monkeypatch):
     """gloo names the peer's end of the broken connection, its port in network byte order:
     12721 is 45361 (0xB131) read the other way round."""
-    peers = [runtime.Peer("n1", 10, [("127.0.0.1", 38303)]),
-             runtime.Peer("n1", 11, [("127.0.0.1", 36781), ("127.0.0.1", 33060)]),
-             runtime.Peer("n2", 12, [("::ffff:127.0.0.1", 45361)])]
-    monkeypatch.setitem(runtime.GROUP, "peers", peers)
-    assert runtime.which_rank(GLOO_CLOSED, 0, 3) == (2, "rank 2 (pid 12 on n2)")
-    assert runtime.which_rank(GLOO_CLOSED.replace("12721", "33060"), 0, 3) == \
+    every = [peers.Peer("n1", 10, [("127.0.0.1", 38303)]),
+             peers.Peer("n1", 11, [("127.0.0.1", 36781), ("127.0.0.1", 33060)]),
+             peers.Peer("n2", 12, [("::ffff:127.0.0.1", 45361)])]
+    monkeypatch.setitem(peers.GROUP, "peers", every)
+    assert peers.which_rank(GLOO_CLOSED, 0, 3) == (2, "rank 2 (pid 12 on n2)")
+    assert peers.which_rank(GLOO_CLOSED.replace("12721", "33060"), 0, 3) == \
         (1, "rank 1 (pid 11 on n1)")
-    assert runtime.which_rank(GLOO_CLOSED.replace("12721", "999"), 0, 3) == \
+    assert peers.which_rank(GLOO_CLOSED.replace("12721", "999"), 0, 3) == \
         (None, "the rank at 127.0.0.1:999")
-    assert runtime.which_rank(NCCL_TIMEOUT, 0, 3) == (None, "another rank")
-    assert runtime.which_rank(NCCL_TIMEOUT, 1, 2) == (0, "rank 0 (pid 10 on n1)")
+    assert peers.which_rank(NCCL_TIMEOUT, 0, 3) == (None, "another rank")
+    assert peers.which_rank(NCCL_TIMEOUT, 1, 2) == (0, "rank 0 (pid 10 on n1)")
 
 
 def test_a_survivor_follows_the_notes_in_the_store_to_the_rank_lost_first(monkeypatch):
@@ -305,13 +305,13 @@ def test_a_survivor_follows_the_notes_in_the_store_to_the_rank_lost_first(monkey
     rank 0 names rank 2."""
     store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True,
                                        wait_for_workers=False)
-    monkeypatch.setitem(runtime.GROUP, "store", store)
-    store.set(runtime.NOTE.format(1), "2")
-    assert runtime.lost_first(1, rank=0) == 2
-    assert store.get(runtime.NOTE.format(0)) == b"2"  # its own note, for the next in line
-    assert runtime.lost_first(3, rank=0) == 3  # no note: rank 3 is the one
-    store.set(runtime.NOTE.format(4), "0")  # a note that leads back to this rank
-    assert runtime.lost_first(4, rank=0) == 4
-    assert runtime.lost_first(None, rank=0) is None
-    monkeypatch.setitem(runtime.GROUP, "store", None)
-    assert runtime.lost_first(5, rank=0) == 5
+    monkeypatch.setitem(peers.GROUP, "store", store)
+    store.set(peers.NOTE.format(1), "2")
+    assert peers.lost_first(1, rank=0) == 2
+    assert store.get(peers.NOTE.format(0)) == b"2"  # its own note, for the next in line
+    assert peers.lost_first(3, rank=0) == 3  # no note: rank 3 is the one
+    store.set(peers.NOTE.format(4), "0")  # a note that leads back to this rank
+    assert peers.lost_first(4, rank=0) == 4
+    assert peers.lost_first(None, rank=0) is None
+    monkeypatch.setitem(peers.GROUP, "store", None)
+    assert peers.lost_first(5, rank=0) == 5
