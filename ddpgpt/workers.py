@@ -144,7 +144,7 @@ def result(worker):
     """The worker's next answer; its error raised here; its death a UserError."""
     try:
         ok, value = worker.results.recv()
-    except EOFError:
+    except (EOFError, OSError):  # OSError: it died in the middle of sending an answer
         worker.process.join(5)
         raise UserError(died(worker.process)) from None
     if not ok:
