@@ -128,6 +128,30 @@ def test_a_worker_killed_outright_is_named_and_nothing_is_left(env, tmp_path):
     assert os.listdir(out) == []
 
 
+def test_a_worker_killed_while_sending_an_answer_is_named_too():
+    """SIGKILL can land while a worker writes an answer: the main process then reads a message
+    cut short (multiprocessing's OSError, 'got end of file during message'), not the end of
+    the pipe, and names the worker all the same. A real worker, killed, and a real pipe that
+    ends inside a message."""
+    import multiprocessing
+    import struct
+
+    from ddpgpt import workers
+    from ddpgpt.errors import UserError
+
+    context = multiprocessing.get_context("fork")
+    process = context.Process(target=time.sleep, args=(60,))
+    process.start()
+    process.kill()
+    reader, writer = context.Pipe(duplex=False)
+    os.write(writer.fileno(), struct.pack("!i", 100) + b"only part of it")
+    writer.close()
+    with pytest.raises(UserError, match=rf"a worker process \(pid {process.pid}\) was killed "
+                                        r"by SIGKILL \(the system's OOM killer"):
+        workers.result(workers.Worker(process, None, reader))
+    reader.close()
+
+
 # ---- a full disk ----
 
 def test_a_full_disk_says_where_and_damages_nothing_published(env, small_disk, tmp_path):
