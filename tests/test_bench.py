@@ -189,6 +189,7 @@ def bench_part(part, env, tmp_path, flag="--small", timeout=600):
     return result, page
 
 
+@pytest.mark.slow
 def test_data_path(env, tmp_path):
     result, page = bench_part("data", env, tmp_path)
     s = result["settings"]
@@ -221,6 +222,7 @@ def test_data_path(env, tmp_path):
     assert f"| {report.size(s['index_size'])} | {index['documents']:,} | " in page
 
 
+@pytest.mark.slow
 def test_mix(env, tmp_path):
     result, page = bench_part("mix", env, tmp_path)
     s = result["settings"]
@@ -237,6 +239,7 @@ def test_mix(env, tmp_path):
     assert len(result["targets"]) == 2
 
 
+@pytest.mark.slow
 def test_training(env, tmp_path):
     result, page = bench_part("training", env, tmp_path)
     quick, gpu = result["results"]
@@ -252,6 +255,7 @@ def test_training(env, tmp_path):
     assert "![Training: the runs' curves](training-curves.png)" in page
 
 
+@pytest.mark.slow
 def test_prepare(env, tmp_path):
     result, _ = bench_part("prepare", env, tmp_path)
     rows = {(r["copies"], r["impl"]): r for r in result["results"]}
@@ -276,6 +280,7 @@ def test_prepare(env, tmp_path):
     assert set(rows[copies[0], "llmc"]["phases"]) == phases | {"shards"}
 
 
+@pytest.mark.slow
 def test_documents(env, tmp_path):
     result, page = bench_part("documents", env, tmp_path)
     runs = {(r["corpus"], r["mode"], r["seed"]): r for r in result["results"]}
@@ -308,6 +313,7 @@ def test_shard_set_is_the_token_space_of_one_file(tmp_path):
     assert set(np.diff(shards.starts).tolist()) == {1000, 1001}
 
 
+@pytest.mark.slow
 def test_gpu_dry_run(env, tmp_path):
     # every step of the GPU check on the CPU: its plumbing, and docs/bench left alone
     committed = os.path.join(DOCS, "bench", "gpu.json")
@@ -416,6 +422,7 @@ def test_compile_events_before_and_after_the_first_step():
     assert gpu.compile_events("iter 0: loss 1.0") == (0, 0, 0)
 
 
+@pytest.mark.slow
 def test_recipe(env, tmp_path):
     env.pop("NANOGPT_DIR", None)  # nanoGPT's row: not run, and said so
     result, page = bench_part("recipe", env, tmp_path)
@@ -459,6 +466,7 @@ def test_recipe_tokens_to_reach_a_loss():
     assert recipe.tokens_to_reach(curve, 1.9) is None
 
 
+@pytest.mark.slow
 def test_eval(env, tmp_path):
     result, page = bench_part("eval", env, tmp_path)
     one, two, gpu = result["results"]
@@ -470,6 +478,7 @@ def test_eval(env, tmp_path):
     assert gpu["status"].startswith("not run: no GPU")
 
 
+@pytest.mark.slow
 def test_fsdp(env, tmp_path):
     result, page = bench_part("fsdp", env, tmp_path, timeout=1800)  # 9 launches of torchrun
     rows = {(r["parallel"], r["ranks"]): r for r in result["results"]}

@@ -47,6 +47,7 @@ def test_a_checkpoint_of_main_d4937ea_resumes_its_run(old_run, env):
         assert last[key] == pytest.approx(value, rel=LOSS_RTOL), key
 
 
+@pytest.mark.slow
 def test_sample_eval_and_export_read_it(old_run, env, tmp_path):
     out, data_dir, expected = old_run
     p = python("sample.py", f"--out_dir={out}", "--start=def ", "--num_samples=1",

@@ -91,6 +91,7 @@ def test_dataloader_workers_read_the_same_batches_as_the_trainer(counting_data, 
         assert torch.equal(x, next(trainer)[0])
 
 
+@pytest.mark.slow
 def test_global_batches_are_the_same_for_any_world_size_split_and_resume(
         env, counting_data, tmp_path):
     folder, _ = counting_data
@@ -113,6 +114,7 @@ def test_global_batches_are_the_same_for_any_world_size_split_and_resume(
     assert random_1 == random_4
 
 
+@pytest.mark.slow
 def test_sixteen_gib_file_costs_eight_ranks_no_more_memory_than_sixteen_mib(env, tmp_path):
     rss = {}
     for name, size in (("small", 16 * 2**20), ("huge", 16 * 2**30)):
@@ -256,6 +258,7 @@ def test_vocabulary_larger_than_the_model(env, tmp_path):
     assert "70000 ids do not fit the model's vocab_size=512" in err
 
 
+@pytest.mark.slow
 def test_token_ids_beyond_the_vocabulary_in_a_raw_file(env, tmp_path):
     folder = small_folder(tmp_path, meta=False)
     np.full(1000, 60000, dtype=np.uint16).tofile(os.path.join(folder, "train.bin"))
@@ -263,6 +266,7 @@ def test_token_ids_beyond_the_vocabulary_in_a_raw_file(env, tmp_path):
     assert "token id 60000" in err and "vocab_size is 512" in err
 
 
+@pytest.mark.slow
 def test_raw_nanogpt_files_are_read_as_uint16_with_a_notice(env, tmp_path):
     folder = small_folder(tmp_path, meta=False)
     p = python("train.py", f"--data_dir={folder}", f"--out_dir={tmp_path / 'out'}",

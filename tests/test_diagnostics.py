@@ -39,6 +39,7 @@ def spiked_copy(corpus, folder, step, global_batch, block_size, seed=1337):
     return folder
 
 
+@pytest.mark.slow
 def test_a_loss_spike_is_skipped_and_the_data_goes_on_as_before(env, corpus, tmp_path):
     spiked = spiked_copy(corpus, str(tmp_path / "spiked"), step=60, global_batch=4,
                          block_size=32)
@@ -79,6 +80,7 @@ def test_a_spike_after_a_flat_history_is_judged_without_dividing_by_zero(env, tm
     assert "spike" in rows[25]["skipped"] and "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_each_rank_reports_and_the_slowest_is_named_when_it_stays_the_slowest(env, corpus,
                                                                              tmp_path):
     """tests/slow_rank.py makes rank 1's reads of token files 200 ms slower; the batches read
@@ -173,6 +175,7 @@ def test_each_step_is_taken_at_the_schedules_learning_rate(env, corpus, tmp_path
         [optim.lr_at(cfg, it) for it in range(12)]
 
 
+@pytest.mark.slow
 def test_a_wsd_run_is_not_extended_from_inside_its_cooldown(env, corpus, tmp_path):
     """Raising max_iters of a finished wsd run jumped its lr from min_lr back to 78% of the
     peak, without a word; from a checkpoint before the cooldown it goes on smoothly."""
@@ -191,6 +194,7 @@ def test_a_wsd_run_is_not_extended_from_inside_its_cooldown(env, corpus, tmp_pat
     assert lr[2:12] == [3e-3] * 10 and lr[-1] == 1e-4  # stable until the new cooldown
 
 
+@pytest.mark.slow
 def test_a_resumed_run_goes_on_with_the_same_wandb_run(env, corpus, tmp_path):
     out = tmp_path / "out"
     args = [f"--data_dir={corpus}", f"--out_dir={out}", *RUN, "--eval_interval=2",

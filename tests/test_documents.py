@@ -63,6 +63,7 @@ def by_sample(ranks, micro_steps, batch):
     return read
 
 
+@pytest.mark.slow
 def test_every_window_of_an_epoch_starts_at_a_document_start_once(env, tmp_path):
     sizes = [2000, 37, 1500, 0, 3000]  # a shard shorter than a block, and an empty one
     folder, starts = counting_documents(tmp_path / "shards", sizes)
@@ -125,6 +126,7 @@ def gpt2_sources(env, tmp_path):
     return web, str(code)
 
 
+@pytest.mark.slow
 def test_mixtures_of_shards_and_llmc_shards_train_the_same_batches_on_any_world_size(
         env, gpt2_sources, tmp_path):
     web, code = gpt2_sources
@@ -142,6 +144,7 @@ def test_mixtures_of_shards_and_llmc_shards_train_the_same_batches_on_any_world_
     assert steps(epoch)[0]["batch_fp"] != steps(one)[0]["batch_fp"]
 
 
+@pytest.mark.slow
 def test_index_of_nanogpt_files_is_prepares_and_a_stale_one_is_refused(env, tmp_path):
     write_corpus(tmp_path / "docs.jsonl", 300, seed=2)
     ours = prepare(env, tmp_path / "docs.jsonl", tmp_path / "ours", tokenizer="byte")
@@ -179,6 +182,7 @@ def test_index_of_nanogpt_files_is_prepares_and_a_stale_one_is_refused(env, tmp_
     ("damaged", ["does not match its own fingerprint"]),
     ("another folder's", ["is the document index of other token files than"]),
 ])
+@pytest.mark.slow
 def test_a_missing_damaged_or_stale_index_is_one_clear_error(case, words, env, corpus, tmp_path):
     folder = tmp_path / "data"
     shutil.copytree(corpus, folder)

@@ -124,6 +124,7 @@ def test_training_records_hellaswag_and_bits_per_byte(byte_run):
             assert r["hellaswag_n"] == len(EXAMPLES) and 0 <= r["hellaswag_acc_norm"] <= 1
 
 
+@pytest.mark.slow
 def test_hellaswag_counts_match_a_plain_computation_on_1_and_2_ranks(byte_run, swag_file, env,
                                                                       corpus):
     args = [f"--out_dir={byte_run}", f"--hellaswag_path={swag_file}", "--device=cpu",
@@ -160,6 +161,7 @@ def test_eval_gives_what_training_recorded_at_the_same_checkpoint(byte_run, swag
     assert ", the checkpoint's data_dir, 4 x 4 windows of 64 tokens" in p.stderr, p.stderr
 
 
+@pytest.mark.slow
 def test_eval_of_a_checkpoint_whose_data_is_gone_says_what_to_give(corpus, swag_file, tmp_path,
                                                                    env):
     data_dir, out = tmp_path / "data", tmp_path / "out"
@@ -181,6 +183,7 @@ def test_eval_of_a_checkpoint_whose_data_is_gone_says_what_to_give(corpus, swag_
                                                             rel=1e-9)
 
 
+@pytest.mark.slow
 def test_a_mixture_reports_bits_per_byte_per_source(corpus, tmp_path, env):
     other = str(tmp_path / "other")
     write_token_files(other, {s: np.random.default_rng(0).integers(0, 256, 20_000)
@@ -240,6 +243,7 @@ def gpt2_setup(tmp_path_factory, session_env):
     return str(root / "gpt2-small"), str(root / "data")
 
 
+@pytest.mark.slow
 def test_gpt2_folder_hellaswag_and_bits_per_byte_of_the_scored_text(gpt2_setup, swag_file, env,
                                                                      tiktoken_cache, monkeypatch):
     import tiktoken
@@ -298,6 +302,7 @@ def test_bad_hellaswag_lines(line, words, byte_run, tmp_path, env):
     assert all(w in message for w in words) and "hellaswag_val.jsonl serves it" in message
 
 
+@pytest.mark.slow
 def test_a_missing_file_and_nothing_to_evaluate(byte_run, tmp_path, env):
     p = fails("eval.py", f"--out_dir={byte_run}", f"--hellaswag_path={tmp_path}/nope.jsonl",
               env=env)
@@ -332,6 +337,7 @@ def test_fetched_once_into_the_cache_whole_or_not_at_all(swag_file, tmp_path, mo
     assert hellaswag.locate("", log=print) == cached
 
 
+@pytest.mark.slow
 def test_offline_without_the_file_hellaswag_is_skipped_or_says_how_to_get_it(byte_run, swag_file,
                                                                              tmp_path, env):
     # a proxy that refuses every connection: offline, at once

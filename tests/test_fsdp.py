@@ -58,6 +58,7 @@ def resumed_from(source, out, env, corpus, nproc, *extra):
     return str(out)
 
 
+@pytest.mark.slow
 def test_fsdp_trains_as_ddp_and_writes_each_ranks_part(runs, corpus, tmp_path, env):
     assert sorted(steps(runs["ddp"])) == sorted(steps(runs["fsdp"])) == list(range(20))
     assert relative_difference(runs["ddp"], runs["fsdp"]) <= RTOL
@@ -82,6 +83,7 @@ def test_fsdp_trains_as_ddp_and_writes_each_ranks_part(runs, corpus, tmp_path, e
     assert relative_difference(runs["ddp"], other) <= RTOL
 
 
+@pytest.mark.slow
 def test_fsdp_resumes_bit_for_bit_after_a_rank_is_killed(corpus, tmp_path, env):
     args = ["--parallel=fsdp", "--max_iters=60", "--eval_interval=20", "--log_interval=100",
             "--init_from=auto"]
@@ -119,6 +121,7 @@ def wait_for(condition, proc, timeout=240):
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_sharded_checkpoint_resumes_on_another_world_size(runs, corpus, tmp_path, env):
     """2 ranks wrote it; 4 read it (each a quarter of every tensor, DCP resharding), and one
     process reads it whole."""
@@ -129,6 +132,7 @@ def test_a_sharded_checkpoint_resumes_on_another_world_size(runs, corpus, tmp_pa
         assert checkpoint.list_checkpoints(out)[0] == checkpoint.path_for(out, 20, folder=True)
 
 
+@pytest.mark.slow
 def test_ddp_and_fsdp_resume_each_others_checkpoints(runs, corpus, tmp_path, env):
     folder = checkpoint.path_for(runs["fsdp"], 10, folder=True)
     file = checkpoint.path_for(runs["ddp"], 10)
@@ -162,6 +166,7 @@ def same_state(a, b):
     return a == b
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_a_save_in_the_background_writes_what_a_save_that_waits_writes(runs, kind, corpus,
                                                                        tmp_path, env):
@@ -176,6 +181,7 @@ def test_a_save_in_the_background_writes_what_a_save_that_waits_writes(runs, kin
     assert loaded(a)["config"]["async_save"] and not loaded(b)["config"]["async_save"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, nproc", [("ddp", 1), ("fsdp", 2)])
 def test_a_run_killed_while_a_save_is_in_flight_resumes_from_the_one_before(
         runs, kind, nproc, corpus, tmp_path, env):
@@ -210,6 +216,7 @@ def test_a_run_killed_while_a_save_is_in_flight_resumes_from_the_one_before(
     assert relative_difference(whole, out) == 0
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_sharded_save_is_a_clear_error_and_keeps_the_one_before(
         corpus, small_disk, env):
     out = os.path.join(small_disk, "out")
@@ -226,6 +233,7 @@ def test_a_full_disk_during_a_sharded_save_is_a_clear_error_and_keeps_the_one_be
     assert path == checkpoint.path_for(out, 3, folder=True)
 
 
+@pytest.mark.slow
 def test_export_eval_and_sample_read_a_checkpoint_folder(runs, corpus, tmp_path, env):
     folder = checkpoint.path_for(runs["fsdp"], 20, folder=True)
     p = python("sample.py", f"--out_dir={runs['fsdp']}", "--start=def ", "--num_samples=1",
@@ -278,6 +286,7 @@ class RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.slow
 def test_compiled_blocks_train_as_the_eager_ones(runs, corpus, tmp_path, env):
     """compile=True compiles each block in place; aot_eager (tests/launch_eager_compile.py)
     traces them and their backward as inductor would, without generating code."""
@@ -305,6 +314,7 @@ def swag(path):
     return str(path)
 
 
+@pytest.mark.slow
 def test_evaluation_when_the_ranks_have_different_numbers_of_batches(corpus, tmp_path, env):
     """3 windows and 3 HellaSwag examples over 2 ranks: the rank with fewer batches still
     runs as many forwards (under fsdp each gathers the weights with the other rank)."""

@@ -29,6 +29,7 @@ def expected_entries(config_cls):
         yield f"  --{f.name}={default!r}  ({kind})", " ".join(f.metadata["help"].split())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help_lists_every_key_with_its_type_default_and_help(script, env):
     p = python(script, "--help", env=env)
@@ -45,12 +46,14 @@ def test_help_lists_every_key_with_its_type_default_and_help(script, env):
         assert " ".join(following.split()) == help_words, following
 
 
+@pytest.mark.slow
 def test_h_is_help_too_wherever_it_is(env):
     out = python("train.py", "--help", env=env).stdout
     assert python("train.py", "config/quickstart.py", "--max_iters=5", "-h",
                   env=env).stdout == out
 
 
+@pytest.mark.slow
 def test_the_lightning_example_answers_help(env):
     out = python("examples/lightning_datamodule.py", "--help", env=env).stdout
     assert out.startswith("usage: python examples/lightning_datamodule.py [config files]")

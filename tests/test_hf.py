@@ -110,6 +110,7 @@ def test_a_folder_loads_with_transformers_logits(hf_folder, gpt2_data, tmp_path)
     assert max_logit_difference(model.eval(), theirs, ids[:, :32].contiguous()) < 1e-4
 
 
+@pytest.mark.slow
 def test_fine_tune_export_and_reload_in_transformers(hf_folder, gpt2_data, tmp_path, env,
                                                      tiktoken_cache, monkeypatch):
     out, dest = tmp_path / "out", tmp_path / "exported"
@@ -164,6 +165,7 @@ def nanogpt_checkpoint(out_dir):
     return model.eval()
 
 
+@pytest.mark.slow
 def test_a_nanogpt_checkpoint_samples_resumes_and_exports(gpt2_data, tmp_path, env):
     out, dest = tmp_path / "out", tmp_path / "exported"
     model = nanogpt_checkpoint(out)
@@ -181,6 +183,7 @@ def test_a_nanogpt_checkpoint_samples_resumes_and_exports(gpt2_data, tmp_path, e
     assert "The 47 padding rows belong to no token" in (dest / "README.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_byte_model_without_biases_exports_exactly(corpus, tmp_path, env):
     out, dest = tmp_path / "out", tmp_path / "exported"
     python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY, "--max_iters=2",
@@ -212,6 +215,7 @@ def test_a_byte_model_without_biases_exports_exactly(corpus, tmp_path, env):
         {f: oct(0o666 & ~current_umask()) for f in os.listdir(dest)}
 
 
+@pytest.mark.slow
 def test_two_exports_into_one_dest_and_a_users_dest_tmp(corpus, tmp_path, env):
     """A folder of the user's named like export's temporary one is left alone (export's own
     carries its pid and host), and the loser of two exports into one DEST is told so, not to
@@ -236,6 +240,7 @@ def test_two_exports_into_one_dest_and_a_users_dest_tmp(corpus, tmp_path, env):
     assert (tmp_path / "exported.tmp" / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_sample_from_a_folder(hf_folder, env):
     p = python("sample.py", f"--init_from={hf_folder}", "--start=Hello", "--num_samples=2",
                "--max_new_tokens=5", env=env)
@@ -268,6 +273,7 @@ def bad_folders(tmp_path_factory):
     ("gtp2", [], "init_from='gtp2' is none of scratch, resume, auto, GPT-2's weights by name"),
 ], ids=["not a GPT-2", "vocabulary too small", "conflicting n_layer", "block_size too large",
         "misspelt name"])
+@pytest.mark.slow
 def test_bad_weights(init_from, args, message, bad_folders, hf_folder, gpt2_data, tmp_path, env):
     init_from = {**bad_folders, "small": hf_folder}.get(init_from, init_from)
     p = fails("train.py", f"--init_from={init_from}", f"--data_dir={gpt2_data}",
@@ -275,6 +281,7 @@ def test_bad_weights(init_from, args, message, bad_folders, hf_folder, gpt2_data
     assert message in p.stderr.strip().splitlines()[-1], p.stderr
 
 
+@pytest.mark.slow
 def test_a_gpt2_folder_is_not_fine_tuned_on_other_tokens(hf_folder, corpus, tmp_path, env):
     """By name (gpt2) this was refused; a folder of GPT-2's 50257 ids fine-tuned on byte ids,
     each read as another GPT-2 token."""
@@ -286,6 +293,7 @@ def test_a_gpt2_folder_is_not_fine_tuned_on_other_tokens(hf_folder, corpus, tmp_
         f"tokenizer those weights were trained with (--tokenizer=gpt2 for OpenAI's GPT-2).")
 
 
+@pytest.mark.slow
 def test_a_fine_tune_into_another_runs_out_dir_says_to_use_a_new_one(hf_folder, gpt2_data,
                                                                      corpus, tmp_path, env):
     """It resumed the byte run's checkpoint there and failed on its vocab_size."""
@@ -314,6 +322,7 @@ def test_gpt2_offline_without_cached_weights(script, gpt2_data, tmp_path, env):
     assert "hf download openai-community/gpt2" in message and "--init_from=./gpt2" in message
 
 
+@pytest.mark.slow
 def test_export_errors(tmp_path, env):
     (tmp_path / "dest").mkdir()
     p = fails("export.py", tmp_path, tmp_path / "dest", env=env)

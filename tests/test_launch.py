@@ -170,6 +170,7 @@ def uninterrupted(slurm, corpus, tmp_path_factory):
     return job_id, log, out
 
 
+@pytest.mark.slow
 def test_two_nodes_of_two_ranks_train_to_the_end(uninterrupted):
     job_id, log, out = uninterrupted
     text = read(log)
@@ -186,6 +187,7 @@ def test_two_nodes_of_two_ranks_train_to_the_end(uninterrupted):
     assert "slurm.sbatch: done, exit code 0" in text
 
 
+@pytest.mark.slow
 def test_usr1_saves_requeues_and_resumes_on_the_same_batches(slurm, corpus, uninterrupted,
                                                              tmp_path):
     log, out = str(tmp_path / "job.log"), str(tmp_path / "out")
@@ -217,6 +219,7 @@ def test_usr1_saves_requeues_and_resumes_on_the_same_batches(slurm, corpus, unin
     assert evals(out)[-1]["iter"] == MAX_ITERS
 
 
+@pytest.mark.slow
 def test_fsdp_on_two_nodes_saves_each_ranks_part_at_usr1_and_resumes_from_it(slurm, corpus,
                                                                              tmp_path):
     """launch/ passes --parallel=fsdp through like any key: 4 ranks on 2 nodes write their
@@ -242,6 +245,7 @@ def test_fsdp_on_two_nodes_saves_each_ranks_part_at_usr1_and_resumes_from_it(slu
     assert sorted(steps(out)) == list(range(iters))
 
 
+@pytest.mark.slow
 def test_sigterm_saves_at_one_step_and_a_cancelled_job_stays_cancelled(slurm, corpus,
                                                                       tmp_path):
     log, out = str(tmp_path / "job.log"), str(tmp_path / "out")
@@ -264,6 +268,7 @@ def test_sigterm_saves_at_one_step_and_a_cancelled_job_stays_cancelled(slurm, co
     assert "requeueing" not in text
 
 
+@pytest.mark.slow
 def test_a_failing_rank_ends_the_job_at_once_with_its_error(slurm, corpus, tmp_path):
     log, out = str(tmp_path / "job.log"), str(tmp_path / "out")
     t0 = time.monotonic()
@@ -284,6 +289,7 @@ def test_a_failing_rank_ends_the_job_at_once_with_its_error(slurm, corpus, tmp_p
     assert "requeueing" not in text and not checkpoints(out)
 
 
+@pytest.mark.slow
 def test_a_killed_rank_restarts_within_the_job_and_goes_on_on_the_same_batches(
         slurm, corpus, uninterrupted, tmp_path):
     """MAX_RESTARTS=2: kill -9 of rank 3 (on n2), then of rank 0 (on n1). Each torchrun restarts
@@ -304,6 +310,7 @@ def test_a_killed_rank_restarts_within_the_job_and_goes_on_on_the_same_batches(
         assert (rows[i]["batch_fp"], rows[i]["loss"]) == (whole[i]["batch_fp"], whole[i]["loss"]), i
 
 
+@pytest.mark.slow
 def test_an_init_from_in_a_config_file_wins_over_the_batch_scripts_auto(slurm, corpus, tmp_path):
     """slurm.sbatch passes --init_from=auto before the user's arguments: a config file's
     init_from (here resume, in an out_dir with no checkpoint) is the one train.py takes."""
@@ -317,6 +324,7 @@ def test_an_init_from_in_a_config_file_wins_over_the_batch_scripts_auto(slurm, c
     assert f"init_from='resume' but {out} holds no loadable checkpoint" in text, text
 
 
+@pytest.mark.slow
 def test_one_srun_task_per_rank(slurm, corpus, tmp_path):
     """LAUNCHER=srun: no torchrun; train.py takes its rank from SLURM_PROCID."""
     log, out = str(tmp_path / "job.log"), str(tmp_path / "out")

@@ -45,6 +45,7 @@ def median(rows, key):
     return float(np.median([r[key] for r in rows]))
 
 
+@pytest.mark.slow
 def test_sixteen_gib_file_costs_lightning_ranks_what_sixteen_mib_does_unlike_the_seed(
         env, tmp_path):
     small = sparse_folder(tmp_path, "small", 16 * MiB)
@@ -89,6 +90,7 @@ def lightning(devices, out_dir, *args, env, **kw):
                   **kw)
 
 
+@pytest.mark.slow
 def test_ranks_read_train_py_batches_and_a_resumed_checkpoint_continues_them(
         env, corpus, tmp_path):
     ref, whole, halves = tmp_path / "train_py", tmp_path / "whole", tmp_path / "halves"
@@ -138,6 +140,7 @@ def test_ranks_read_train_py_batches_and_a_resumed_checkpoint_continues_them(
     assert "identical batch_fp over 6 steps" in p.stdout
 
 
+@pytest.mark.slow
 def test_documents_mode_reads_train_py_batches(env, corpus, tmp_path):
     ref, run = tmp_path / "train_py", tmp_path / "lightning"
     python("train.py", f"--data_dir={corpus}", f"--out_dir={ref}", *TINY, "--max_iters=3",
@@ -149,6 +152,7 @@ def test_documents_mode_reads_train_py_batches(env, corpus, tmp_path):
     assert b[0]["loss"] == pytest.approx(a[0]["loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_default_use_distributed_sampler_is_one_clear_error_not_a_second_sharding(
         env, tmp_path):
     folder = sparse_folder(tmp_path, "data", 16 * MiB)

@@ -63,6 +63,7 @@ def test_each_source_reads_every_block_once_per_its_own_epoch():
             assert len(np.unique(blocks)) == per_epoch, (s, e)
 
 
+@pytest.mark.slow
 def test_mixture_trains_the_same_batches_on_any_world_size_and_resumes_exactly(
         env, sources, tmp_path):
     args = [mix_arg(sources), *TINY, "--gradient_accumulation_steps=2", "--eval_interval=3"]

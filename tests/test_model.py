@@ -52,6 +52,7 @@ def test_ignore_index_minus_one():
     assert torch.allclose(loss, kept, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_overfits_one_batch():
     model = tiny()
     x, y = batch()

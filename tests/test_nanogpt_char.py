@@ -45,6 +45,7 @@ def char_run(tmp_path_factory, session_env):
     return root, data_dir, out
 
 
+@pytest.mark.slow
 def test_trains_with_its_vocabulary_and_samples_its_characters(char_run, env):
     _, _, out = char_run
     p = python("sample.py", f"--out_dir={out}", "--max_new_tokens=200", "--num_samples=2",
@@ -76,6 +77,7 @@ def test_a_prompt_with_other_characters_names_them(char_run, env):
     assert "(nanoGPT's meta.pkl, 65 characters) does not: 'é™'. Use only its characters." in err
 
 
+@pytest.mark.slow
 def test_an_export_carries_its_characters_as_a_hugging_face_tokenizer(char_run, env, tmp_path):
     from transformers import AutoTokenizer
 

@@ -157,6 +157,7 @@ def bulk_archive(copies, words=700_000):
     return outer, loading_script(members) * copies
 
 
+@pytest.mark.slow
 def test_reading_an_archive_holds_one_document_at_a_time(tmp_path):
     """What pass 1 runs in its workers, one archive each (count_archive), and what pass 2 reads
     (archive_documents): their peak of Python's allocations, exact on every run (tracemalloc
@@ -186,6 +187,7 @@ def peak_rss_mib(command, env):
     return int(p.stdout.split()[-1]) / 1024  # KiB on Linux
 
 
+@pytest.mark.slow
 def test_prepare_memory_is_flat_in_archive_size(env, tmp_path):
     peaks, text_mib = {}, {}
     for copies in (1, 6):

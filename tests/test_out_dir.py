@@ -20,6 +20,7 @@ def digest(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
+@pytest.mark.slow
 def test_a_fresh_start_beside_an_earlier_runs_checkpoints_is_refused(env, corpus, tmp_path):
     out = str(tmp_path / "out")
     command = [f"--data_dir={corpus}", f"--out_dir={out}", *ARGS, "--max_iters=4",
@@ -53,6 +54,7 @@ def test_auto_beside_checkpoints_none_of_which_loads_is_refused(env, corpus, tmp
     assert (out / "ckpt_0000010.pt").read_bytes() == b"not a checkpoint"
 
 
+@pytest.mark.slow
 def test_a_run_that_left_no_checkpoint_is_told_apart_from_the_next(env, corpus, tmp_path):
     """The first run's checkpoints are removed, as the refusal suggests; its rows stay in
     metrics.jsonl, and the next fresh run's follow its start row: compare_runs.py compares that
@@ -93,6 +95,7 @@ def test_read_takes_the_last_fresh_run_and_a_resumptions_rows(tmp_path):
     assert [r["run"] for r in rows.starts] == ["fresh", "resumed"] and rows.earlier == 1
 
 
+@pytest.mark.slow
 def test_read_refuses_a_damaged_line_and_names_it(tmp_path, env):
     (tmp_path / "metrics.jsonl").write_text('{"iter": 0, "loss": 1}\nnot json\n{"iter": 1}\n')
     with pytest.raises(UserError, match=r"metrics.jsonl, line 2 is not JSON"):

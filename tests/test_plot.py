@@ -27,6 +27,7 @@ def pixels_of(png, rgb):
     return int(np.all(np.abs(picture - rgb) <= 2, axis=-1).sum())
 
 
+@pytest.mark.slow
 def test_one_run_into_its_out_dir_and_several_into_one_figure(two_runs, env, tmp_path):
     fast, slow = two_runs
     p = python("plot.py", fast, env=env)

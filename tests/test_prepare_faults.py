@@ -83,6 +83,7 @@ def test_under_nohup_a_closed_terminal_does_not_stop_it(env, tmp_path):
     decoded(out, get_tokenizer("byte"))
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_whole_process_group_never_hangs(env, tmp_path):
     """What scancel, systemd and `kill -- -PGID` do: the workers get the signal too. With
     multiprocessing.Pool, about 1 stop in 4 hung for ever (a worker killed holding the task

@@ -9,6 +9,7 @@ import pytest
 from conftest import python, torchrun
 
 
+@pytest.mark.slow
 def test_quick_start_prepares_trains_and_samples(env, tmp_path):
     data_dir, out_dir = tmp_path / "data" / "pystdlib", tmp_path / "out-quickstart"
     p = python("prepare.py", "--dataset=pystdlib", "--tokenizer=byte", "--val_fraction=0.02",

@@ -119,6 +119,7 @@ def test_muon_params_that_name_a_norm_or_nothing_are_user_errors():
 
 # ---- training, resuming, float16 ----
 
+@pytest.mark.slow
 def test_muon_resumes_bit_for_bit_on_2_ranks_and_on_1_reads_the_same_batches(env, corpus,
                                                                             tmp_path):
     args = [f"--data_dir={corpus}", *TINY, *MODERN, "--gradient_accumulation_steps=4",
@@ -151,6 +152,7 @@ def test_muon_resumes_bit_for_bit_on_2_ranks_and_on_1_reads_the_same_batches(env
         assert c[i]["loss"] == pytest.approx(a[i]["loss"], rel=1e-4), i
 
 
+@pytest.mark.slow
 def test_float16_gradient_scaling_steps_muon_and_resumes(env, corpus, tmp_path):
     out = tmp_path / "out"
     args = [f"--data_dir={corpus}", f"--out_dir={out}", *TINY, *MODERN, "--dtype=float16",
@@ -178,6 +180,7 @@ def gpt2_data(tmp_path_factory, session_env):
     return str(root / "data")
 
 
+@pytest.mark.slow
 def test_export_is_a_qwen3_that_transformers_loads_and_init_from_loads_back(
         gpt2_data, tmp_path, env):
     out, dest, tuned = tmp_path / "out", tmp_path / "exported", tmp_path / "tuned"
@@ -217,6 +220,7 @@ def test_export_is_a_qwen3_that_transformers_loads_and_init_from_loads_back(
     assert p.stdout.startswith("def ")
 
 
+@pytest.mark.slow
 def test_eval_sample_and_lightning_with_the_modern_block(corpus, tmp_path, env):
     out = tmp_path / "out"
     python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY, *MODERN,
@@ -260,6 +264,7 @@ def test_combinations_that_cannot_work(args, message, env, corpus, tmp_path):
     assert message in p.stderr.strip().splitlines()[-1], p.stderr
 
 
+@pytest.mark.slow
 def test_a_resume_keeps_its_optimizer_and_its_arch(env, corpus, tmp_path):
     adamw, muon = tmp_path / "adamw", tmp_path / "muon"
     run = [f"--data_dir={corpus}", *TINY, "--max_iters=1", "--eval_interval=1"]

@@ -43,6 +43,7 @@ def wait_for_step(out_dir, step, proc, timeout=120):
     raise AssertionError(f"step {step} never came")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
 def test_resume_on_another_world_size_reads_the_same_batches(env, corpus, tmp_path, first, then):
     args = ["--gradient_accumulation_steps=2", "--eval_interval=4"]
@@ -58,6 +59,7 @@ def test_resume_on_another_world_size_reads_the_same_batches(env, corpus, tmp_pa
         assert a[i]["loss"] == pytest.approx(b[i]["loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_compare_runs_names_the_first_step_that_differs(env, corpus, tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     python("train.py", *train_args(corpus, a, "--max_iters=4", "--eval_interval=4"), env=env)
@@ -68,6 +70,7 @@ def test_compare_runs_names_the_first_step_that_differs(env, corpus, tmp_path):
     assert diff.returncode == 1 and "first difference at iter 2: batch_fp" in diff.stdout
 
 
+@pytest.mark.slow
 def test_compare_runs_counts_nan_losses_as_equal_and_leaves_out_a_cut_off_line(env, tmp_path):
     """Two runs that diverged alike were 'first difference at iter 1: loss nan vs nan'; a
     line cut off by a kill was a JSONDecodeError traceback."""
@@ -94,6 +97,7 @@ def save_big_checkpoint(out_dir, iter_num):
                               "iter_num": iter_num}, keep=3)
 
 
+@pytest.mark.slow
 def test_a_writer_killed_mid_checkpoint_leaves_the_previous_one_loadable(tmp_path):
     out = str(tmp_path)
     save_big_checkpoint(out, 1)
@@ -115,6 +119,7 @@ def test_a_writer_killed_mid_checkpoint_leaves_the_previous_one_loadable(tmp_pat
     assert sorted(os.listdir(out)) == ["ckpt_0000001.pt", "ckpt_0000003.pt"]
 
 
+@pytest.mark.slow
 def test_a_truncated_newest_checkpoint_is_reported_and_the_previous_one_used(
         env, corpus, tmp_path):
     out = str(tmp_path / "out")
@@ -179,6 +184,7 @@ def test_a_full_disk_during_a_save_is_a_clear_error_and_keeps_the_previous_check
     assert path == saved[0]
 
 
+@pytest.mark.slow
 def test_a_disk_that_fills_while_metrics_are_written_is_a_clear_error(env, corpus, small_disk,
                                                                       tmp_path):
     """Another program fills the disk mid-run: the next row of metrics.jsonl cannot be written."""
@@ -213,6 +219,7 @@ def fill(path):
         os.close(fd)
 
 
+@pytest.mark.slow
 def test_two_trainings_in_one_out_dir_the_second_is_refused(env, corpus, tmp_path):
     out = str(tmp_path / "out")
     first = subprocess.Popen([sys.executable, "train.py", *train_args(
@@ -227,6 +234,7 @@ def test_two_trainings_in_one_out_dir_the_second_is_refused(env, corpus, tmp_pat
     assert f"{out} is being written by train.py (pid {first.pid}" in err
 
 
+@pytest.mark.slow
 def test_a_failing_rank_ends_the_whole_run_within_seconds(env, corpus, tmp_path):
     """Rank 1 meets a corrupt token at step 5, rank 0 does not: both must end promptly."""
     bad = tmp_path / "bad"
@@ -248,6 +256,7 @@ def test_a_failing_rank_ends_the_whole_run_within_seconds(env, corpus, tmp_path)
     assert elapsed < 60, f"the run took {elapsed:.0f}s to end: it waited for a timeout"
 
 
+@pytest.mark.slow
 def test_a_failing_rank_reports_before_a_teardown_that_would_block(env, corpus, tmp_path):
     """Since PyTorch 2.6 destroying a process group waits for its collectives, and NCCL's may
     wait for a peer that is gone: the failing rank prints its error and exits without it."""
@@ -275,6 +284,7 @@ def test_leaving_the_process_group_ends_its_threads(env, tmp_path):
         assert not [t for t in found["threads"] if "gloo" in t], found["threads"]
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_at_one_step_and_says_how_to_resume(env, corpus, tmp_path):
     out = str(tmp_path / "out")
     args = train_args(corpus, out, "--max_iters=100000", "--eval_interval=100000")
@@ -295,6 +305,7 @@ def test_ctrl_c_saves_at_one_step_and_says_how_to_resume(env, corpus, tmp_path):
     assert f"resuming from {checkpoint.path_for(out, stopped)}" in p.stdout
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once(env, corpus, tmp_path):
     """The first Ctrl-C comes during the evaluation at iter 2, a long one here, so the second
     comes before any step could take the first into account. (Before the first step, the
@@ -318,6 +329,7 @@ def test_a_second_ctrl_c_stops_at_once(env, corpus, tmp_path):
     assert "Traceback" not in text and not checkpoint.list_checkpoints(out)
 
 
+@pytest.mark.slow
 def test_resuming_on_other_data_is_refused_unless_allowed(env, corpus, tmp_path):
     out = str(tmp_path / "out")
     other = tmp_path / "other"
@@ -333,6 +345,7 @@ def test_resuming_on_other_data_is_refused_unless_allowed(env, corpus, tmp_path)
     assert "warning: data_dir=" in p.stdout and sorted(steps(out)) == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_a_token_file_truncated_during_the_run_is_a_clear_error(env, corpus, tmp_path):
     copy = tmp_path / "data"
     shutil.copytree(corpus, copy)
@@ -351,6 +364,7 @@ def test_a_token_file_truncated_during_the_run_is_a_clear_error(env, corpus, tmp
     assert "truncated or replaced during the run" in text
 
 
+@pytest.mark.slow
 def test_a_nan_loss_stops_without_touching_the_last_good_checkpoint(env, corpus, tmp_path):
     out = str(tmp_path / "out")
     python("train.py", *train_args(corpus, out, "--max_iters=3", "--eval_interval=3"), env=env)

@@ -79,6 +79,7 @@ def assert_same_run(env, reference, restarted, log, restarts):
 RESTARTS = int(os.environ.get("DDPGPT_TEST_RESTARTS", "3"))
 
 
+@pytest.mark.slow
 def test_torchrun_restarts_a_run_again_and_again_and_it_continues_exactly(
         env, corpus, uninterrupted, tmp_path):
     """kill -9 of rank 1, then rank 0, then rank 1, ... under plain torchrun --max-restarts,
@@ -108,6 +109,7 @@ def test_torchrun_restarts_a_run_again_and_again_and_it_continues_exactly(
            f"--max-restarts)" in text
 
 
+@pytest.mark.slow
 def test_two_agents_as_two_nodes_restart_after_a_kill_on_either(env, corpus, uninterrupted,
                                                                tmp_path):
     """Two torchruns of one rank each, a c10d rendezvous as on two nodes: their restart counts
@@ -135,6 +137,7 @@ def test_two_agents_as_two_nodes_restart_after_a_kill_on_either(env, corpus, uni
     assert_same_run(env, uninterrupted, out, logs[0].read_text(), restarts=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc, victim, sig", [(3, 2, signal.SIGKILL), (2, 0, signal.SIGSEGV)],
                          ids=["kill -9 of rank 2 of 3", "segfault of rank 0 of 2"])
 def test_the_survivors_of_a_dead_rank_say_whom_they_lost_and_end(env, corpus, tmp_path, nproc,
@@ -218,6 +221,7 @@ def test_a_stop_signal_before_the_first_step_ends_the_run_at_once(env, corpus, t
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_the_first_evaluation_ends_the_run_at_once(env, corpus, tmp_path):
     out, log = str(tmp_path / "out"), tmp_path / "log"
     with open(log, "w") as f:

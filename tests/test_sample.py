@@ -75,6 +75,7 @@ def samples(stdout):
     return parts[:-1]
 
 
+@pytest.mark.slow
 def test_prints_num_samples_each_starting_with_the_prompt(trained, env):
     p = sample(trained["byte"], "--start=def ", "--num_samples=3", env=env)
     out = samples(p.stdout)
@@ -82,6 +83,7 @@ def test_prints_num_samples_each_starting_with_the_prompt(trained, env):
     assert "tokenizer 'byte' from the checkpoint's data_meta" in p.stderr
 
 
+@pytest.mark.slow
 def test_same_seed_same_samples_other_seed_others(trained, env):
     runs = [sample(trained["byte"], f"--seed={seed}", env=env).stdout for seed in (5, 5, 6)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
@@ -102,6 +104,7 @@ def test_gpt2_data_samples_offline(trained, env):
     assert "tokenizer 'gpt2'" in p.stderr
 
 
+@pytest.mark.slow
 def test_padded_vocabulary_ids_are_never_sampled(trained, env):
     # without the mask tiktoken fails on the first padded id with a KeyError
     p = sample(trained["padding_wins"], "--start=def", "--top_k=0", env=env)
@@ -123,6 +126,7 @@ def test_without_data_meta_the_data_dirs_meta_json_names_the_tokenizer(trained, 
     ("unknown_tokenizer", [], ["unknown tokenizer 'no_such_tokenizer'", "'byte'"]),
 ], ids=["empty out_dir", "missing prompt file", "misspelt key", "empty prompt",
         "zero temperature", "unknown tokenizer"])
+@pytest.mark.slow
 def test_errors_are_one_paragraph_without_a_traceback(trained, env, out, args, words):
     p = fails("sample.py", f"--out_dir={trained[out]}", *args, env=env)
     assert p.stdout == ""

@@ -46,6 +46,7 @@ def llmc_data(corpus, tmp_path):
     return str(folder)
 
 
+@pytest.mark.slow
 def test_llmc_shards_train_the_same_global_batches_on_any_world_size_and_resume_exactly(
         env, llmc_data, tmp_path):
     args = [f"--data_dir={llmc_data}", *TINY, "--gradient_accumulation_steps=2",
@@ -125,6 +126,7 @@ def test_ten_thousand_shards_cost_no_per_sample_table():
         assert (offsets + 1025 <= starts[shard + 1]).all()
 
 
+@pytest.mark.slow
 def test_shard_sets_read_the_same_global_batches_on_any_world_size(env, tmp_path):
     folder = counting_shards(tmp_path / "shards")
     out = str(tmp_path / "read")
@@ -136,6 +138,7 @@ def test_shard_sets_read_the_same_global_batches_on_any_world_size(env, tmp_path
     assert global_batches(resumed) == {s: reference[s] for s in (2, 3)}
 
 
+@pytest.mark.slow
 def test_ranks_that_see_different_shards_stop_before_the_first_step(env, tmp_path):
     """Rank 1 is given a copy of the data with one shard fewer (tests/rank_data_dir.py)."""
     folder = counting_shards(tmp_path / "shards")
@@ -167,6 +170,7 @@ def read_all(folder):
     return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_a_stopped_sharded_prepare_resumes_and_writes_the_same_bytes(stop, env, tmp_path,
                                                                     monkeypatch):
@@ -309,6 +313,7 @@ def test_llmc_format_output_is_what_llmc_reads(env, tmp_path, monkeypatch):
     assert len(decoded_shards(out)) == 3_000
 
 
+@pytest.mark.slow
 def test_streaming_local_parquet_gives_the_same_tokens(env, tmp_path):
     rows = [f"document {i}: " + "streamed text " * (i % 7 + 1) for i in range(300)]
     for k in range(3):
@@ -402,6 +407,7 @@ def unclear_folder(case, shards, llmc_data):
     ("two llm.c datasets", "{d} holds llm.c shards of 2 datasets (fineweb_*, tinystories_*), "
                            "which would be read as one train split"),
 ])
+@pytest.mark.slow
 def test_what_a_shard_folder_lacks_is_said(case, message, env, byte_shards, llmc_data,
                                            tmp_path):
     """Each said `train.bin does not exist`, advised a smaller block_size, raised
@@ -412,6 +418,7 @@ def test_what_a_shard_folder_lacks_is_said(case, message, env, byte_shards, llmc
     assert all(part in err for part in message.format(d=folder).split("|")), err
 
 
+@pytest.mark.slow
 def test_a_gap_in_llmc_shard_numbers_is_noted_and_the_shards_counted(env, llmc_data, tmp_path):
     os.rename(os.path.join(llmc_data, "fineweb_train_000002.bin"),
               os.path.join(llmc_data, "fineweb_train_000004.bin"))

@@ -14,6 +14,7 @@ from ddpgpt.errors import UserError
 from ddpgpt.runtime import Ranks
 
 
+@pytest.mark.slow
 def test_two_ranks_train_save_and_the_loss_falls(env, corpus, tmp_path):
     out = tmp_path / "out"
     p = torchrun(2, "train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
@@ -31,6 +32,7 @@ def test_two_ranks_train_save_and_the_loss_falls(env, corpus, tmp_path):
     assert p.stdout.count("iter 10: loss") == 1  # printed once, by rank 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 4])  # with 4, a sum's rounding depends on DDP's buckets
 def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(ranks, env, corpus, tmp_path):
     args = [f"--data_dir={corpus}", *TINY, "--gradient_accumulation_steps=4",
@@ -48,6 +50,7 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(ranks, env, corpus,
     assert evals(whole)[-1] == evals(halves)[-1] and evals(whole)[-1]["iter"] == 12
 
 
+@pytest.mark.slow
 def test_eval_only_reports_the_same_losses_on_any_world_size(env, corpus, tmp_path):
     out = tmp_path / "out"
     torchrun(2, "train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
@@ -60,6 +63,7 @@ def test_eval_only_reports_the_same_losses_on_any_world_size(env, corpus, tmp_pa
     assert at_one["val_loss"] == pytest.approx(at_two["val_loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_wandb_logs_offline_what_metrics_jsonl_logs(env, corpus, tmp_path):
     out = tmp_path / "out"
     python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
@@ -103,6 +107,7 @@ def test_configuration_errors_name_the_key(env, args, message):
     assert message in train_error(env, *args)
 
 
+@pytest.mark.slow
 def test_config_file_that_does_not_parse(env, tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("batch_size = 12\nlearning_rate = = 3\n")
@@ -131,6 +136,7 @@ def test_errors_on_two_ranks_are_reported_once(env, corpus, tmp_path):
     assert "(ranks 0, 1)" in err
 
 
+@pytest.mark.slow
 def test_resume_with_another_architecture_is_an_error(env, corpus, tmp_path):
     out = tmp_path / "out"
     args = [f"--data_dir={corpus}", f"--out_dir={out}", *TINY, "--gradient_accumulation_steps=1"]
@@ -183,6 +189,7 @@ def test_the_settling_backward_passes_two_tensors():
 
 # ---- a backend or device that this machine's torch cannot serve ----
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(),
                     reason="the messages of a CPU-only torch")
 def test_a_backend_or_device_this_torch_cannot_serve_is_refused_naming_what_it_can(

@@ -40,6 +40,7 @@ def wait_for_line(log, pattern, proc, timeout):
     raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n{log.read_text()}")
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_is_named_and_the_run_ends(env, corpus, tmp_path):
     """Rank 1 stops (SIGSTOP) mid-run: rank 0 dumps its stacks within the limit, names rank 1
     as not reporting (a report left by an earlier run does not count), all exit. The stopped
@@ -82,6 +83,7 @@ def test_a_stopped_rank_is_named_and_the_run_ends(env, corpus, tmp_path):
     assert ended < HANG_S + watchdog.REPORT_WAIT_S + TORCHRUN_GRACE_S + 15, ended
 
 
+@pytest.mark.slow
 def test_a_rank_whose_data_read_blocks_is_named_in_the_data_path(env, corpus, tmp_path):
     """Rank 1's batch reader blocks in os.open on a FIFO (as on a dead mount); rank 0 waits
     for it in the all-reduce. Both report, rank 0 says who is where, both exit at once."""
@@ -105,6 +107,7 @@ def test_a_rank_whose_data_read_blocks_is_named_in_the_data_path(env, corpus, tm
     assert took < 60, took  # every rank reported: nobody waited for a missing report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hang_timeout_s", [0, 2])
 def test_hang_timeout_0_turns_it_off(env, corpus, tmp_path, hang_timeout_s):
     """One read of 4 s at about step 10, after the warm-up, far beyond 10 x the median step:
@@ -124,6 +127,7 @@ def test_hang_timeout_0_turns_it_off(env, corpus, tmp_path, hang_timeout_s):
         assert not (out / "hang").exists()
 
 
+@pytest.mark.slow
 def test_a_slow_evaluation_is_named_as_one_and_the_lock_released(env, corpus, tmp_path):
     """It said 'where: model.GPT.forward', and the exit with code 124 left out_dir's lock.
     The first evaluation, before any step, is under startup_timeout_s."""
@@ -168,6 +172,7 @@ def test_a_rank_stuck_where_python_cannot_run_still_dumps_its_stacks_and_exits(e
     assert "train.py: hang" not in p.stderr
 
 
+@pytest.mark.slow
 def test_a_healthy_run_with_evaluations_and_saves_never_fires(env, corpus, tmp_path):
     out = tmp_path / "out"
     p = torchrun(2, "train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
