@@ -43,12 +43,23 @@ def wait_for_step(out_dir, step, proc, timeout=120):
     raise AssertionError(f"step {step} never came")
 
 
+RESIZED = ["--gradient_accumulation_steps=2", "--eval_interval=4"]
+
+
+@pytest.fixture(scope="module")
+def whole_on_two_ranks(tmp_path_factory, session_env, corpus):
+    """8 steps on 2 ranks, uninterrupted: what a run resumed on another world size repeats."""
+    whole = str(tmp_path_factory.mktemp("whole") / "out")
+    torchrun(2, "train.py", *train_args(corpus, whole, *RESIZED, "--max_iters=8"),
+             env=session_env)
+    return whole
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
-def test_resume_on_another_world_size_reads_the_same_batches(env, corpus, tmp_path, first, then):
-    args = ["--gradient_accumulation_steps=2", "--eval_interval=4"]
-    whole, resized = str(tmp_path / "whole"), str(tmp_path / "resized")
-    torchrun(2, "train.py", *train_args(corpus, whole, *args, "--max_iters=8"), env=env)
+def test_resume_on_another_world_size_reads_the_same_batches(env, corpus, tmp_path, first, then,
+                                                             whole_on_two_ranks):
+    args, whole, resized = RESIZED, whole_on_two_ranks, str(tmp_path / "resized")
     torchrun(first, "train.py", *train_args(corpus, resized, *args, "--max_iters=4"), env=env)
     torchrun(then, "train.py", *train_args(corpus, resized, *args, "--max_iters=8",
                                            "--init_from=resume"), env=env)
