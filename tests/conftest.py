@@ -38,6 +38,13 @@ TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_
         "--lr_decay_iters=40", "--min_lr=3e-4"]
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pytest.ini): one test file per core, and one more. Part of the suite waits
+    (for a restart, a SLURM job, a watchdog's limit, a killed rank's peers) with its cores
+    idle: two workers on two cores kept them 83% busy; the third fills the waits."""
+    return (os.cpu_count() or 1) + 1
+
+
 @pytest.fixture(scope="session")
 def tiktoken_cache(tmp_path_factory):
     """A tiktoken cache folder holding the GPT-2 vocabulary, so 'gpt2' loads offline."""
