@@ -21,7 +21,7 @@ import textwrap
 import types
 import typing
 
-from ddpgpt.errors import UserError
+from ddpgpt.errors import SettingsError, UserError
 
 HELP = ("-h", "--help")
 
@@ -149,10 +149,18 @@ def parse_given(config_cls, argv, script):
     """(the configuration, {each key that config files and arguments set: where it was last
     set}, in the order they were last set): a run that takes its architecture from weights
     must tell a key the user chose from a default, and one of two keys that replace each other
-    (data_dir, data_mix) the later. -h or --help prints the keys and exits, as argparse does."""
+    (data_dir, data_mix) the later. -h or --help prints the keys and exits, as argparse does.
+    A problem is a SettingsError: every rank reads the same arguments and files."""
     if any(arg in HELP for arg in argv):
         print(help_text(config_cls, script))
         raise SystemExit(0)
+    try:
+        return read_settings(config_cls, argv, script)
+    except UserError as e:
+        raise SettingsError(str(e)) from None
+
+
+def read_settings(config_cls, argv, script):
     hints = typing.get_type_hints(config_cls)
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
     values, given = {}, {}

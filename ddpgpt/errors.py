@@ -15,6 +15,11 @@ class UserError(Exception):
     value, says what is wrong with it and what to do."""
 
 
+class SettingsError(UserError):
+    """A key or config file that cannot be read (configurator): every rank of a launch reads
+    the same arguments and files and meets it alike, so rank 0 alone says it."""
+
+
 class PeerLost(UserError):
     """Another rank of the run is gone (peers.watched): the process exits as soon as it
     has said so (exit_now)."""
@@ -27,6 +32,10 @@ def run(main, script, argv):
     this rank exits without it, and torchrun (or srun --kill-on-bad-exit) ends the others."""
     try:
         return main(argv)
+    except SettingsError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{script}: error: {e}", file=sys.stderr)
+        return 1
     except UserError as e:
         where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
         print(f"{script}: error{where}: {e}", file=sys.stderr)

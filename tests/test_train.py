@@ -136,6 +136,14 @@ def test_errors_on_two_ranks_are_reported_once(env, corpus, tmp_path):
     assert "(ranks 0, 1)" in err
 
 
+def test_a_settings_error_on_two_ranks_is_reported_once(env, tmp_path):
+    """A key that cannot be read is the same on every rank (the same arguments and files):
+    rank 0 says it once, with no rank named (was: once per rank)."""
+    err = train_error(env, f"--out_dir={tmp_path}", "--batch_size=big", nproc=2)
+    line = "train.py: error: argument --batch_size=big: cannot read the value 'big'"
+    assert err.count("cannot read the value 'big'") == 1 and line in err, err
+
+
 @pytest.mark.slow
 def test_resume_with_another_architecture_is_an_error(env, corpus, tmp_path):
     out = tmp_path / "out"
