@@ -75,14 +75,24 @@ def _tiktoken_tokenizer(name):
             f"unknown tokenizer {name!r}: use 'byte' or a tiktoken encoding "
             f"({', '.join(tiktoken.list_encoding_names())})") from e
     except Exception as e:
-        raise UserError(
-            f"tiktoken could not load the {name!r} vocabulary ({type(e).__name__}: {e}). "
-            "tiktoken downloads it once and caches it; with no network, put a copy of the "
-            ".tiktoken file in a folder with tokenizer.install_tiktoken_file(file, folder) and "
-            "set TIKTOKEN_CACHE_DIR to that folder, or use --tokenizer=byte, which needs no "
-            "download.") from e
+        raise UserError(f"tiktoken could not load the {name!r} vocabulary ({type(e).__name__}: "
+                        f"{e}). {offline_advice(_SAME_AS.get(name, name))}") from e
     return Tokenizer(name, enc.n_vocab, enc.eot_token, enc.encode_ordinary, enc.decode,
                      enc.decode_bytes)
+
+
+def offline_advice(encoding):
+    """How to give tiktoken an encoding's vocabulary with no network, as commands that run."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shipped = os.path.join(root, "tests", "fixtures", f"{encoding}.tiktoken")
+    vocab = shipped if os.path.exists(shipped) else f"<a copy of {encoding}.tiktoken>"
+    return (f"tiktoken downloads it once and caches it. With no network, install a copy into a "
+            f"cache folder and point tiktoken at it: PYTHONPATH={root} python -c \"from "
+            f"ddpgpt.tokenizer import "
+            f"install_tiktoken_file; install_tiktoken_file('{vocab}', 'tiktoken_cache', "
+            f"'{encoding}')\" && export TIKTOKEN_CACHE_DIR=$PWD/tiktoken_cache"
+            f"{' (this checkout ships that copy)' if vocab == shipped else ''}. To prepare data "
+            f"with no vocabulary to fetch at all: prepare.py --tokenizer=byte.")
 
 
 def _char_tokenizer(stoi, itos):

@@ -3,6 +3,7 @@ to the documents, meta.json must describe them, and bad input must fail with one
 import glob
 import json
 import os
+import subprocess
 import sysconfig
 import tokenize
 from collections import Counter
@@ -13,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ddpgpt import permutation, tokenfile
-from conftest import OUTPUTS, decoded, prepare_fails, python
+from conftest import OUTPUTS, ROOT, decoded, fails, prepare_fails, python
 from ddpgpt.tokenizer import get_tokenizer
 
 DOCS = ["Hello, world!\n", "ünïcödé — 日本語 🎉\r\nsecond line", "", "   \n\t",
@@ -195,3 +196,21 @@ def test_bad_input(case, env, tmp_path):
     tokenizer = [] if any(str(a).startswith("--tokenizer") for a in args) else ["--tokenizer=byte"]
     message = prepare_fails(tmp_path, *args, *tokenizer, "--num_proc=1", env=env)
     assert named in message, message
+
+
+def test_offline_tiktoken_error_gives_commands_that_work(env, tmp_path):
+    """With tiktoken's vocabulary neither cached nor downloadable, the error gives the commands
+    that install the copy this checkout ships; run as given, they make the same prepare work
+    (was: advice naming a function and a --tokenizer key that sample.py does not have)."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"{i}.txt").write_text(f"document number {i}\n")
+    args = [f"--dataset={docs}", "--tokenizer=gpt2", "--val_docs=1", "--out_dir=out"]
+    offline = dict(env, TIKTOKEN_CACHE_DIR=str(tmp_path / "empty"))
+    message = fails("prepare.py", *args, env=offline, cwd=tmp_path).stderr.strip()
+    commands = message.split("point tiktoken at it: ")[1].split(" (this checkout ships")[0]
+    subprocess.run(["bash", "-c", f"{commands} && python {ROOT}/prepare.py "
+                    f"{' '.join(args)}"], cwd=tmp_path, env=offline, check=True,
+                   capture_output=True)
+    assert (tmp_path / "out" / "train.bin").stat().st_size > 0
