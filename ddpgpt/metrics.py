@@ -211,8 +211,9 @@ def read(out_dir):
         except ValueError as e:
             if n == len(lines):
                 break
-            raise UserError(f"{path}, line {n} is not JSON ({e}): metrics.jsonl holds one JSON "
-                            f"object per line, as train.py writes them") from e
+            raise not_a_row(path, n, f"is not JSON ({e})") from e
+        if not isinstance(row, dict) or not isinstance(row.get("iter"), int):
+            raise not_a_row(path, n, f"is not a row of train.py's ({line[:40]!r})")
         if row.get("run") == "fresh":
             steps, evals, starts, earlier = {}, {}, [], n - 1
         if "run" in row:
@@ -224,3 +225,8 @@ def read(out_dir):
         elif "val_loss" in row:
             evals[row["iter"]] = row
     return Rows(steps, evals, starts, earlier)
+
+
+def not_a_row(path, n, what):
+    return UserError(f"{path}, line {n} {what}: metrics.jsonl holds one JSON object per line, "
+                     f"each with its iter, as train.py writes them")
