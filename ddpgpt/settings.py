@@ -312,5 +312,6 @@ class IndexConfig:
     sampling='documents' reads, for token files that have none: nanoGPT's, llm.c's, ddpgpt
     folders made before prepare.py wrote it."""
     data_dir: str = key("data/openwebtext", "the folder that holds the token files")
-    eot_token: int = key(-1, "the id that ends each document; -1: meta.json's, else GPT-2's "
-                             "50256 (nanoGPT's and llm.c's files)", at_least=-1)
+    eot_token: int = key(-1, "the id that ends each document, for files without meta.json "
+                             "(nanoGPT's, llm.c's); -1: GPT-2's 50256. Where meta.json gives "
+                             "one, that one (another is refused)", at_least=-1)

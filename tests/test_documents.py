@@ -234,3 +234,20 @@ def test_index_documents_on_a_folder_without_token_files_writes_nothing(env, tmp
     err = fails("index_documents.py", f"--data_dir={tmp_path / 'nowhere'}", env=env).stderr
     assert err.startswith("index_documents.py: error: ") and "train.bin does not exist" in err
     assert "python prepare.py" in err and not (tmp_path / "nowhere").exists()
+
+
+def test_an_eot_token_other_than_meta_jsons_is_refused_and_the_index_kept(env, corpus, tmp_path):
+    """A byte corpus indexed at newlines: its documents became thousands of lines, replacing a
+    good index without a word, and train.py trained on them."""
+    folder = tmp_path / "data"
+    shutil.copytree(corpus, folder)
+    before = indexes(folder)
+    err = fails("index_documents.py", f"--data_dir={folder}", "--eot_token=10", env=env).stderr
+    assert err.strip() == (
+        f"index_documents.py: error: --eot_token=10 disagrees with {folder}/meta.json, which "
+        f"gives its tokens (tokenizer 'byte') eot_token 256: prepare.py ended every document "
+        f"with that, and an index at another id would cut them elsewhere. Leave --eot_token "
+        f"out to index at meta.json's (it is for folders without one: nanoGPT's and llm.c's)."), err
+    assert indexes(folder) == before
+    p = python("index_documents.py", f"--data_dir={folder}", "--eot_token=256", env=env)
+    assert "train.docidx matches its token files: kept" in p.stdout
