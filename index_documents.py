@@ -75,7 +75,9 @@ def main(argv):
     splits = {split: tokenfile.open_split(cfg.data_dir, split, block_size=1)  # checked first
               for split in tokenfile.SPLITS}
     try:
-        with lock.locked(cfg.data_dir, "index_documents.py"):
+        with lock.locked(cfg.data_dir, "index_documents.py", fix=(
+                f"each index goes beside its token files, so copy {cfg.data_dir} to a place "
+                f"you can write in and run index_documents.py on the copy.")):
             fileio.remove_stale_temporaries(cfg.data_dir)  # of a killed run
             for split, token_split in splits.items():
                 index_split(token_split, cfg.data_dir, split, eot)

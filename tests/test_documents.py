@@ -6,6 +6,7 @@ val loss; and clear errors for a missing, damaged or stale index."""
 import json
 import os
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -251,3 +252,37 @@ def test_an_eot_token_other_than_meta_jsons_is_refused_and_the_index_kept(env, c
     assert indexes(folder) == before
     p = python("index_documents.py", f"--data_dir={folder}", "--eot_token=256", env=env)
     assert "train.docidx matches its token files: kept" in p.stdout
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """read_only(folder): a path to folder that cannot be written in, also by root (a read-only
+    bind mount; without root, the folder with its write permission taken away)."""
+    undo = []
+
+    def view(folder):
+        if os.geteuid() != 0:
+            os.chmod(folder, 0o555)
+            undo.append(["chmod", "755", str(folder)])
+            return folder
+        mount = tmp_path / "read_only"
+        mount.mkdir()
+        subprocess.run(["mount", "--bind", str(folder), str(mount)], check=True)
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(mount)], check=True)
+        undo.append(["umount", str(mount)])
+        return mount
+    yield view
+    for command in undo:
+        subprocess.run(command, check=True)
+
+
+def test_index_documents_on_a_read_only_folder_says_to_copy_it(env, corpus, tmp_path, read_only):
+    """It said 'choose a folder', but the index can only go beside the token files."""
+    (tmp_path / "data").mkdir()
+    for split in tokenfile.SPLITS:
+        shutil.copy(os.path.join(corpus, f"{split}.bin"), tmp_path / "data")
+    folder = read_only(tmp_path / "data")
+    err = fails("index_documents.py", f"--data_dir={folder}", env=env).stderr
+    assert err.strip().endswith(
+        f"each index goes beside its token files, so copy {folder} to a place you can write "
+        f"in and run index_documents.py on the copy."), err
