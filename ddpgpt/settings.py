@@ -303,7 +303,7 @@ class PrepareConfig:
     tokenizer: str = key("gpt2", "a tiktoken encoding, or 'byte'")
     val_fraction: float = key(0.0005, "share of the documents for validation, rounded, at "
                                       "least one document", at_least=0, below=1)
-    val_docs: int = key(0, "number of documents for validation; 0: val_fraction decides",
+    val_docs: int = key(0, "number of documents for validation; 0 (left out): val_fraction decides",
                         at_least=0)
     seed: int = key(2357, "chooses the validation documents", at_least=0)
     shard_tokens: int = key(0, "write shards of about this many tokens (whole documents), "
