@@ -286,3 +286,22 @@ def test_index_documents_on_a_read_only_folder_says_to_copy_it(env, corpus, tmp_
     assert err.strip().endswith(
         f"each index goes beside its token files, so copy {folder} to a place you can write "
         f"in and run index_documents.py on the copy."), err
+
+
+@pytest.mark.slow
+def test_a_split_of_end_of_text_ids_alone_is_named(env, tmp_path):
+    """It was an IndexError from data.document_runs, in documents mode and through the val
+    split's index in the default mode."""
+    text = np.tile(np.append(np.arange(40), EOT), 50)
+    folder = str(tmp_path / "data")
+    write_token_files(folder, {"train": text, "val": np.full(100, EOT)}, tokenizer="test",
+                      vocab_size=EOT + 1, eot_token=EOT)
+    run = [f"--data_dir={folder}", *TINY, "--max_iters=1", "--eval_iters=1"]
+    p = python("train.py", *run, f"--out_dir={tmp_path / 'epoch'}", env=env)
+    assert ("note: the evaluations leave the document-aligned val loss (val_loss_docs) out: "
+            f"{folder}/val.bin holds no document of two tokens or more") in p.stdout, p.stdout
+    write_token_files(folder, {"train": np.full(100, EOT), "val": text}, tokenizer="test",
+                      vocab_size=EOT + 1, eot_token=EOT)
+    err = fails("train.py", *run, f"--out_dir={tmp_path / 'docs'}", "--sampling=documents",
+                env=env).stderr
+    assert f"{folder}/train.bin holds no document of two tokens or more" in err, err
