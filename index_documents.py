@@ -30,10 +30,20 @@ GPT2_EOT = 50256  # nanoGPT's raw files and llm.c's shards hold GPT-2's tokens
 
 def end_of_text(cfg, meta):
     """The id that ends each document; None for data that has none (nanoGPT's characters:
-    each file is one document)."""
-    if cfg.eot_token >= 0:
-        return cfg.eot_token
-    return GPT2_EOT if meta is None else meta.get("eot_token")
+    each file is one document). --eot_token is for folders without a meta.json: where there
+    is one, prepare.py ended every document with its eot_token, and an index at another id
+    would cut them elsewhere."""
+    if meta is None:
+        return cfg.eot_token if cfg.eot_token >= 0 else GPT2_EOT
+    eot = meta.get("eot_token")
+    if cfg.eot_token >= 0 and cfg.eot_token != eot:
+        said = f"eot_token {eot}" if eot is not None else "no end-of-text id"
+        raise UserError(f"--eot_token={cfg.eot_token} disagrees with {cfg.data_dir}/meta.json, "
+                        f"which gives its tokens (tokenizer '{meta.get('tokenizer')}') {said}: "
+                        f"prepare.py ended every document with that, and an index at another "
+                        f"id would cut them elsewhere. Leave --eot_token out to index at "
+                        f"meta.json's (it is for folders without one: nanoGPT's and llm.c's).")
+    return eot
 
 
 def index_split(token_split, data_dir, split, eot):
@@ -65,7 +75,9 @@ def main(argv):
     splits = {split: tokenfile.open_split(cfg.data_dir, split, block_size=1)  # checked first
               for split in tokenfile.SPLITS}
     try:
-        with lock.locked(cfg.data_dir, "index_documents.py"):
+        with lock.locked(cfg.data_dir, "index_documents.py", fix=(
+                f"each index goes beside its token files, so copy {cfg.data_dir} to a place "
+                f"you can write in and run index_documents.py on the copy.")):
             fileio.remove_stale_temporaries(cfg.data_dir)  # of a killed run
             for split, token_split in splits.items():
                 index_split(token_split, cfg.data_dir, split, eot)

@@ -44,7 +44,17 @@ from ddpgpt.tokenizer import GPT2_NAMES, get_tokenizer
 CHUNK_CHARS = 1 << 20  # text sent to a worker at a time: big enough to amortise the pickling
 
 
-def validation_size(cfg, given, n_docs, description):
+def check_validation_keys(cfg, given):
+    """The keys that choose the validation documents, checked before the corpus is read."""
+    if {"val_docs", "val_fraction"} <= given.keys():
+        raise UserError("--val_docs and --val_fraction both choose the validation documents: "
+                        "give one of them.")
+    if "val_docs" in given and cfg.val_docs == 0:  # the default's 0 is 'unset'; a given one, none
+        raise UserError("--val_docs=0 leaves no val split: give --val_docs=1 or more, or "
+                        "leave it out and use --val_fraction.")
+
+
+def validation_size(cfg, n_docs, description):
     if n_docs == 0:
         raise UserError(f"the corpus ({description}) holds no non-empty documents: check "
                         f"--dataset and --text_column.")
@@ -53,9 +63,6 @@ def validation_size(cfg, given, n_docs, description):
                         f"document), which cannot be split into training and validation "
                         f"data: pass several files (a folder or a glob), or a .jsonl file "
                         f"with one document per line.")
-    if {"val_docs", "val_fraction"} <= given.keys():
-        raise UserError("--val_docs and --val_fraction both choose the validation documents: "
-                        "give one of them.")
     n_val = cfg.val_docs or max(1, round(n_docs * cfg.val_fraction))
     if not 1 <= n_val < n_docs:
         raise UserError(f"{n_val} validation documents out of the corpus's {n_docs} non-empty "
@@ -308,7 +315,7 @@ def complete_output(out_dir, settings):
         f"--out_dir.")
 
 
-def prepare(cfg, given):
+def prepare(cfg):
     """(out_dir, meta.json's splits, the corpus's counts) of a complete prepare; splits and
     counts are None when out_dir already held its output."""
     tokenizer = get_tokenizer(cfg.tokenizer)
@@ -341,7 +348,7 @@ def prepare(cfg, given):
                 complete_output(out_dir, settings):
             return out_dir, None, None
         counts = progress["counts"] if progress else docs.count()
-        n_val = validation_size(cfg, given, counts["documents"], docs.description)
+        n_val = validation_size(cfg, counts["documents"], docs.description)
         published = (progress or {}).get("splits", {})
         writers = {split: SplitWriter(out_dir, split, shard_tokens=cfg.shard_tokens,
                                       llmc_name=llmc_name if cfg.format == "llmc" else None,
@@ -408,9 +415,10 @@ def what_is_left(out_dir, writers):
 def main(argv):
     signals.raise_on_stop_signals()
     cfg, given = configurator.parse_given(PrepareConfig, argv, "prepare.py")
+    check_validation_keys(cfg, given)
     t0 = time.time()
     try:
-        out_dir, splits, counts = prepare(cfg, given)
+        out_dir, splits, counts = prepare(cfg)
         if splits is None:
             print(f"prepare.py: {out_dir} already holds this output, complete (its "
                   f"{tokenfile.META_NAME} was made with the same settings from the same "

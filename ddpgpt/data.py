@@ -216,6 +216,8 @@ def document_runs(lengths, counts, block_size):
     starts_each = (lengths - 2) // block_size + 1  # 0 for a document of one token
     at_least = np.cumsum(counts)  # documents at least as long as each length
     keep = starts_each > 0
+    if not keep.any():  # nothing but end-of-text ids: no runs, which windows() refuses
+        return (np.zeros(0, dtype=np.int64),) * 3
     starts_each, at_least = starts_each[keep], at_least[keep]
     last = np.append(starts_each[1:] != starts_each[:-1], True)  # each level count's last
     top, documents = starts_each[last][::-1], at_least[last][::-1]  # fewest starts first
@@ -232,7 +234,7 @@ def windows(mix, block_size, mode):
     if mode == "documents" and not n.all():
         empty = mix.splits[int(np.argmin(n))]
         raise UserError(f"{tokenfile.describe(empty)} holds no document of two tokens or more "
-                        f"(its document index): sampling='documents' has no window to read.")
+                        f"(its document index): it has no window that starts at a document's start to read.")
     ends = np.cumsum(np.concatenate(counts))
     shapes = [feistel_shape(k) for k in n.tolist()]
     return Windows(mode, block_size, n, np.concatenate([[0], np.cumsum(n)[:-1]]),

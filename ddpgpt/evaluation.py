@@ -60,9 +60,13 @@ def make(splits, cfg, vocab_size, tok, with_hellaswag, hellaswag_path, log):
     n = cfg.eval_iters * cfg.batch_size
     windows = {split: [data.eval_offsets(t.starts, cfg.block_size, n) for t in mix.splits]
                for split, mix in splits.items()}
-    val = splits.get("val")
-    docs = [data.eval_document_offsets(t, cfg.block_size, n) for t in val.splits] \
-        if val is not None and all(t.docs is not None for t in val.splits) else None
+    val, docs = splits.get("val"), None
+    if val is not None and all(t.docs is not None for t in val.splits):
+        try:
+            docs = [data.eval_document_offsets(t, cfg.block_size, n) for t in val.splits]
+        except UserError as e:  # a val split of end-of-text ids alone
+            log(f"note: the evaluations leave the document-aligned val loss (val_loss_docs) "
+                f"out: {e}")
     return Evaluation(splits, windows, docs, cfg.block_size, cfg.batch_size, cfg.eval_iters,
                       vocab_size, None if tok is None else byte_lengths(tok, vocab_size), swag)
 

@@ -15,11 +15,13 @@ _held = {}  # {path: open descriptor} of the locks this process holds, for relea
 
 
 @contextlib.contextmanager
-def locked(folder, script, log=print):
+def locked(folder, script, log=print,
+           fix="choose a folder that you can create and write files in."):
     """Hold folder's lock while the block runs: made by prepare.py for its out_dir, and for
     train.py's, so that two runs never write into one folder at once: take it in one process
     of a run (rank 0). The folder is made if it does not exist. Another holder is a UserError
-    that names it; log gets the notice when a dead holder's lock is taken over.
+    that names it; log gets the notice when a dead holder's lock is taken over; a folder that
+    cannot be written in is a UserError that says what it is and then fix, what to do.
 
     The lock is fcntl.flock on folder/ddpgpt.lock, which holds its holder's host, pid, script,
     start time and SLURM job, and is removed when the block ends. The kernel releases a flock
@@ -42,8 +44,7 @@ def locked(folder, script, log=print):
         fd = acquire(path, script, log)
     except OSError as e:
         why = disk_full(e, folder) or e.strerror or str(e)
-        raise UserError(f"cannot write in {folder} ({why}): choose a folder that you can create "
-                        f"and write files in.") from e
+        raise UserError(f"cannot write in {folder} ({why}): {fix}") from e
     _held[path] = fd
     try:
         yield

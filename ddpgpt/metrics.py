@@ -53,6 +53,7 @@ def open_metrics(cfg, master, start, log):
         log(f"note: {path} holds the rows of an earlier run, which left no checkpoint; this "
             f"run's follow its start row ({json.dumps(start)}), and compare_runs.py and plot.py "
             f"read those only")
+    drop_cut_off_line(path, log)
     file = open(path, "a")
     record(Metrics(file, None, slowest), start)
     if not cfg.wandb_log:
@@ -62,6 +63,31 @@ def open_metrics(cfg, master, start, log):
                config=dataclasses.asdict(cfg), id=wandb_run_id(cfg.out_dir, new=fresh),
                resume="allow")
     return Metrics(file, wandb, slowest)
+
+
+def drop_cut_off_line(path, log):
+    """Drop the last line of metrics.jsonl when a kill cut it off mid-write (it does not end
+    in a newline; read() leaves it out too): rows appended after it would continue that line,
+    and the file would no longer be JSON lines. The rows before it are kept."""
+    try:
+        f = open(path, "rb+")
+    except FileNotFoundError:
+        return
+    with f:
+        end = whole = f.seek(0, os.SEEK_END)
+        while whole > 0:  # whole: just after the last newline (or 0), searched for backwards
+            start = max(0, whole - 2**16)
+            f.seek(start)
+            newline = f.read(whole - start).rfind(b"\n")
+            if newline >= 0:
+                whole = start + newline + 1
+                break
+            whole = start
+        if whole == end:
+            return
+        f.truncate(whole)
+    log(f"note: {path} ended in a line cut off when a run was stopped ({end - whole} bytes): "
+        f"dropped, so that this run's rows start on a line of their own")
 
 
 def wandb_run_id(out_dir, new):
@@ -185,8 +211,9 @@ def read(out_dir):
         except ValueError as e:
             if n == len(lines):
                 break
-            raise UserError(f"{path}, line {n} is not JSON ({e}): metrics.jsonl holds one JSON "
-                            f"object per line, as train.py writes them") from e
+            raise not_a_row(path, n, f"is not JSON ({e})") from e
+        if not isinstance(row, dict) or not isinstance(row.get("iter"), int):
+            raise not_a_row(path, n, f"is not a row of train.py's ({line[:40]!r})")
         if row.get("run") == "fresh":
             steps, evals, starts, earlier = {}, {}, [], n - 1
         if "run" in row:
@@ -198,3 +225,8 @@ def read(out_dir):
         elif "val_loss" in row:
             evals[row["iter"]] = row
     return Rows(steps, evals, starts, earlier)
+
+
+def not_a_row(path, n, what):
+    return UserError(f"{path}, line {n} {what}: metrics.jsonl holds one JSON object per line, "
+                     f"each with its iter, as train.py writes them")

@@ -5,6 +5,7 @@ them; each class checks itself when it is made (__post_init__), the ranges with
 configurator.check and what involves several keys below it. A Literal[...] type lists a key's
 choices.
 """
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -27,6 +28,21 @@ DEVICE_HELP = "auto: this rank's GPU when torch sees one, else cpu; cuda: cuda:<
 DTYPE_HELP = "auto: bfloat16 on a GPU that has it natively, else float16; float32 on a CPU"
 LOAD_HELP = ("resume: out_dir's newest checkpoint (or out_dir is one checkpoint file); or "
              "GPT-2's weights, gpt2, gpt2-medium, ..., or a Hugging Face GPT-2 folder")
+
+
+# rotary() computes theta ** (-i / head_dim) in float32: theta must be finite there, and above
+# 1 for frequencies that fall from 1 along a head (1e-300 became 0 ** -x = inf, a NaN loss)
+ROPE_THETA_RANGE = {"above": 1, "below": 3.4e38}
+
+
+def check_only_for(cfg, name, key, wanted):
+    """A key that only key=wanted reads, set in a run where key is another value, would be
+    ignored without a word: refused."""
+    default = next(f.default for f in dataclasses.fields(cfg) if f.name == name)
+    value, actual = getattr(cfg, name), getattr(cfg, key)
+    if actual != wanted and value != default:
+        raise UserError(f"{name}={value!r} is a setting of {key}={wanted!r}, and this run is "
+                        f"{key}={actual!r}: add --{key}={wanted}, or leave {name} out.")
 
 
 def check_bias(arch, bias):
@@ -81,8 +97,9 @@ class TrainConfig:
                           at_least=0)
     arch: Arch = key("gpt2", "gpt2: GPT-2 (nanoGPT's); modern: RMSNorm, rotary positions, "
                              "QK-norm, SwiGLU, no biases, untied head (Qwen3's block)")
-    rope_theta: float = key(10000.0, "modern: the base of the rotary embeddings' frequencies",
-                            above=0)
+    rope_theta: float = key(10000.0, "modern: the base of the rotary embeddings' frequencies "
+                                     "(computed in float32)",
+                            **ROPE_THETA_RANGE)
     # the optimizer and its schedule
     optimizer: Literal["adamw", "muon"] = key(
         "adamw", "adamw: AdamW for every parameter; muon: torch.optim.Muon for the matrices "
@@ -165,6 +182,8 @@ class TrainConfig:
         """The combinations of arch and optimizer that cannot work."""
         from ddpgpt import hf
         check_bias(self.arch, self.bias)
+        if self.init_from == "scratch" or self.init_from in hf.NAMES:  # else the weights' arch
+            check_only_for(self, "rope_theta", "arch", "modern")
         if self.arch == "modern" and self.init_from in hf.NAMES:
             raise UserError(f"arch='modern' with init_from={self.init_from!r}: OpenAI's GPT-2 "
                             f"weights are arch='gpt2'. Fine-tune them with arch='gpt2' (the "
@@ -178,14 +197,9 @@ class TrainConfig:
     def check_parallel(self):
         """The keys that only fsdp reads, and the optimizer it cannot train with (float16:
         parallel.check, where the device says what dtype='auto' is)."""
-        if self.parallel == "ddp":
-            for name, default in (("reshard_after_forward", True),
-                                  ("reduce_every_micro_step", False)):
-                if getattr(self, name) != default:
-                    raise UserError(f"{name}={getattr(self, name)!r} is a setting of "
-                                    f"parallel='fsdp', and this run is parallel='ddp': add "
-                                    f"--parallel=fsdp, or leave {name} out.")
-        elif self.optimizer == "muon":
+        for name in ("reshard_after_forward", "reduce_every_micro_step"):
+            check_only_for(self, name, "parallel", "fsdp")
+        if self.parallel == "fsdp" and self.optimizer == "muon":
             # Muon's update is a function of the whole matrix (its orthogonalization), and
             # torch.optim.Muon computes it from the tensor it is given: under FSDP2 that is
             # this rank's rows of each matrix, whose orthogonalized update is not the rows of
@@ -289,7 +303,7 @@ class PrepareConfig:
     tokenizer: str = key("gpt2", "a tiktoken encoding, or 'byte'")
     val_fraction: float = key(0.0005, "share of the documents for validation, rounded, at "
                                       "least one document", at_least=0, below=1)
-    val_docs: int = key(0, "number of documents for validation; 0: val_fraction decides",
+    val_docs: int = key(0, "number of documents for validation; 0 (left out): val_fraction decides",
                         at_least=0)
     seed: int = key(2357, "chooses the validation documents", at_least=0)
     shard_tokens: int = key(0, "write shards of about this many tokens (whole documents), "
@@ -312,5 +326,6 @@ class IndexConfig:
     sampling='documents' reads, for token files that have none: nanoGPT's, llm.c's, ddpgpt
     folders made before prepare.py wrote it."""
     data_dir: str = key("data/openwebtext", "the folder that holds the token files")
-    eot_token: int = key(-1, "the id that ends each document; -1: meta.json's, else GPT-2's "
-                             "50256 (nanoGPT's and llm.c's files)", at_least=-1)
+    eot_token: int = key(-1, "the id that ends each document, for files without meta.json "
+                             "(nanoGPT's, llm.c's); -1: GPT-2's 50256. Where meta.json gives "
+                             "one, that one (another is refused)", at_least=-1)

@@ -35,7 +35,7 @@ from ddpgpt import configurator, data, errors, metrics, optim, sources, tokenfil
 from ddpgpt.configurator import key
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
-from ddpgpt.settings import Arch, Sampling, check_bias
+from ddpgpt.settings import ROPE_THETA_RANGE, Arch, Sampling, check_bias, check_only_for
 from ddpgpt.weights import model_args
 
 
@@ -63,7 +63,7 @@ class LightningConfig:
     dropout: float = key(0.0, "dropout probability", at_least=0, below=1)
     bias: bool = key(False, "biases in Linears and LayerNorms (gpt2 only)")
     arch: Arch = key("gpt2", "as train.py's: gpt2, or modern (Qwen3's block)")
-    rope_theta: float = key(10000.0, "modern: the rotary embeddings' base", above=0)
+    rope_theta: float = key(10000.0, "modern: the rotary embeddings' base", **ROPE_THETA_RANGE)
     vocab_size: int = key(0, "0: the data's vocabulary rounded up to a multiple of 64",
                           at_least=0)
     learning_rate: float = key(1e-3, "constant: train.py has the schedule", at_least=0)
@@ -77,6 +77,7 @@ class LightningConfig:
                 f"saved (such as {os.path.join(self.out_dir, 'step=0000050.ckpt')}), 'last' for "
                 f"the newest in out_dir, or '' to train from scratch.")
         check_bias(self.arch, self.bias)
+        check_only_for(self, "rope_theta", "arch", "modern")
         if self.gradient_accumulation_steps % self.devices:
             raise UserError(
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps} is the global "

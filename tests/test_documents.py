@@ -6,6 +6,7 @@ val loss; and clear errors for a missing, damaged or stale index."""
 import json
 import os
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -234,3 +235,73 @@ def test_index_documents_on_a_folder_without_token_files_writes_nothing(env, tmp
     err = fails("index_documents.py", f"--data_dir={tmp_path / 'nowhere'}", env=env).stderr
     assert err.startswith("index_documents.py: error: ") and "train.bin does not exist" in err
     assert "python prepare.py" in err and not (tmp_path / "nowhere").exists()
+
+
+def test_an_eot_token_other_than_meta_jsons_is_refused_and_the_index_kept(env, corpus, tmp_path):
+    """A byte corpus indexed at newlines: its documents became thousands of lines, replacing a
+    good index without a word, and train.py trained on them."""
+    folder = tmp_path / "data"
+    shutil.copytree(corpus, folder)
+    before = indexes(folder)
+    err = fails("index_documents.py", f"--data_dir={folder}", "--eot_token=10", env=env).stderr
+    assert err.strip() == (
+        f"index_documents.py: error: --eot_token=10 disagrees with {folder}/meta.json, which "
+        f"gives its tokens (tokenizer 'byte') eot_token 256: prepare.py ended every document "
+        f"with that, and an index at another id would cut them elsewhere. Leave --eot_token "
+        f"out to index at meta.json's (it is for folders without one: nanoGPT's and llm.c's)."), err
+    assert indexes(folder) == before
+    p = python("index_documents.py", f"--data_dir={folder}", "--eot_token=256", env=env)
+    assert "train.docidx matches its token files: kept" in p.stdout
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """read_only(folder): a path to folder that cannot be written in, also by root (a read-only
+    bind mount; without root, the folder with its write permission taken away)."""
+    undo = []
+
+    def view(folder):
+        if os.geteuid() != 0:
+            os.chmod(folder, 0o555)
+            undo.append(["chmod", "755", str(folder)])
+            return folder
+        mount = tmp_path / "read_only"
+        mount.mkdir()
+        subprocess.run(["mount", "--bind", str(folder), str(mount)], check=True)
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(mount)], check=True)
+        undo.append(["umount", str(mount)])
+        return mount
+    yield view
+    for command in undo:
+        subprocess.run(command, check=True)
+
+
+def test_index_documents_on_a_read_only_folder_says_to_copy_it(env, corpus, tmp_path, read_only):
+    """It said 'choose a folder', but the index can only go beside the token files."""
+    (tmp_path / "data").mkdir()
+    for split in tokenfile.SPLITS:
+        shutil.copy(os.path.join(corpus, f"{split}.bin"), tmp_path / "data")
+    folder = read_only(tmp_path / "data")
+    err = fails("index_documents.py", f"--data_dir={folder}", env=env).stderr
+    assert err.strip().endswith(
+        f"each index goes beside its token files, so copy {folder} to a place you can write "
+        f"in and run index_documents.py on the copy."), err
+
+
+@pytest.mark.slow
+def test_a_split_of_end_of_text_ids_alone_is_named(env, tmp_path):
+    """It was an IndexError from data.document_runs, in documents mode and through the val
+    split's index in the default mode."""
+    text = np.tile(np.append(np.arange(40), EOT), 50)
+    folder = str(tmp_path / "data")
+    write_token_files(folder, {"train": text, "val": np.full(100, EOT)}, tokenizer="test",
+                      vocab_size=EOT + 1, eot_token=EOT)
+    run = [f"--data_dir={folder}", *TINY, "--max_iters=1", "--eval_iters=1"]
+    p = python("train.py", *run, f"--out_dir={tmp_path / 'epoch'}", env=env)
+    assert ("note: the evaluations leave the document-aligned val loss (val_loss_docs) out: "
+            f"{folder}/val.bin holds no document of two tokens or more") in p.stdout, p.stdout
+    write_token_files(folder, {"train": np.full(100, EOT), "val": text}, tokenizer="test",
+                      vocab_size=EOT + 1, eot_token=EOT)
+    err = fails("train.py", *run, f"--out_dir={tmp_path / 'docs'}", "--sampling=documents",
+                env=env).stderr
+    assert f"{folder}/train.bin holds no document of two tokens or more" in err, err

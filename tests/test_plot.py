@@ -49,3 +49,13 @@ def test_what_is_not_a_run(env, tmp_path):
     message = fails("plot.py", tmp_path, env=env).stderr.strip()
     assert message.startswith(f"plot.py: error: {tmp_path}/metrics.jsonl holds no step of a "
                               f"run"), message
+
+
+@pytest.mark.parametrize("line", ['[1, 2]', '"loss"', '{"loss": 4.0}'])
+def test_a_line_that_is_json_but_not_a_row_is_named(env, tmp_path, line):
+    """It was an AttributeError ('list' object has no attribute 'get') or a KeyError."""
+    (tmp_path / "metrics.jsonl").write_text(f'{{"run": "fresh", "iter": 0}}\n{line}\n')
+    message = fails("plot.py", tmp_path, env=env).stderr.strip()
+    assert message == (f"plot.py: error: {tmp_path}/metrics.jsonl, line 2 is not a row of "
+                       f"train.py's ({line!r}): metrics.jsonl holds one JSON object per line, "
+                       f"each with its iter, as train.py writes them"), message

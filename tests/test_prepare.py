@@ -176,6 +176,9 @@ def bad_input(tmp_path, env):
         "no text column": (["--dataset", tmp_path / "body.parquet"], "body (string), id (int64)"),
         "empty corpus": (["--dataset", tmp_path / "blank.jsonl"], "no non-empty documents"),
         "val takes all": (["--dataset", jsonl_, "--val_docs=3"], "no training"),
+        "no val docs": (["--dataset", jsonl_, "--val_docs=0"],
+                        "--val_docs=0 leaves no val split: give --val_docs=1 or more, or leave "
+                        "it out and use --val_fraction."),
         "one document": (["--dataset", tmp_path / "book.txt"], "single document"),
         "unwritable out_dir": (["--dataset", jsonl_, "--out_dir", tmp_path / "a_file" / "out"],
                                "a_file"),
@@ -188,7 +191,7 @@ def bad_input(tmp_path, env):
 
 @pytest.mark.parametrize("case", ["no such file", "no glob match", "not on the hub",
                                   "no text field", "no text column", "empty corpus",
-                                  "val takes all", "one document", "unwritable out_dir",
+                                  "val takes all", "no val docs", "one document", "unwritable out_dir",
                                   "not utf-8 txt", "not utf-8 jsonl", "unknown tokenizer",
                                   "vocab offline"])
 def test_bad_input(case, env, tmp_path):

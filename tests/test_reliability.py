@@ -102,6 +102,24 @@ def test_compare_runs_counts_nan_losses_as_equal_and_leaves_out_a_cut_off_line(e
     assert p.returncode == 1 and "first difference at iter 2: loss 4.0 vs nan" in p.stdout
 
 
+@pytest.mark.slow
+def test_a_resume_after_a_kill_mid_row_starts_its_rows_on_a_line_of_their_own(env, corpus,
+                                                                               tmp_path):
+    """The resumed run's start row was written onto the cut-off line: the file was no longer
+    JSON lines, and compare_runs.py and plot.py refused it from then on."""
+    out = str(tmp_path / "out")
+    python("train.py", *train_args(corpus, out, "--max_iters=2"), env=env)
+    with open(f"{out}/metrics.jsonl", "a") as f:
+        f.write('{"iter": 2, "loss": 4.9, "batch_')  # killed mid-write
+    p = python("train.py", *train_args(corpus, out, "--max_iters=3", "--init_from=resume"),
+               env=env)
+    assert [r["run"] for r in metrics(out) if "run" in r] == ["fresh", "resumed"]
+    assert sorted(steps(out)) == [0, 1, 2]
+    assert compare(env, out, out).returncode == 0
+    assert f"note: {out}/metrics.jsonl ended in a line cut off when a run was stopped (" \
+        in p.stdout
+
+
 def save_big_checkpoint(out_dir, iter_num):
     """What a checkpoint write looks like to the file system, large enough to be killed in."""
     checkpoint.save(out_dir, {"model": {"w": torch.ones(300 * 2**20 // 4)}, "model_args": {},
