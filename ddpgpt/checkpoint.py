@@ -6,17 +6,15 @@
                    and values.pt, the checkpoint's other values, written last by rank 0
 
 Both hold the same contents (contents()): nanoGPT's key layout (model, optimizer, model_args,
-iter_num, best_val_loss, config) plus scaler, samples_consumed (the data position), data_meta
-(the data's meta.json, which names the tokenizer) and data_identity (what the data is, so that
-a resume on other data is caught). A folder keeps the optimizer's param_groups and every
-non-tensor key in values.pt. Either kind resumes either way, on any world size: a folder under
+iter_num, best_val_loss, config) plus the rest of the training state (state.py: scaler,
+samples_consumed, data_meta, data_identity). A folder keeps the optimizer's param_groups and
+every non-tensor key in values.pt. Either kind resumes either way, on any world size: a folder under
 ddp is read whole, a file under fsdp is sharded as it loads. A nanoGPT ckpt.pt in out_dir is
 found too, as the oldest. Loading never runs code from a checkpoint (weights_only=True, and
 sharded.py's reader for a folder's index).
 
 A run writes through a Saver: on the ranks that write, in the background (async_save) or not.
 """
-import dataclasses
 import glob
 import os
 import pickle
@@ -65,14 +63,11 @@ def is_folder(path):
                                        for name in (VALUES, sharded.INDEX))
 
 
-def contents(*, model, optimizer, scaler, model_args, cfg, iter_num, samples_consumed,
-             best_val_loss, data_meta, data_identity):
-    """What a checkpoint holds, for save()."""
+def contents(model, optimizer, train_state):
+    """What a checkpoint holds, for save(): the model's and the optimizer's state, and the
+    training state's (state.TrainState)."""
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict(), "model_args": model_args, "iter_num": iter_num,
-            "samples_consumed": samples_consumed, "best_val_loss": best_val_loss,
-            "config": dataclasses.asdict(cfg), "data_meta": data_meta,
-            "data_identity": data_identity}
+            **train_state.state_dict()}
 
 
 # ---- writing ----

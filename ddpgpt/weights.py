@@ -22,6 +22,7 @@ from ddpgpt import checkpoint, hf, optim, sources, tokenfile
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPTConfig
 from ddpgpt.settings import INIT_FROM
+from ddpgpt.state import Saved
 from ddpgpt.tokenizer import GPT2_NAMES, Tokenizer, for_data, get_tokenizer
 
 GPT2_VOCAB_SIZE = 50257  # GPT-2's tokenizer: 256 bytes, 50,000 merges and end-of-text
@@ -81,7 +82,7 @@ def check_fine_tune(cfg, resume):
     theirs, ours = hf.shape(cfg.init_from), tuple(resume["model_args"].get(k) for k in keys)
     if ours[:3] == theirs[:3] and ours[3] is not None and 0 <= ours[3] - theirs[3] < 64:
         return
-    data = (resume.get("data_meta") or {}).get("tokenizer")
+    data = Saved.of(resume).tokenizer
     raise UserError(
         f"{cfg.out_dir} holds a checkpoint of another model (iter {resume['iter_num']}: "
         f"{', '.join(f'{k}={v}' for k, v in zip(keys, ours))}"
@@ -182,35 +183,31 @@ def check_pretrained_data(cfg, meta, weights_args, source):
 
 # ---- a resume against this run's data ----
 
-def samples_consumed(resume, global_batch):
-    """A checkpoint's data position; nanoGPT's checkpoints have none, but took whole steps."""
-    return resume.get("samples_consumed", resume["iter_num"] * global_batch)
-
-
 def check_resume(cfg, resume, meta, identity, n_sources, log):
     """A resume reads the tokens it was trained on, from a whole global batch, in the data it
     was trained on (identity: sources.identity()), unless the user says a change is meant."""
-    used = (resume.get("data_meta") or {}).get("tokenizer")
+    saved = Saved.of(resume)
+    used = saved.tokenizer
     if meta is not None and used is not None and used != meta.get("tokenizer"):
         raise UserError(
             f"the checkpoint was trained on {used!r} tokens but {cfg.data_dir} holds "
             f"{meta.get('tokenizer')!r} tokens: set data_dir to data made with {used!r}.")
-    check_same_optimizer(cfg, resume.get("config") or {})
-    old_mix = (resume.get("config") or {}).get("data_mix", "")
+    check_same_optimizer(cfg, saved.config)
+    old_mix = saved.config.get("data_mix", "")
     if old_mix != cfg.data_mix and (old_mix or n_sources > 1):
         log(f"note: data_mix was {old_mix!r} and is now {cfg.data_mix!r}: the run goes on "
             f"from the same global sample, but which source each sample comes from differs "
             f"from here on from what the old mixture would have read.")
-    samples = samples_consumed(resume, cfg.global_batch)
+    samples = saved.samples(cfg.global_batch)
     if samples % cfg.global_batch:
         raise UserError(
             f"the checkpoint consumed {samples} samples, not a whole number of global batches "
             f"of {cfg.global_batch} (batch_size x gradient_accumulation_steps): resume with a "
             f"global batch that divides it.")
     what = f"data_mix={cfg.data_mix!r}" if cfg.data_mix else f"data_dir={cfg.data_dir!r}"
-    sources.check_same_data(what, resume.get("data_identity"), identity,
+    sources.check_same_data(what, saved.data_identity, identity,
                             f"the checkpoint in {cfg.out_dir}", cfg.allow_data_change, log)
-    optim.check_extension(resume.get("config") or {}, cfg, resume["iter_num"], cfg.out_dir)
+    optim.check_extension(saved.config, cfg, saved.iter_num, cfg.out_dir)
 
 
 def check_same_optimizer(cfg, trained):
