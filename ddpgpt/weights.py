@@ -11,19 +11,19 @@ the tokenizer it reads.
 
 train.py starts through for_training() and checks a resume against its data with
 check_resume(); sample.py and eval.py load through load(); export.py, which exports
-checkpoints only, through checkpoint_at(), data_meta() and tokenizer_of().
+checkpoints only, through checkpoint_at() and tokenizer.py's data_meta() and tokenizer_of().
 """
 import dataclasses
 import os
 import shlex
 from typing import NamedTuple, Optional
 
-from ddpgpt import checkpoint, hf, optim, sources, tokenfile
+from ddpgpt import checkpoint, hf, optim, sources
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPTConfig
 from ddpgpt.settings import INIT_FROM
 from ddpgpt.state import Saved
-from ddpgpt.tokenizer import GPT2_NAMES, Tokenizer, for_data, get_tokenizer
+from ddpgpt.tokenizer import GPT2_NAMES, Tokenizer, data_meta, get_tokenizer, tokenizer_of
 
 GPT2_VOCAB_SIZE = 50257  # GPT-2's tokenizer: 256 bytes, 50,000 merges and end-of-text
 ARCHITECTURE = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "arch",
@@ -234,31 +234,6 @@ class Loaded(NamedTuple):
     tokenizer: Tokenizer
     source: str  # what was loaded and where its tokenizer came from, for the log
     state: Optional[dict]  # the whole checkpoint, or None for GPT-2's weights
-
-
-def data_meta(state):
-    """(the meta of a checkpoint's data, or None; where it came from). train.py keeps the data's
-    meta.json (or what nanoGPT's meta.pkl holds) in the checkpoint; older checkpoints have
-    none: read their data folder's (data_dir, or as nanoGPT's sample.py data/<dataset>)."""
-    meta, where = state.get("data_meta"), "the checkpoint's data_meta"
-    config = state.get("config") or {}
-    data_dir = config.get("data_dir") or (config.get("dataset") and
-                                          os.path.join("data", config["dataset"]))
-    if meta is None and data_dir:
-        meta, where = tokenfile.read_meta(data_dir), tokenfile.meta_path(data_dir)
-    if meta and meta.get("tokenizer"):
-        return meta, where
-    return None, "nanoGPT's default, as the checkpoint names none"
-
-
-def tokenizer_of(meta, vocab_size):
-    """The tokenizer of data described by meta (GPT-2's where there is none, as nanoGPT's raw
-    files are), which must not have more ids than the model can embed."""
-    tok = for_data(meta) if meta else get_tokenizer("gpt2")
-    if tok.vocab_size > vocab_size:
-        raise UserError(f"the model has {vocab_size} token ids, fewer than {tok.name!r}'s "
-                        f"{tok.vocab_size}: put its data's meta.json in the data_dir it names.")
-    return tok
 
 
 def checkpoint_at(source, hint, log=print, whole=checkpoint.TENSORS):
