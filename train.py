@@ -215,6 +215,19 @@ def saver(cfg, ranks, model, log):
 # ---- the training loop ----
 
 def train(run, stop_signals):
+    """The training loop; then the save in the background, if any, is written before the run
+    ends (and out_dir's lock is let go), however the loop ended."""
+    with run.saver:
+        try:
+            loop(run, stop_signals)
+        finally:
+            if run.saver.pending is not None:  # the saver's exit waits for it
+                watchdog.beat(run.saver.iter_num, doing="checkpoint save")  # a whole limit
+    watchdog.stop()
+    metrics.close(run.metrics)
+
+
+def loop(run, stop_signals):
     """Evaluate (and save) every eval_interval steps and at the end; between, one optimizer
     step per iteration. A signal stops the run at one step, agreed by all ranks, and saves."""
     cfg, state = run.cfg, run.state
@@ -222,38 +235,33 @@ def train(run, stop_signals):
     history = deque(maxlen=SPIKE_WINDOW)  # (loss, gradient norm) of the last applied steps
     # ---------------------------------------------------------------- TRAINING LOOP BEGIN
     t_last, skipped = time.perf_counter(), 0  # non-finite steps skipped in a row
-    with run.saver:  # a save in the background is written before the run ends, however
-        while True:
-            if state.iter_num % cfg.eval_interval == 0 or \
-                    state.iter_num >= cfg.max_iters or cfg.eval_only:
-                evaluate_and_save(run, may_save=state.iter_num > start_iter)
-                t_last = time.perf_counter()
-                watchdog.beat(state.iter_num)
-            if cfg.eval_only or state.iter_num >= cfg.max_iters:
-                break
-            if state.iter_num == start_iter:
-                signals.steps_begin()  # nothing to save before: a stop signal ended the run
-            step = train_step(run, history, stop_signals)
-            t_now = time.perf_counter()
-            dt, t_last = t_now - t_last, t_now
-            report_step(run, step, dt, first=state.iter_num == start_iter)
-            skipped = skipped + 1 if step.row.get("skipped") == "non-finite" else 0
-            if skipped:
-                check_skipping(run, skipped)
-            state.iter_num += 1
-            state.samples += cfg.global_batch
-            watchdog.beat(state.iter_num, step_s=dt)
-            run.saver.check()  # a save in the background that failed ends the run
-            if step.stop:
-                run.log(f"stopping at iter {state.iter_num}: signal received, saving a "
-                        f"checkpoint")
-                save(run, last=True)
-                run.log(f"interrupted at iter {state.iter_num}; resume with "
-                        f"--init_from=resume")
-                break
+    while True:
+        if state.iter_num % cfg.eval_interval == 0 or \
+                state.iter_num >= cfg.max_iters or cfg.eval_only:
+            evaluate_and_save(run, may_save=state.iter_num > start_iter)
+            t_last = time.perf_counter()
+            watchdog.beat(state.iter_num)
+        if cfg.eval_only or state.iter_num >= cfg.max_iters:
+            break
+        if state.iter_num == start_iter:
+            signals.steps_begin()  # nothing to save before: a stop signal ended the run
+        step = train_step(run, history, stop_signals)
+        t_now = time.perf_counter()
+        dt, t_last = t_now - t_last, t_now
+        report_step(run, step, dt, first=state.iter_num == start_iter)
+        skipped = skipped + 1 if step.row.get("skipped") == "non-finite" else 0
+        if skipped:
+            check_skipping(run, skipped)
+        state.iter_num += 1
+        state.samples += cfg.global_batch
+        watchdog.beat(state.iter_num, step_s=dt)
+        run.saver.check()  # a save in the background that failed ends the run
+        if step.stop:
+            run.log(f"stopping at iter {state.iter_num}: signal received, saving a checkpoint")
+            save(run, last=True)
+            run.log(f"interrupted at iter {state.iter_num}; resume with --init_from=resume")
+            break
     # ---------------------------------------------------------------- TRAINING LOOP END
-    watchdog.stop()
-    metrics.close(run.metrics)
 
 
 def evaluate_and_save(run, may_save):
@@ -283,7 +291,8 @@ def evaluate_and_save(run, may_save):
 def save(run, last=False):
     """A checkpoint of the run as it is, by the ranks that write (checkpoint.Saver): in the
     background with async_save, but a run's last save is written before the run goes on."""
-    watchdog.beat(run.state.iter_num, doing="checkpoint save")  # a whole limit of its own
+    # a whole limit of its own, for the save and the wait for the one before, if still writing
+    watchdog.beat(run.state.iter_num, doing="checkpoint save")
     run.saver.save(checkpoint.contents(run.model, run.optimizer, run.state), last=last)
 
 

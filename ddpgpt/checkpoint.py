@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from ddpgpt import fileio, parallel, watchdog
+from ddpgpt import fileio, parallel
 from ddpgpt.errors import UserError
 
 # sharded.py (torch.distributed.checkpoint, DTensor) is imported only where a folder is read or
@@ -316,7 +316,6 @@ class Saver:
         t_wait = time.perf_counter()
         self.wait()  # the save before it, if it is still being written
         self.iter_num = state["iter_num"]
-        watchdog.beat(self.iter_num)  # the save gets a whole limit of its own
         t0 = time.perf_counter()
         if last or self.background is None:
             self.write(to_host(state), t0, None)
@@ -354,8 +353,6 @@ class Saver:
         """Wait for the save in the background, if any, before out_dir's lock is let go: a
         run that ends with an error of its own prints that save's failure, if it failed, and
         raises its own."""
-        if self.pending is not None:
-            watchdog.beat(self.iter_num)  # the wait gets a whole limit of its own
         try:
             self.wait()
         except UserError as e:

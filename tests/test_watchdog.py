@@ -139,6 +139,24 @@ def test_a_slow_evaluation_is_named_as_one_and_the_lock_released(env, corpus, tm
     assert not (out / "ddpgpt.lock").exists()
 
 
+def test_a_hung_save_is_named_as_one_with_the_advice_about_its_limit(env, corpus, tmp_path):
+    """The checkpoint's save beat the watchdog a second time, without saying what it did: a
+    save that hung was reported as 'iter 4', and the advice about hang_timeout_s was lost.
+    The run's last save (iter 4) is written before the run goes on, and its publishing waits
+    far beyond the limit (launch_slow_save.py)."""
+    out = tmp_path / "out"
+    p = python("tests/launch_slow_save.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
+               "--gradient_accumulation_steps=1", "--max_iters=4", "--eval_interval=4",
+               "--hang_timeout_s=3", env=dict(env, SLOW_SAVE_S="600"), check=False,
+               timeout=300)
+    assert p.returncode == watchdog.EXIT_CODE, p.stderr
+    assert re.search(r"train.py: hang \(rank 0\): no progress for \d+ s \(limit 3 s\) in the "
+                     r"checkpoint save at iter 4;", p.stderr), p.stderr
+    assert "train.py: hang (rank 0): the limit holds for each checkpoint save too: if it is " \
+           "only slow, raise hang_timeout_s above the time one takes" in p.stderr
+    assert not (out / "ddpgpt.lock").exists()
+
+
 def test_a_start_up_hang_in_an_import_names_the_module(env, corpus, tmp_path):
     """Frozen importlib frames counted as ours: 'where: <frozen importlib._bootstrap_extern'.
     Importing transformers for a GPT-2 folder takes longer than a 1 s limit."""
