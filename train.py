@@ -158,7 +158,7 @@ def start_up(cfg, given, ranks, device, log):
         model.load_state_dict(start.weights)
     if cfg.optimizer == "muon":  # its patterns checked here, before any collective
         optim.muon_parameters(model, cfg.muon_params)
-    checkpoint.check_room(cfg.out_dir, sum(p.numel() for p in model.parameters()))
+    checkpoint.check_room(cfg.out_dir, model)
     ev = evaluation.for_training(cfg, splits, meta, cfg.vocab_size, log)
     return cfg, StartUp(start, meta, splits, identity, model, ev)
 
@@ -202,8 +202,7 @@ def saver(cfg, ranks, model, log):
     """The run's checkpoint.Saver: in the background with async_save, where this host has
     memory for the copy of what this rank writes (the whole state under ddp, on rank 0; its
     shard of it under fsdp) with as much to spare, else with a note."""
-    n_bytes = 3 * sum(p.numel() for p in model.parameters()) * 4  # weights, AdamW's moments
-    n_bytes //= ranks.world_size if parallel.sharded(cfg, ranks) else 1
+    n_bytes = checkpoint.size(model) // (ranks.world_size if parallel.sharded(cfg, ranks) else 1)
     background = cfg.async_save and checkpoint.host_has_room(n_bytes, ranks)
     if cfg.async_save and not background:
         log(f"note: async_save: this host has too little memory for the copy of a checkpoint "

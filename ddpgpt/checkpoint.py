@@ -264,8 +264,14 @@ def restore(model, optimizer, resume):
         optimizer.load_state_dict(sharded.shard_like(resume["optimizer"], optimizer))
 
 
-def check_room(out_dir, n_params):
-    """out_dir can be written, and has room for a checkpoint of a model of n_params."""
+def size(model):
+    """About how many bytes a checkpoint of the model takes: its float32 weights and AdamW's
+    two moments (of each parameter whole, also where it is sharded)."""
+    return 3 * 4 * sum(p.numel() for p in model.parameters())
+
+
+def check_room(out_dir, model):
+    """out_dir can be written, and has room for a checkpoint of the model."""
     try:
         os.makedirs(out_dir, exist_ok=True)
         probe = os.path.join(out_dir, f".write_test_{os.getpid()}")
@@ -274,7 +280,7 @@ def check_room(out_dir, n_params):
     except OSError as e:
         raise UserError(f"out_dir {out_dir} cannot be written ({e.strerror or e}): set "
                         f"--out_dir to a folder you can write to.") from e
-    need = n_params * 4 * 3 * 1.1  # fp32 weights and two AdamW moments
+    need = size(model) * 1.1
     free = shutil.disk_usage(out_dir).free
     if free < need:
         raise UserError(f"out_dir {out_dir} has {free / 2**20:.0f} MiB free, less than one "
