@@ -295,6 +295,24 @@ def save(run, last=False):
     run.saver.save(checkpoint.contents(run.model, run.optimizer, run.state), last=last)
 
 
+def check_skipping(run, skipped):
+    """nan_policy='skip' skips a bad batch; it cannot mend weights that are no longer finite
+    (an applied step overflowed them), nor a run whose every batch is now non-finite: such a
+    run would skip to its end and save nothing."""
+    params = list(run.model.parameters())
+    finite = bool(torch.stack([p.isfinite().all() for p in params]).all())
+    if finite and skipped < NAN_STREAK:
+        return
+    why = ("the weights themselves are no longer finite" if not finite else
+           f"{skipped} steps in a row had a non-finite loss or gradient norm")
+    saved = checkpoint.list_checkpoints(run.cfg.out_dir)
+    where = (f"The last checkpoint is {saved[0]}: resume from it (--init_from=resume)" if saved
+             else f"There is no checkpoint in {run.cfg.out_dir} yet: start again")
+    raise UserError(f"nan_policy='skip' cannot recover at iter {run.state.iter_num}: {why}, "
+                    f"so every step from here on would be skipped and nothing saved. {where} "
+                    f"with a lower learning_rate, grad_clip=1.0 or dtype=bfloat16.")
+
+
 # ---- one optimizer step ----
 
 class Step(NamedTuple):
@@ -305,7 +323,9 @@ class Step(NamedTuple):
 
 
 def train_step(run, history, stop_signals):
-    """One optimizer step over the global batch."""
+    """One optimizer step over the global batch: this rank's micro-steps (forward_backward),
+    the gradients unscaled and clipped, the step applied unless it must not be (step_problem),
+    then what it reports, while the device runs it."""
     cfg, model, optimizer, scaler = run.cfg, run.model, run.optimizer, run.precision.scaler
     iter_num, samples = run.state.iter_num, run.state.samples
     lr = optim.set_lr(optimizer, cfg, iter_num)
@@ -327,10 +347,10 @@ def train_step(run, history, stop_signals):
     batch_fp = data.global_batch_fingerprint(samples // cfg.global_batch, cfg.global_batch,
                                              run.splits["train"], cfg.block_size, cfg.seed,
                                              cfg.sampling)
-    if problem is None and math.isfinite(loss):
-        history.append((loss, grad_norm))
-    elif problem is not None:
+    if problem is not None:
         skip_or_stop(cfg, run.log, problem, iter_num, loss, batch_fp)
+    elif math.isfinite(loss):
+        history.append((loss, grad_norm))
     row = {"iter": iter_num, "loss": loss, "grad_norm": grad_norm, "lr": lr,
            "batch_fp": batch_fp, **({"skipped": problem} if problem else {})}
     return Step(row, stop, alone_s, data_wait_s)
@@ -400,24 +420,6 @@ def skip_or_stop(cfg, log, problem, iter_num, loss, batch_fp):
                         f"dtype=bfloat16, and check the data at that batch; nan_policy='skip' "
                         f"skips such steps.")
     log(f"warning: {what}: step skipped (nan_policy='skip')")
-
-
-def check_skipping(run, skipped):
-    """nan_policy='skip' skips a bad batch; it cannot mend weights that are no longer finite
-    (an applied step overflowed them), nor a run whose every batch is now non-finite: such a
-    run would skip to its end and save nothing."""
-    params = list(run.model.parameters())
-    finite = bool(torch.stack([p.isfinite().all() for p in params]).all())
-    if finite and skipped < NAN_STREAK:
-        return
-    why = ("the weights themselves are no longer finite" if not finite else
-           f"{skipped} steps in a row had a non-finite loss or gradient norm")
-    saved = checkpoint.list_checkpoints(run.cfg.out_dir)
-    where = (f"The last checkpoint is {saved[0]}: resume from it (--init_from=resume)" if saved
-             else f"There is no checkpoint in {run.cfg.out_dir} yet: start again")
-    raise UserError(f"nan_policy='skip' cannot recover at iter {run.state.iter_num}: {why}, "
-                    f"so every step from here on would be skipped and nothing saved. {where} "
-                    f"with a lower learning_rate, grad_clip=1.0 or dtype=bfloat16.")
 
 
 # ---- what a step reports ----
