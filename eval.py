@@ -25,6 +25,7 @@ from ddpgpt import (configurator, errors, evaluation, hellaswag, peers, runtime,
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import EvalConfig, TrainConfig
+from ddpgpt.state import Saved
 
 NO_CHECKPOINT = "give --out_dir a run's out_dir or one checkpoint file, or --init_from=gpt2."
 
@@ -57,7 +58,7 @@ def start_up(cfg, given, log):
     """(the settings as the checkpoint trained with, the model, weights.Loaded, the Evaluation,
     where its val split comes from)."""
     model, loaded = load_model(cfg, log)
-    trained = (loaded.state or {}).get("config") or {}  # the run's settings; {} for HF weights
+    trained = Saved.of(loaded.state).config if loaded.state else {}  # {} for HF weights
     cfg = as_trained(cfg, trained, loaded.args["block_size"])
     val, where = val_split(cfg, trained, loaded, log) if cfg.val_loss else ({}, None)
     if val:

@@ -29,7 +29,7 @@ import torch
 
 from ddpgpt import checkpoint, errors, fileio, hf, weights
 from ddpgpt.errors import UserError
-from ddpgpt.tokenizer import GPT2_NAMES
+from ddpgpt.tokenizer import GPT2_NAMES, data_meta, tokenizer_of
 
 LM_EVAL = ("lm_eval --model hf --model_args pretrained={} --tasks hellaswag --device cuda:0 "
            "--batch_size 16")
@@ -156,8 +156,8 @@ def main(argv):
         write_file(dest, state)
         print(f"export.py: wrote {path} (iter {state['iter_num']}) as {dest}")
         return 0
-    meta, where = weights.data_meta(state)
-    tok = weights.tokenizer_of(meta, state["model_args"]["vocab_size"])
+    meta, where = data_meta(state)
+    tok = tokenizer_of(meta, state["model_args"]["vocab_size"])
     print(f"export.py: {path} (iter {state['iter_num']}), tokenizer {tok.name!r} from {where}")
     write(dest, state, path, tok)
     print(f"export.py: wrote {dest}")

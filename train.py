@@ -33,23 +33,13 @@ from ddpgpt import (checkpoint, configurator, data, errors, evaluation, lock, me
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import TrainConfig
+from ddpgpt.state import TrainState
 
 SPIKE_WINDOW, SPIKE_WARMUP = 100, 20  # steps a spike is judged against; fewer: no judging
 # a spread below this share of the mean counts as this share: after a flat history (lr=0,
 # say) any rise would be infinitely many standard deviations
 SPIKE_MIN_SPREAD = 1e-3
 NAN_STREAK = 10  # nan_policy='skip' gives up after this many non-finite steps in a row
-
-
-@dataclass
-class Progress:
-    """Where a run is; a checkpoint keeps it. iter_num counts optimizer steps (the learning
-    rate follows it); samples counts the global samples read (the data position). They part
-    when a run resumes with another global batch, which is why the batch index is always
-    samples // global_batch."""
-    iter_num: int = 0
-    samples: int = 0
-    best_val: float = math.inf
 
 
 @dataclass
@@ -67,14 +57,11 @@ class Run:
     optimizer: Any  # a torch.optim.AdamW, or optim.MuonAdamW
     saver: checkpoint.Saver
     precision: runtime.Precision
-    args: dict  # the model's arguments
-    meta: dict  # the data's meta.json, kept in checkpoints
+    state: TrainState  # where the run is, and what a checkpoint keeps besides the tensors
     splits: dict  # {split: data.Mixture}
-    identity: dict  # what the data is, kept in checkpoints (sources.identity)
     evaluation: evaluation.Evaluation
     batches: Iterator  # this rank's micro-batches, from the data position on
     metrics: metrics.Metrics
-    progress: Progress
     micro_steps: int  # this rank's per optimizer step
     flops_per_step: int  # of the model on the global batch, forward and backward
     peak: Any  # the device's peak FLOP/s, for MFU; None when unknown
@@ -145,7 +132,7 @@ def standing(cfg, run):
     else:
         how = (f"run the same command again (init_from={cfg.init_from!r} resumes from it), "
                f"or let torchrun do so: torchrun --max-restarts=N")
-    return f"at iter {run.progress.iter_num}", f"{saved}: to go on from there, {how}."
+    return f"at iter {run.state.iter_num}", f"{saved}: to go on from there, {how}."
 
 
 def start_up(cfg, given, ranks, device, log):
@@ -171,26 +158,23 @@ def start_up(cfg, given, ranks, device, log):
         model.load_state_dict(start.weights)
     if cfg.optimizer == "muon":  # its patterns checked here, before any collective
         optim.muon_parameters(model, cfg.muon_params)
-    checkpoint.check_room(cfg.out_dir, sum(p.numel() for p in model.parameters()))
+    checkpoint.check_room(cfg.out_dir, model)
     ev = evaluation.for_training(cfg, splits, meta, cfg.vocab_size, log)
     return cfg, StartUp(start, meta, splits, identity, model, ev)
 
 
 def make_run(cfg, ranks, device, log, found):
     """The Run: the model on its device, in DDP or sharded (parallel.py) with several ranks;
-    the optimizer and the progress of a fresh run, or as the checkpoint left them; this rank's
-    batches from there; the saver of its checkpoints."""
+    the optimizer and the training state (state.py) of a fresh run, or as the checkpoint left
+    them; this rank's batches from there; the saver of its checkpoints."""
     precision = runtime.precision(cfg.dtype, device)
     model, eval_model, train_model = parallel.wrap(found.model, cfg, ranks, device, precision)
     optimizer = optim.make(cfg, model, runtime.device_type(device))
-    progress, resume = Progress(), found.start.resume
+    state = TrainState(cfg, found.start.args, found.meta, found.identity, precision.scaler)
+    resume = found.start.resume
     if resume is not None:
         checkpoint.restore(model, optimizer, resume)
-        if resume.get("scaler"):
-            precision.scaler.load_state_dict(resume["scaler"])
-        progress = Progress(iter_num=resume["iter_num"],
-                            samples=weights.samples_consumed(resume, cfg.global_batch),
-                            best_val=resume.get("best_val_loss", math.inf))
+        state.load_state_dict(resume)
     micro_steps = cfg.micro_steps(ranks.world_size)
     log(f"world size {ranks.world_size}, device {device}, dtype {precision.dtype}, "
         f"{model.get_num_params() / 1e6:.2f}M parameters, global batch {cfg.global_batch} x "
@@ -200,16 +184,15 @@ def make_run(cfg, ranks, device, log, found):
     batches = data.rank_batches(
         found.splits["train"], block_size=cfg.block_size, batch_size=cfg.batch_size,
         micro_steps=micro_steps, rank=ranks.rank, world_size=ranks.world_size, seed=cfg.seed,
-        mode=cfg.sampling, start_step=progress.samples // cfg.global_batch, device=device,
+        mode=cfg.sampling, start_step=state.samples // cfg.global_batch, device=device,
         vocab_size=cfg.vocab_size)
-    start = metrics.start_row(progress.iter_num, resume is not None, cfg.init_from,
+    start = metrics.start_row(state.iter_num, resume is not None, cfg.init_from,
                               ranks.world_size)  # opens this run's rows in metrics.jsonl
     return Run(cfg=cfg, ranks=ranks, device=device, log=log, model=model,
                eval_model=eval_model, train_model=train_model, optimizer=optimizer,
-               saver=saver(cfg, ranks, model, log), precision=precision,
-               args=found.start.args, meta=found.meta, splits=found.splits,
-               identity=found.identity, evaluation=found.evaluation, batches=batches,
-               metrics=metrics.open_metrics(cfg, ranks.master, start, log), progress=progress,
+               saver=saver(cfg, ranks, model, log), precision=precision, state=state,
+               splits=found.splits, evaluation=found.evaluation, batches=batches,
+               metrics=metrics.open_metrics(cfg, ranks.master, start, log),
                micro_steps=micro_steps,
                flops_per_step=model.flops_per_token() * cfg.global_batch * cfg.block_size,
                peak=runtime.peak_flops(device))
@@ -219,8 +202,7 @@ def saver(cfg, ranks, model, log):
     """The run's checkpoint.Saver: in the background with async_save, where this host has
     memory for the copy of what this rank writes (the whole state under ddp, on rank 0; its
     shard of it under fsdp) with as much to spare, else with a note."""
-    n_bytes = 3 * sum(p.numel() for p in model.parameters()) * 4  # weights, AdamW's moments
-    n_bytes //= ranks.world_size if parallel.sharded(cfg, ranks) else 1
+    n_bytes = checkpoint.size(model) // (ranks.world_size if parallel.sharded(cfg, ranks) else 1)
     background = cfg.async_save and checkpoint.host_has_room(n_bytes, ranks)
     if cfg.async_save and not background:
         log(f"note: async_save: this host has too little memory for the copy of a checkpoint "
@@ -232,80 +214,103 @@ def saver(cfg, ranks, model, log):
 # ---- the training loop ----
 
 def train(run, stop_signals):
+    """The training loop; then the save in the background, if any, is written before the run
+    ends (and out_dir's lock is let go), however the loop ended."""
+    with run.saver:
+        try:
+            loop(run, stop_signals)
+        finally:
+            if run.saver.pending is not None:  # the saver's exit waits for it
+                watchdog.beat(run.saver.iter_num, doing="checkpoint save")  # a whole limit
+    watchdog.stop()
+    metrics.close(run.metrics)
+
+
+def loop(run, stop_signals):
     """Evaluate (and save) every eval_interval steps and at the end; between, one optimizer
     step per iteration. A signal stops the run at one step, agreed by all ranks, and saves."""
-    cfg, progress = run.cfg, run.progress
-    start_iter = progress.iter_num
+    cfg, state = run.cfg, run.state
+    start_iter = state.iter_num
     history = deque(maxlen=SPIKE_WINDOW)  # (loss, gradient norm) of the last applied steps
     # ---------------------------------------------------------------- TRAINING LOOP BEGIN
     t_last, skipped = time.perf_counter(), 0  # non-finite steps skipped in a row
-    with run.saver:  # a save in the background is written before the run ends, however
-        while True:
-            if progress.iter_num % cfg.eval_interval == 0 or \
-                    progress.iter_num >= cfg.max_iters or cfg.eval_only:
-                evaluate_and_save(run, may_save=progress.iter_num > start_iter)
-                t_last = time.perf_counter()
-                watchdog.beat(progress.iter_num)
-            if cfg.eval_only or progress.iter_num >= cfg.max_iters:
-                break
-            if progress.iter_num == start_iter:
-                signals.steps_begin()  # nothing to save before: a stop signal ended the run
-            step = train_step(run, history, stop_signals)
-            t_now = time.perf_counter()
-            dt, t_last = t_now - t_last, t_now
-            report_step(run, step, dt, first=progress.iter_num == start_iter)
-            skipped = skipped + 1 if step.row.get("skipped") == "non-finite" else 0
-            if skipped:
-                check_skipping(run, skipped)
-            progress.iter_num += 1
-            progress.samples += cfg.global_batch
-            watchdog.beat(progress.iter_num, step_s=dt)
-            run.saver.check()  # a save in the background that failed ends the run
-            if step.stop:
-                run.log(f"stopping at iter {progress.iter_num}: signal received, saving a "
-                        f"checkpoint")
-                save(run, last=True)
-                run.log(f"interrupted at iter {progress.iter_num}; resume with "
-                        f"--init_from=resume")
-                break
+    while True:
+        if state.iter_num % cfg.eval_interval == 0 or \
+                state.iter_num >= cfg.max_iters or cfg.eval_only:
+            evaluate_and_save(run, may_save=state.iter_num > start_iter)
+            t_last = time.perf_counter()
+            watchdog.beat(state.iter_num)
+        if cfg.eval_only or state.iter_num >= cfg.max_iters:
+            break
+        if state.iter_num == start_iter:
+            signals.steps_begin()  # nothing to save before: a stop signal ended the run
+        step = train_step(run, history, stop_signals)
+        t_now = time.perf_counter()
+        dt, t_last = t_now - t_last, t_now
+        report_step(run, step, dt, first=state.iter_num == start_iter)
+        skipped = skipped + 1 if step.row.get("skipped") == "non-finite" else 0
+        if skipped:
+            check_skipping(run, skipped)
+        state.iter_num += 1
+        state.samples += cfg.global_batch
+        watchdog.beat(state.iter_num, step_s=dt)
+        run.saver.check()  # a save in the background that failed ends the run
+        if step.stop:
+            run.log(f"stopping at iter {state.iter_num}: signal received, saving a checkpoint")
+            save(run, last=True)
+            run.log(f"interrupted at iter {state.iter_num}; resume with --init_from=resume")
+            break
     # ---------------------------------------------------------------- TRAINING LOOP END
-    watchdog.stop()
-    metrics.close(run.metrics)
 
 
 def evaluate_and_save(run, may_save):
     """The evaluation at this iter, logged and recorded, and a checkpoint when it is one to
     keep (not the one just resumed from)."""
-    cfg, progress = run.cfg, run.progress
+    cfg, state = run.cfg, run.state
     autocast = run.precision.autocast
-    watchdog.beat(progress.iter_num, doing="evaluation")  # a whole limit of its own
+    watchdog.beat(state.iter_num, doing="evaluation")  # a whole limit of its own
     results = evaluation.losses(run.eval_model, run.evaluation, run.ranks, autocast, run.device)
-    if run.evaluation.hellaswag is not None and progress.iter_num % cfg.hellaswag_interval == 0:
+    if run.evaluation.hellaswag is not None and state.iter_num % cfg.hellaswag_interval == 0:
         results.update(evaluation.hellaswag_scores(run.model, run.evaluation, run.ranks,
                                                    autocast, run.device))
-    run.log(evaluation.describe(progress.iter_num, results))
-    metrics.record(run.metrics, {"iter": progress.iter_num, **results})
-    improved = results["val_loss"] < progress.best_val
-    progress.best_val = min(progress.best_val, results["val_loss"])  # a NaN leaves it
+    run.log(evaluation.describe(state.iter_num, results))
+    metrics.record(run.metrics, {"iter": state.iter_num, **results})
+    improved = results["val_loss"] < state.best_val
+    state.best_val = min(state.best_val, results["val_loss"])  # a NaN leaves it
     if not all(map(math.isfinite, results.values())):
         kept = "the previous ones are kept" if checkpoint.list_checkpoints(cfg.out_dir) else \
             f"and there is none in {cfg.out_dir} yet"
-        run.log(f"warning: non-finite evaluation loss at iter {progress.iter_num}: no "
+        run.log(f"warning: non-finite evaluation loss at iter {state.iter_num}: no "
                 f"checkpoint written, {kept}")
     elif may_save and (improved or cfg.always_save_checkpoint or
-                       progress.iter_num >= cfg.max_iters):
-        save(run, last=progress.iter_num >= cfg.max_iters)
+                       state.iter_num >= cfg.max_iters):
+        save(run, last=state.iter_num >= cfg.max_iters)
 
 
 def save(run, last=False):
     """A checkpoint of the run as it is, by the ranks that write (checkpoint.Saver): in the
     background with async_save, but a run's last save is written before the run goes on."""
-    watchdog.beat(run.progress.iter_num, doing="checkpoint save")  # a whole limit of its own
-    run.saver.save(checkpoint.contents(
-        model=run.model, optimizer=run.optimizer, scaler=run.precision.scaler,
-        model_args=run.args, cfg=run.cfg, iter_num=run.progress.iter_num,
-        samples_consumed=run.progress.samples, best_val_loss=run.progress.best_val,
-        data_meta=run.meta, data_identity=run.identity), last=last)
+    # a whole limit of its own, for the save and the wait for the one before, if still writing
+    watchdog.beat(run.state.iter_num, doing="checkpoint save")
+    run.saver.save(checkpoint.contents(run.model, run.optimizer, run.state), last=last)
+
+
+def check_skipping(run, skipped):
+    """nan_policy='skip' skips a bad batch; it cannot mend weights that are no longer finite
+    (an applied step overflowed them), nor a run whose every batch is now non-finite: such a
+    run would skip to its end and save nothing."""
+    params = list(run.model.parameters())
+    finite = bool(torch.stack([p.isfinite().all() for p in params]).all())
+    if finite and skipped < NAN_STREAK:
+        return
+    why = ("the weights themselves are no longer finite" if not finite else
+           f"{skipped} steps in a row had a non-finite loss or gradient norm")
+    saved = checkpoint.list_checkpoints(run.cfg.out_dir)
+    where = (f"The last checkpoint is {saved[0]}: resume from it (--init_from=resume)" if saved
+             else f"There is no checkpoint in {run.cfg.out_dir} yet: start again")
+    raise UserError(f"nan_policy='skip' cannot recover at iter {run.state.iter_num}: {why}, "
+                    f"so every step from here on would be skipped and nothing saved. {where} "
+                    f"with a lower learning_rate, grad_clip=1.0 or dtype=bfloat16.")
 
 
 # ---- one optimizer step ----
@@ -318,9 +323,11 @@ class Step(NamedTuple):
 
 
 def train_step(run, history, stop_signals):
-    """One optimizer step over the global batch."""
+    """One optimizer step over the global batch: this rank's micro-steps (forward_backward),
+    the gradients unscaled and clipped, the step applied unless it must not be (step_problem),
+    then what it reports, while the device runs it."""
     cfg, model, optimizer, scaler = run.cfg, run.model, run.optimizer, run.precision.scaler
-    iter_num, samples = run.progress.iter_num, run.progress.samples
+    iter_num, samples = run.state.iter_num, run.state.samples
     lr = optim.set_lr(optimizer, cfg, iter_num)
     torch.manual_seed(cfg.seed + 7919 * run.ranks.rank + 104729 * iter_num)  # dropout resumes
     loss_sum, data_wait_s, alone_s = forward_backward(
@@ -340,10 +347,10 @@ def train_step(run, history, stop_signals):
     batch_fp = data.global_batch_fingerprint(samples // cfg.global_batch, cfg.global_batch,
                                              run.splits["train"], cfg.block_size, cfg.seed,
                                              cfg.sampling)
-    if problem is None and math.isfinite(loss):
-        history.append((loss, grad_norm))
-    elif problem is not None:
+    if problem is not None:
         skip_or_stop(cfg, run.log, problem, iter_num, loss, batch_fp)
+    elif math.isfinite(loss):
+        history.append((loss, grad_norm))
     row = {"iter": iter_num, "loss": loss, "grad_norm": grad_norm, "lr": lr,
            "batch_fp": batch_fp, **({"skipped": problem} if problem else {})}
     return Step(row, stop, alone_s, data_wait_s)
@@ -413,24 +420,6 @@ def skip_or_stop(cfg, log, problem, iter_num, loss, batch_fp):
                         f"dtype=bfloat16, and check the data at that batch; nan_policy='skip' "
                         f"skips such steps.")
     log(f"warning: {what}: step skipped (nan_policy='skip')")
-
-
-def check_skipping(run, skipped):
-    """nan_policy='skip' skips a bad batch; it cannot mend weights that are no longer finite
-    (an applied step overflowed them), nor a run whose every batch is now non-finite: such a
-    run would skip to its end and save nothing."""
-    params = list(run.model.parameters())
-    finite = bool(torch.stack([p.isfinite().all() for p in params]).all())
-    if finite and skipped < NAN_STREAK:
-        return
-    why = ("the weights themselves are no longer finite" if not finite else
-           f"{skipped} steps in a row had a non-finite loss or gradient norm")
-    saved = checkpoint.list_checkpoints(run.cfg.out_dir)
-    where = (f"The last checkpoint is {saved[0]}: resume from it (--init_from=resume)" if saved
-             else f"There is no checkpoint in {run.cfg.out_dir} yet: start again")
-    raise UserError(f"nan_policy='skip' cannot recover at iter {run.progress.iter_num}: {why}, "
-                    f"so every step from here on would be skipped and nothing saved. {where} "
-                    f"with a lower learning_rate, grad_clip=1.0 or dtype=bfloat16.")
 
 
 # ---- what a step reports ----

@@ -6,17 +6,15 @@
                    and values.pt, the checkpoint's other values, written last by rank 0
 
 Both hold the same contents (contents()): nanoGPT's key layout (model, optimizer, model_args,
-iter_num, best_val_loss, config) plus scaler, samples_consumed (the data position), data_meta
-(the data's meta.json, which names the tokenizer) and data_identity (what the data is, so that
-a resume on other data is caught). A folder keeps the optimizer's param_groups and every
-non-tensor key in values.pt. Either kind resumes either way, on any world size: a folder under
+iter_num, best_val_loss, config) plus the rest of the training state (state.py: scaler,
+samples_consumed, data_meta, data_identity). A folder keeps the optimizer's param_groups and
+every non-tensor key in values.pt. Either kind resumes either way, on any world size: a folder under
 ddp is read whole, a file under fsdp is sharded as it loads. A nanoGPT ckpt.pt in out_dir is
 found too, as the oldest. Loading never runs code from a checkpoint (weights_only=True, and
 sharded.py's reader for a folder's index).
 
 A run writes through a Saver: on the ranks that write, in the background (async_save) or not.
 """
-import dataclasses
 import glob
 import os
 import pickle
@@ -29,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from ddpgpt import fileio, parallel, watchdog
+from ddpgpt import fileio, parallel
 from ddpgpt.errors import UserError
 
 # sharded.py (torch.distributed.checkpoint, DTensor) is imported only where a folder is read or
@@ -65,14 +63,11 @@ def is_folder(path):
                                        for name in (VALUES, sharded.INDEX))
 
 
-def contents(*, model, optimizer, scaler, model_args, cfg, iter_num, samples_consumed,
-             best_val_loss, data_meta, data_identity):
-    """What a checkpoint holds, for save()."""
+def contents(model, optimizer, train_state):
+    """What a checkpoint holds, for save(): the model's and the optimizer's state, and the
+    training state's (state.TrainState)."""
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict(), "model_args": model_args, "iter_num": iter_num,
-            "samples_consumed": samples_consumed, "best_val_loss": best_val_loss,
-            "config": dataclasses.asdict(cfg), "data_meta": data_meta,
-            "data_identity": data_identity}
+            **train_state.state_dict()}
 
 
 # ---- writing ----
@@ -269,8 +264,14 @@ def restore(model, optimizer, resume):
         optimizer.load_state_dict(sharded.shard_like(resume["optimizer"], optimizer))
 
 
-def check_room(out_dir, n_params):
-    """out_dir can be written, and has room for a checkpoint of a model of n_params."""
+def size(model):
+    """About how many bytes a checkpoint of the model takes: its float32 weights and AdamW's
+    two moments (of each parameter whole, also where it is sharded)."""
+    return 3 * 4 * sum(p.numel() for p in model.parameters())
+
+
+def check_room(out_dir, model):
+    """out_dir can be written, and has room for a checkpoint of the model."""
     try:
         os.makedirs(out_dir, exist_ok=True)
         probe = os.path.join(out_dir, f".write_test_{os.getpid()}")
@@ -279,7 +280,7 @@ def check_room(out_dir, n_params):
     except OSError as e:
         raise UserError(f"out_dir {out_dir} cannot be written ({e.strerror or e}): set "
                         f"--out_dir to a folder you can write to.") from e
-    need = n_params * 4 * 3 * 1.1  # fp32 weights and two AdamW moments
+    need = size(model) * 1.1
     free = shutil.disk_usage(out_dir).free
     if free < need:
         raise UserError(f"out_dir {out_dir} has {free / 2**20:.0f} MiB free, less than one "
@@ -321,7 +322,6 @@ class Saver:
         t_wait = time.perf_counter()
         self.wait()  # the save before it, if it is still being written
         self.iter_num = state["iter_num"]
-        watchdog.beat(self.iter_num)  # the save gets a whole limit of its own
         t0 = time.perf_counter()
         if last or self.background is None:
             self.write(to_host(state), t0, None)
@@ -359,8 +359,6 @@ class Saver:
         """Wait for the save in the background, if any, before out_dir's lock is let go: a
         run that ends with an error of its own prints that save's failure, if it failed, and
         raises its own."""
-        if self.pending is not None:
-            watchdog.beat(self.iter_num)  # the wait gets a whole limit of its own
         try:
             self.wait()
         except UserError as e:

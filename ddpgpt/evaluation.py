@@ -18,9 +18,9 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from ddpgpt import data, hellaswag, weights
+from ddpgpt import data, hellaswag
 from ddpgpt.errors import UserError
-from ddpgpt.tokenizer import byte_lengths
+from ddpgpt.tokenizer import byte_lengths, tokenizer_of
 
 
 class Evaluation(NamedTuple):
@@ -41,7 +41,7 @@ def for_training(cfg, splits, meta, vocab_size, log):
     nanoGPT's raw files, as sample.py assumes), with no more ids than the model has: without it
     the evaluations have no bits per byte, and hellaswag_interval is an error."""
     try:
-        tok = weights.tokenizer_of(meta, vocab_size)
+        tok = tokenizer_of(meta, vocab_size)
     except UserError as e:
         if cfg.hellaswag_interval:
             raise UserError(f"hellaswag_interval={cfg.hellaswag_interval} needs the data's "

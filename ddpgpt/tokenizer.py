@@ -1,5 +1,6 @@
 """Tokenizers by name: any tiktoken encoding ('gpt2' by default), or 'byte'; and 'char',
-nanoGPT's character-level vocabulary, which comes with its data (for_data).
+nanoGPT's character-level vocabulary, which comes with its data (for_data). The tokenizer of a
+model's data: tokenizer_of(), from the data's meta, a checkpoint's (data_meta()) or none.
 
 'byte' is UTF-8 bytes as ids 0..255 plus an end-of-text id 256: it needs no download,
 so a machine with no network can prepare, train and sample.
@@ -17,7 +18,9 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from ddpgpt import tokenfile
 from ddpgpt.errors import UserError
+from ddpgpt.state import Saved
 
 
 class Tokenizer(NamedTuple):
@@ -123,6 +126,31 @@ def for_data(meta):
 
 def get_tokenizer(name):
     return _byte_tokenizer() if name == "byte" else _tiktoken_tokenizer(name)
+
+
+def data_meta(state):
+    """(the meta of a checkpoint's data, or None; where it came from). train.py keeps the data's
+    meta.json (or what nanoGPT's meta.pkl holds) in the checkpoint; older checkpoints have
+    none: read their data folder's (data_dir, or as nanoGPT's sample.py data/<dataset>)."""
+    saved = Saved.of(state)
+    meta, where, config = saved.data_meta, "the checkpoint's data_meta", saved.config
+    data_dir = config.get("data_dir") or (config.get("dataset") and
+                                          os.path.join("data", config["dataset"]))
+    if meta is None and data_dir:
+        meta, where = tokenfile.read_meta(data_dir), tokenfile.meta_path(data_dir)
+    if meta and meta.get("tokenizer"):
+        return meta, where
+    return None, "nanoGPT's default, as the checkpoint names none"
+
+
+def tokenizer_of(meta, vocab_size):
+    """The tokenizer of data described by meta (GPT-2's where there is none, as nanoGPT's raw
+    files are), which must not have more ids than the model can embed."""
+    tok = for_data(meta) if meta else get_tokenizer("gpt2")
+    if tok.vocab_size > vocab_size:
+        raise UserError(f"the model has {vocab_size} token ids, fewer than {tok.name!r}'s "
+                        f"{tok.vocab_size}: put its data's meta.json in the data_dir it names.")
+    return tok
 
 
 def byte_lengths(tok, n_ids):

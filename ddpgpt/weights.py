@@ -11,18 +11,19 @@ the tokenizer it reads.
 
 train.py starts through for_training() and checks a resume against its data with
 check_resume(); sample.py and eval.py load through load(); export.py, which exports
-checkpoints only, through checkpoint_at(), data_meta() and tokenizer_of().
+checkpoints only, through checkpoint_at() and tokenizer.py's data_meta() and tokenizer_of().
 """
 import dataclasses
 import os
 import shlex
 from typing import NamedTuple, Optional
 
-from ddpgpt import checkpoint, hf, optim, sources, tokenfile
+from ddpgpt import checkpoint, hf, optim, sources
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPTConfig
 from ddpgpt.settings import INIT_FROM
-from ddpgpt.tokenizer import GPT2_NAMES, Tokenizer, for_data, get_tokenizer
+from ddpgpt.state import Saved
+from ddpgpt.tokenizer import GPT2_NAMES, Tokenizer, data_meta, get_tokenizer, tokenizer_of
 
 GPT2_VOCAB_SIZE = 50257  # GPT-2's tokenizer: 256 bytes, 50,000 merges and end-of-text
 ARCHITECTURE = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "arch",
@@ -81,7 +82,7 @@ def check_fine_tune(cfg, resume):
     theirs, ours = hf.shape(cfg.init_from), tuple(resume["model_args"].get(k) for k in keys)
     if ours[:3] == theirs[:3] and ours[3] is not None and 0 <= ours[3] - theirs[3] < 64:
         return
-    data = (resume.get("data_meta") or {}).get("tokenizer")
+    data = Saved.of(resume).tokenizer
     raise UserError(
         f"{cfg.out_dir} holds a checkpoint of another model (iter {resume['iter_num']}: "
         f"{', '.join(f'{k}={v}' for k, v in zip(keys, ours))}"
@@ -182,35 +183,31 @@ def check_pretrained_data(cfg, meta, weights_args, source):
 
 # ---- a resume against this run's data ----
 
-def samples_consumed(resume, global_batch):
-    """A checkpoint's data position; nanoGPT's checkpoints have none, but took whole steps."""
-    return resume.get("samples_consumed", resume["iter_num"] * global_batch)
-
-
 def check_resume(cfg, resume, meta, identity, n_sources, log):
     """A resume reads the tokens it was trained on, from a whole global batch, in the data it
     was trained on (identity: sources.identity()), unless the user says a change is meant."""
-    used = (resume.get("data_meta") or {}).get("tokenizer")
+    saved = Saved.of(resume)
+    used = saved.tokenizer
     if meta is not None and used is not None and used != meta.get("tokenizer"):
         raise UserError(
             f"the checkpoint was trained on {used!r} tokens but {cfg.data_dir} holds "
             f"{meta.get('tokenizer')!r} tokens: set data_dir to data made with {used!r}.")
-    check_same_optimizer(cfg, resume.get("config") or {})
-    old_mix = (resume.get("config") or {}).get("data_mix", "")
+    check_same_optimizer(cfg, saved.config)
+    old_mix = saved.config.get("data_mix", "")
     if old_mix != cfg.data_mix and (old_mix or n_sources > 1):
         log(f"note: data_mix was {old_mix!r} and is now {cfg.data_mix!r}: the run goes on "
             f"from the same global sample, but which source each sample comes from differs "
             f"from here on from what the old mixture would have read.")
-    samples = samples_consumed(resume, cfg.global_batch)
+    samples = saved.samples(cfg.global_batch)
     if samples % cfg.global_batch:
         raise UserError(
             f"the checkpoint consumed {samples} samples, not a whole number of global batches "
             f"of {cfg.global_batch} (batch_size x gradient_accumulation_steps): resume with a "
             f"global batch that divides it.")
     what = f"data_mix={cfg.data_mix!r}" if cfg.data_mix else f"data_dir={cfg.data_dir!r}"
-    sources.check_same_data(what, resume.get("data_identity"), identity,
+    sources.check_same_data(what, saved.data_identity, identity,
                             f"the checkpoint in {cfg.out_dir}", cfg.allow_data_change, log)
-    optim.check_extension(resume.get("config") or {}, cfg, resume["iter_num"], cfg.out_dir)
+    optim.check_extension(saved.config, cfg, saved.iter_num, cfg.out_dir)
 
 
 def check_same_optimizer(cfg, trained):
@@ -237,31 +234,6 @@ class Loaded(NamedTuple):
     tokenizer: Tokenizer
     source: str  # what was loaded and where its tokenizer came from, for the log
     state: Optional[dict]  # the whole checkpoint, or None for GPT-2's weights
-
-
-def data_meta(state):
-    """(the meta of a checkpoint's data, or None; where it came from). train.py keeps the data's
-    meta.json (or what nanoGPT's meta.pkl holds) in the checkpoint; older checkpoints have
-    none: read their data folder's (data_dir, or as nanoGPT's sample.py data/<dataset>)."""
-    meta, where = state.get("data_meta"), "the checkpoint's data_meta"
-    config = state.get("config") or {}
-    data_dir = config.get("data_dir") or (config.get("dataset") and
-                                          os.path.join("data", config["dataset"]))
-    if meta is None and data_dir:
-        meta, where = tokenfile.read_meta(data_dir), tokenfile.meta_path(data_dir)
-    if meta and meta.get("tokenizer"):
-        return meta, where
-    return None, "nanoGPT's default, as the checkpoint names none"
-
-
-def tokenizer_of(meta, vocab_size):
-    """The tokenizer of data described by meta (GPT-2's where there is none, as nanoGPT's raw
-    files are), which must not have more ids than the model can embed."""
-    tok = for_data(meta) if meta else get_tokenizer("gpt2")
-    if tok.vocab_size > vocab_size:
-        raise UserError(f"the model has {vocab_size} token ids, fewer than {tok.name!r}'s "
-                        f"{tok.vocab_size}: put its data's meta.json in the data_dir it names.")
-    return tok
 
 
 def checkpoint_at(source, hint, log=print, whole=checkpoint.TENSORS):

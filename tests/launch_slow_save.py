@@ -1,8 +1,8 @@
 """train.py whose checkpoints take SLOW_SAVE_S seconds longer to publish, launched in place of
 train.py: each is written whole under its temporary name, then waits before the rename that
 makes it the newest, as a save to a slow file system does. So a test can kill a run while a
-save in the background is in flight, and see the training go on meanwhile. Used by
-test_fsdp.py."""
+save in the background is in flight, and see the training go on meanwhile, or make a save
+hang. Used by test_fsdp.py and test_watchdog.py."""
 import os
 import sys
 import time

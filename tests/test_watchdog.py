@@ -135,11 +135,30 @@ def test_a_slow_evaluation_is_named_as_one_and_the_lock_released(env, corpus, tm
     p = python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
                "--gradient_accumulation_steps=1", "--max_iters=4", "--eval_iters=1000000",
                "--startup_timeout_s=15", env=env, check=False)
+    ended_hung_in(p, out, "evaluation", 0, limit_s=15, key="startup_timeout_s")
+
+
+def test_a_hung_save_is_named_as_one_with_the_advice_about_its_limit(env, corpus, tmp_path):
+    """The checkpoint's save beat the watchdog a second time, without saying what it did: a
+    save that hung was reported as 'iter 4', and the advice about hang_timeout_s was lost.
+    The run's last save (iter 4) is written before the run goes on, and its publishing waits
+    far beyond the limit (launch_slow_save.py)."""
+    out = tmp_path / "out"
+    p = python("tests/launch_slow_save.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
+               "--gradient_accumulation_steps=1", "--max_iters=4", "--eval_interval=4",
+               "--hang_timeout_s=3", env=dict(env, SLOW_SAVE_S="600"), check=False,
+               timeout=300)
+    ended_hung_in(p, out, "checkpoint save", 4, limit_s=3, key="hang_timeout_s")
+
+
+def ended_hung_in(p, out, what, iter_num, limit_s, key):
+    """The run p ended as hung in `what` (an evaluation, a save) at iter_num, with the advice to
+    raise `key`, and let go of out_dir's lock."""
     assert p.returncode == watchdog.EXIT_CODE, p.stderr
-    assert re.search(r"train.py: hang \(rank 0\): no progress for \d+ s \(limit 15 s\) in the "
-                     r"evaluation at iter 0;", p.stderr), p.stderr
-    assert "train.py: hang (rank 0): the limit holds for each evaluation too: if it is only " \
-           "slow, raise startup_timeout_s above the time one takes" in p.stderr
+    assert re.search(rf"train.py: hang \(rank 0\): no progress for \d+ s \(limit {limit_s} s\) "
+                     rf"in the {what} at iter {iter_num};", p.stderr), p.stderr
+    assert f"train.py: hang (rank 0): the limit holds for each {what} too: if it is only " \
+           f"slow, raise {key} above the time one takes" in p.stderr
     assert not (out / "ddpgpt.lock").exists()
 
 
