@@ -16,16 +16,19 @@ eval.py ... | tail -n 1`).
 """
 import dataclasses
 import json
+import logging
 import os
 import sys
 import time
 
-from ddpgpt import (configurator, errors, evaluation, hellaswag, peers, runtime, sources,
-                    weights)
+from ddpgpt import (configurator, errors, evaluation, hellaswag, logs, peers, runtime,
+                    sources, weights)
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import EvalConfig, TrainConfig
 from ddpgpt.state import Saved
+
+log = logging.getLogger("ddpgpt.eval")
 
 NO_CHECKPOINT = "give --out_dir a run's out_dir or one checkpoint file, or --init_from=gpt2."
 
@@ -33,11 +36,11 @@ NO_CHECKPOINT = "give --out_dir a run's out_dir or one checkpoint file, or --ini
 def main(argv):
     cfg, given = configurator.parse_given(EvalConfig, argv, "eval.py")
     ranks = runtime.ranks()
-    log = runtime.logger(ranks, stream=sys.stderr)
+    logs.setup(ranks.master, stream=sys.stderr)  # stdout is for the results
     device = runtime.pick_device(cfg.device, ranks)
     runtime.init_distributed(device, ranks.world_size, cfg.backend, cfg.dist_timeout_s)
     try:  # every rank checks its start-up; rank 0 reports each problem once (runtime.agree)
-        cfg, model, loaded, ev, where = start_up(cfg, given, log)
+        cfg, model, loaded, ev, where = start_up(cfg, given)
         error = None
     except UserError as e:
         error = str(e)
@@ -54,17 +57,17 @@ def main(argv):
     return 0
 
 
-def start_up(cfg, given, log):
+def start_up(cfg, given):
     """(the settings as the checkpoint trained with, the model, weights.Loaded, the Evaluation,
     where its val split comes from)."""
-    model, loaded = load_model(cfg, log)
+    model, loaded = load_model(cfg)
     trained = Saved.of(loaded.state).config if loaded.state else {}  # {} for HF weights
     cfg = as_trained(cfg, trained, loaded.args["block_size"])
-    val, where = val_split(cfg, trained, loaded, log) if cfg.val_loss else ({}, None)
+    val, where = val_split(cfg, trained, loaded) if cfg.val_loss else ({}, None)
     if val:
-        log(f"eval.py: val loss on {where}, {cfg.eval_iters} x {cfg.batch_size} windows of "
-            f"{cfg.block_size} tokens")
-    ev = make_evaluation(cfg, given, val, loaded, log)
+        log.info(f"eval.py: val loss on {where}, {cfg.eval_iters} x {cfg.batch_size} windows of "
+                 f"{cfg.block_size} tokens")
+    ev = make_evaluation(cfg, given, val, loaded)
     if not ev.splits and ev.hellaswag is None:
         raise UserError(f"there is nothing to evaluate: hellaswag=False, and {cfg.init_from} "
                         f"comes with no data for the val loss: give --data_dir=<a folder of "
@@ -83,14 +86,14 @@ def as_trained(cfg, trained, positions):
                                block_size=cfg.block_size or positions)
 
 
-def val_split(cfg, trained, loaded, log):
+def val_split(cfg, trained, loaded):
     """({'val': Mixture}, where it comes from) to take the val loss on: data_dir, else the data
     the checkpoint trained on (its data_mix, data_dir, or nanoGPT's data/<dataset>); ({}, None)
     when there is none (GPT-2's weights without a data_dir)."""
     tok, vocab_size = loaded.tokenizer, loaded.args["vocab_size"]
     if cfg.data_dir:
         return {"val": sources.open_for_model(cfg.data_dir, "val", tok, cfg.block_size,
-                                              vocab_size, log)}, cfg.data_dir
+                                              vocab_size)}, cfg.data_dir
     mix = trained.get("data_mix")
     folder = trained.get("data_dir") or (trained.get("dataset") and
                                          os.path.join("data", trained["dataset"]))
@@ -100,35 +103,34 @@ def val_split(cfg, trained, loaded, log):
     try:
         if mix:
             found = sources.parse_mix(mix)
-            return sources.open_splits(found, cfg.block_size, vocab_size, log, ("val",)), \
+            return sources.open_splits(found, cfg.block_size, vocab_size, ("val",)), \
                 f"{where}, the checkpoint's"
-        return {"val": sources.open_for_model(folder, "val", tok, cfg.block_size, vocab_size,
-                                              log)}, f"{where}, the checkpoint's data_dir"
+        return {"val": sources.open_for_model(folder, "val", tok, cfg.block_size,
+                                              vocab_size)}, f"{where}, the checkpoint's data_dir"
     except UserError as e:
         raise UserError(f"the checkpoint trained on {where}, which cannot be read here: {e} "
                         f"Give --data_dir=<the same data's folder here>, or --val_loss=False "
                         f"for HellaSwag alone.") from e
 
 
-def make_evaluation(cfg, given, val, loaded, log):
+def make_evaluation(cfg, given, val, loaded):
     """The Evaluation: HellaSwag as asked, or left out with one line when it was not asked for
     explicitly and its file is neither given, cached nor downloadable."""
     tok, vocab_size = loaded.tokenizer, loaded.args["vocab_size"]
     try:
-        return evaluation.make(val, cfg, vocab_size, tok, cfg.hellaswag, cfg.hellaswag_path,
-                               log)
+        return evaluation.make(val, cfg, vocab_size, tok, cfg.hellaswag, cfg.hellaswag_path)
     except hellaswag.Unavailable as e:
         if "hellaswag" in given or not val:
             raise
-        log(f"eval.py: HellaSwag skipped: {e} --hellaswag=False leaves it out without this "
-            f"line.")
-        return evaluation.make(val, cfg, vocab_size, tok, False, "", log)
+        log.info(f"eval.py: HellaSwag skipped: {e} --hellaswag=False leaves it out without this "
+                 f"line.")
+        return evaluation.make(val, cfg, vocab_size, tok, False, "")
 
 
-def load_model(cfg, log):
+def load_model(cfg):
     """(the model on the CPU, weights.Loaded)."""
-    loaded = weights.load(cfg.init_from, cfg.out_dir, NO_CHECKPOINT, log)
-    log(f"eval.py: {loaded.source}")
+    loaded = weights.load(cfg.init_from, cfg.out_dir, NO_CHECKPOINT)
+    log.info(f"eval.py: {loaded.source}")
     positions = loaded.args["block_size"]
     if cfg.block_size > positions:
         raise UserError(f"block_size={cfg.block_size} is more than the model's {positions} "

@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from ddpgpt import checkpoint, errors, fileio, hf, weights
+from ddpgpt import checkpoint, errors, fileio, hf, logs, weights
 from ddpgpt.errors import UserError
 from ddpgpt.tokenizer import GPT2_NAMES, data_meta, tokenizer_of
 
@@ -144,6 +144,7 @@ def main(argv):
     parser.add_argument("dest", metavar="DEST", help="the folder to write, or a file ending in "
                                                      ".pt; it must not exist")
     cli = parser.parse_args(argv)
+    logs.setup()  # the package's lines (a damaged checkpoint skipped), to stdout
     dest = cli.dest.rstrip("/") or cli.dest
     if os.path.lexists(dest):
         raise UserError(f"{dest} exists: export.py writes a new folder and never over an "

@@ -20,7 +20,7 @@ import time
 
 from tqdm import tqdm
 
-from ddpgpt import configurator, docindex, errors, fileio, lock, signals, tokenfile
+from ddpgpt import configurator, docindex, errors, fileio, lock, logs, signals, tokenfile
 from ddpgpt.errors import UserError
 from ddpgpt.settings import IndexConfig
 from ddpgpt.signals import Interrupted
@@ -68,6 +68,7 @@ def index_split(token_split, data_dir, split, eot):
 def main(argv):
     signals.raise_on_stop_signals()
     cfg = configurator.parse(IndexConfig, argv, "index_documents.py")
+    logs.setup()  # the package's lines (tokenfile's data: lines, the lock's), to stdout
     eot = end_of_text(cfg, tokenfile.read_meta(cfg.data_dir))
     print(f"index_documents.py: {cfg.data_dir}: " + (
         f"documents end with token {eot}" if eot is not None else

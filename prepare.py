@@ -34,7 +34,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from ddpgpt import (configurator, corpus, docindex, errors, fileio, lock, permutation,
+from ddpgpt import (configurator, corpus, docindex, errors, fileio, lock, logs, permutation,
                     signals, tokenfile, workers)
 from ddpgpt.errors import UserError
 from ddpgpt.settings import PrepareConfig
@@ -415,6 +415,7 @@ def what_is_left(out_dir, writers):
 def main(argv):
     signals.raise_on_stop_signals()
     cfg, given = configurator.parse_given(PrepareConfig, argv, "prepare.py")
+    logs.setup()  # the package's lines (the lock's notices), to stdout
     check_validation_keys(cfg, given)
     t0 = time.time()
     try:

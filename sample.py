@@ -6,26 +6,28 @@ one checkpoint file), or from GPT-2's weights (a name or a Hugging Face folder):
 Keys as in SampleConfig (ddpgpt/settings.py; `python sample.py --help`). The samples go to
 stdout, what was loaded to stderr, so `python sample.py ... > samples.txt` keeps the text only.
 """
-import functools
+import logging
 import sys
 
 import torch
 
-from ddpgpt import configurator, errors, runtime, weights
+from ddpgpt import configurator, errors, logs, runtime, weights
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import SampleConfig
+
+log = logging.getLogger("ddpgpt.sample")
 
 NO_CHECKPOINT = "set --out_dir to where train.py saved, or train a model."
 
 
 def main(argv):
     cfg = configurator.parse(SampleConfig, argv, "sample.py")
-    log = functools.partial(print, file=sys.stderr)  # stdout is for the samples alone
+    logs.setup(stream=sys.stderr)  # stdout is for the samples alone
     device = runtime.pick_device(cfg.device, runtime.Ranks(0, 0, 1, 1))
     prompt = read_prompt(cfg.start)  # before the checkpoint: a typo should not cost a load
-    loaded = weights.load(cfg.init_from, cfg.out_dir, NO_CHECKPOINT, log)
-    log(f"sample.py: {loaded.source}")
+    loaded = weights.load(cfg.init_from, cfg.out_dir, NO_CHECKPOINT)
+    log.info(f"sample.py: {loaded.source}")
     tok = loaded.tokenizer
     ids = tok.encode(prompt)
     if not ids:

@@ -16,6 +16,7 @@ one optimizer step, and what a step reports.
 """
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 import statistics
@@ -28,12 +29,14 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ddpgpt import (checkpoint, configurator, data, errors, evaluation, lock, metrics, optim,
-                    parallel, peers, runtime, signals, sources, watchdog, weights)
+from ddpgpt import (checkpoint, configurator, data, errors, evaluation, lock, logs, metrics,
+                    optim, parallel, peers, runtime, signals, sources, watchdog, weights)
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import TrainConfig
 from ddpgpt.state import TrainState
+
+log = logging.getLogger("ddpgpt.train")
 
 SPIKE_WINDOW, SPIKE_WARMUP = 100, 20  # steps a spike is judged against; fewer: no judging
 # a spread below this share of the mean counts as this share: after a flat history (lr=0,
@@ -48,7 +51,6 @@ class Run:
     cfg: TrainConfig
     ranks: runtime.Ranks
     device: str
-    log: Callable
     # one set of weights, three handles (parallel.Wrapped): `model` owns them, `eval_model`
     # is what the losses' evaluation calls, `train_model` what the steps call
     model: torch.nn.Module
@@ -85,7 +87,7 @@ def main(argv):
     ranks = runtime.ranks()
     watchdog.start(cfg.out_dir, ranks.rank, ranks.world_size, cfg.hang_timeout_s,
                    cfg.startup_timeout_s)
-    log = runtime.logger(ranks)
+    logs.setup(ranks.master)
     device = runtime.pick_device(cfg.device, ranks)
     runtime.init_distributed(device, ranks.world_size, cfg.backend, cfg.dist_timeout_s)
     run = None  # once made: a rank that is lost says where the run stands (standing)
@@ -95,8 +97,8 @@ def main(argv):
             peers.watched(ranks, lambda: standing(cfg, run)):
         try:
             if ranks.master:
-                out_dir_lock.enter_context(lock.locked(cfg.out_dir, "train.py", log))
-            cfg, found = start_up(cfg, given, ranks, device, log)
+                out_dir_lock.enter_context(lock.locked(cfg.out_dir, "train.py"))
+            cfg, found = start_up(cfg, given, ranks, device)
             error, identity = None, found.identity
         except UserError as e:
             error, identity = str(e), None
@@ -104,8 +106,8 @@ def main(argv):
                 runtime.gather(identity, ranks.world_size), cfg.data_dir, ranks, "train.py"):
             runtime.finish(ranks.world_size)  # every rank is here: the group ends in step
             return 1
-        log(f"configuration:\n{configurator.describe(cfg)}")
-        run = make_run(cfg, ranks, device, log, found)
+        log.info(f"configuration:\n{configurator.describe(cfg)}")
+        run = make_run(cfg, ranks, device, found)
         found = None  # free the checkpoint's tensors
         train(run, stop_signals)
     runtime.finish(ranks.world_size)
@@ -135,23 +137,23 @@ def standing(cfg, run):
     return f"at iter {run.state.iter_num}", f"{saved}: to go on from there, {how}."
 
 
-def start_up(cfg, given, ranks, device, log):
+def start_up(cfg, given, ranks, device):
     """(the settings as trained, StartUp): the data, the weights to start from (a checkpoint,
     GPT-2's, or none) and the model, each checked. Runs no collective, so that every rank gets
     to agree() with its error, if any."""
     cfg.micro_steps(ranks.world_size)  # the global batch must share out over the ranks
     parallel.check(cfg, runtime.precision(cfg.dtype, device).dtype)
-    cfg, data_sources = sources.of(cfg, given, log)
+    cfg, data_sources = sources.of(cfg, given)
     meta = sources.read_meta(data_sources)
-    start = weights.for_training(cfg, given, meta, log, in_parts=parallel.sharded(cfg, ranks))
+    start = weights.for_training(cfg, given, meta, in_parts=parallel.sharded(cfg, ranks))
     # the configuration says what is trained (the architecture of the weights resumed or
     # loaded, the vocab_size that 0 meant), so that its log and checkpoints do not lie
     cfg = dataclasses.replace(cfg, **weights.architecture(start.args))
-    splits = sources.open_splits(data_sources, cfg.block_size, cfg.vocab_size, log,
+    splits = sources.open_splits(data_sources, cfg.block_size, cfg.vocab_size,
                                  mode=cfg.sampling)
     identity = sources.identity(splits)
     if start.resume is not None:
-        weights.check_resume(cfg, start.resume, meta, identity, len(data_sources), log)
+        weights.check_resume(cfg, start.resume, meta, identity, len(data_sources))
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(**start.args))
     if start.weights is not None:
@@ -159,11 +161,11 @@ def start_up(cfg, given, ranks, device, log):
     if cfg.optimizer == "muon":  # its patterns checked here, before any collective
         optim.muon_parameters(model, cfg.muon_params)
     checkpoint.check_room(cfg.out_dir, model)
-    ev = evaluation.for_training(cfg, splits, meta, cfg.vocab_size, log)
+    ev = evaluation.for_training(cfg, splits, meta, cfg.vocab_size)
     return cfg, StartUp(start, meta, splits, identity, model, ev)
 
 
-def make_run(cfg, ranks, device, log, found):
+def make_run(cfg, ranks, device, found):
     """The Run: the model on its device, in DDP or sharded (parallel.py) with several ranks;
     the optimizer and the training state (state.py) of a fresh run, or as the checkpoint left
     them; this rank's batches from there; the saver of its checkpoints."""
@@ -176,11 +178,11 @@ def make_run(cfg, ranks, device, log, found):
         checkpoint.restore(model, optimizer, resume)
         state.load_state_dict(resume)
     micro_steps = cfg.micro_steps(ranks.world_size)
-    log(f"world size {ranks.world_size}, device {device}, dtype {precision.dtype}, "
-        f"{model.get_num_params() / 1e6:.2f}M parameters, global batch {cfg.global_batch} x "
-        f"{cfg.block_size} tokens ({micro_steps} micro-step{'s' * (micro_steps != 1)} of "
-        f"{cfg.batch_size} per rank)")
-    sources.log_train(log, found.splits["train"], cfg.max_iters * cfg.global_batch)
+    log.info(f"world size {ranks.world_size}, device {device}, dtype {precision.dtype}, "
+             f"{model.get_num_params() / 1e6:.2f}M parameters, global batch {cfg.global_batch} x "
+             f"{cfg.block_size} tokens ({micro_steps} micro-step{'s' * (micro_steps != 1)} of "
+             f"{cfg.batch_size} per rank)")
+    sources.log_train(found.splits["train"], cfg.max_iters * cfg.global_batch)
     batches = data.rank_batches(
         found.splits["train"], block_size=cfg.block_size, batch_size=cfg.batch_size,
         micro_steps=micro_steps, rank=ranks.rank, world_size=ranks.world_size, seed=cfg.seed,
@@ -188,27 +190,27 @@ def make_run(cfg, ranks, device, log, found):
         vocab_size=cfg.vocab_size)
     start = metrics.start_row(state.iter_num, resume is not None, cfg.init_from,
                               ranks.world_size)  # opens this run's rows in metrics.jsonl
-    return Run(cfg=cfg, ranks=ranks, device=device, log=log, model=model,
+    return Run(cfg=cfg, ranks=ranks, device=device, model=model,
                eval_model=eval_model, train_model=train_model, optimizer=optimizer,
-               saver=saver(cfg, ranks, model, log), precision=precision, state=state,
+               saver=saver(cfg, ranks, model), precision=precision, state=state,
                splits=found.splits, evaluation=found.evaluation, batches=batches,
-               metrics=metrics.open_metrics(cfg, ranks.master, start, log),
+               metrics=metrics.open_metrics(cfg, ranks.master, start),
                micro_steps=micro_steps,
                flops_per_step=model.flops_per_token() * cfg.global_batch * cfg.block_size,
                peak=runtime.peak_flops(device))
 
 
-def saver(cfg, ranks, model, log):
+def saver(cfg, ranks, model):
     """The run's checkpoint.Saver: in the background with async_save, where this host has
     memory for the copy of what this rank writes (the whole state under ddp, on rank 0; its
     shard of it under fsdp) with as much to spare, else with a note."""
     n_bytes = checkpoint.size(model) // (ranks.world_size if parallel.sharded(cfg, ranks) else 1)
     background = cfg.async_save and checkpoint.host_has_room(n_bytes, ranks)
     if cfg.async_save and not background:
-        log(f"note: async_save: this host has too little memory for the copy of a checkpoint "
-            f"(about {n_bytes / 2**30:.1f} GiB per writing rank, and as much to spare): the "
-            f"saves are written before training goes on")
-    return checkpoint.Saver(cfg, ranks, model, background, log)
+        log.info(f"note: async_save: this host has too little memory for the copy of a checkpoint "
+                 f"(about {n_bytes / 2**30:.1f} GiB per writing rank, and as much to spare): the "
+                 f"saves are written before training goes on")
+    return checkpoint.Saver(cfg, ranks, model, background)
 
 
 # ---- the training loop ----
@@ -256,9 +258,9 @@ def loop(run, stop_signals):
         watchdog.beat(state.iter_num, step_s=dt)
         run.saver.check()  # a save in the background that failed ends the run
         if step.stop:
-            run.log(f"stopping at iter {state.iter_num}: signal received, saving a checkpoint")
+            log.info(f"stopping at iter {state.iter_num}: signal received, saving a checkpoint")
             save(run, last=True)
-            run.log(f"interrupted at iter {state.iter_num}; resume with --init_from=resume")
+            log.info(f"interrupted at iter {state.iter_num}; resume with --init_from=resume")
             break
     # ---------------------------------------------------------------- TRAINING LOOP END
 
@@ -273,15 +275,15 @@ def evaluate_and_save(run, may_save):
     if run.evaluation.hellaswag is not None and state.iter_num % cfg.hellaswag_interval == 0:
         results.update(evaluation.hellaswag_scores(run.model, run.evaluation, run.ranks,
                                                    autocast, run.device))
-    run.log(evaluation.describe(state.iter_num, results))
+    log.info(evaluation.describe(state.iter_num, results))
     metrics.record(run.metrics, {"iter": state.iter_num, **results})
     improved = results["val_loss"] < state.best_val
     state.best_val = min(state.best_val, results["val_loss"])  # a NaN leaves it
     if not all(map(math.isfinite, results.values())):
         kept = "the previous ones are kept" if checkpoint.list_checkpoints(cfg.out_dir) else \
             f"and there is none in {cfg.out_dir} yet"
-        run.log(f"warning: non-finite evaluation loss at iter {state.iter_num}: no "
-                f"checkpoint written, {kept}")
+        log.warning(f"warning: non-finite evaluation loss at iter {state.iter_num}: no "
+                    f"checkpoint written, {kept}")
     elif may_save and (improved or cfg.always_save_checkpoint or
                        state.iter_num >= cfg.max_iters):
         save(run, last=state.iter_num >= cfg.max_iters)
@@ -348,7 +350,7 @@ def train_step(run, history, stop_signals):
                                              run.splits["train"], cfg.block_size, cfg.seed,
                                              cfg.sampling)
     if problem is not None:
-        skip_or_stop(cfg, run.log, problem, iter_num, loss, batch_fp)
+        skip_or_stop(cfg, problem, iter_num, loss, batch_fp)
     elif math.isfinite(loss):
         history.append((loss, grad_norm))
     row = {"iter": iter_num, "loss": loss, "grad_norm": grad_norm, "lr": lr,
@@ -406,12 +408,12 @@ def step_problem(cfg, loss, grad_norm, history, fp16):
     return None
 
 
-def skip_or_stop(cfg, log, problem, iter_num, loss, batch_fp):
+def skip_or_stop(cfg, problem, iter_num, loss, batch_fp):
     """A step that was not applied: stop (nan_policy's default), or go on with the next one,
     whose data is what it would have been."""
     if problem != "non-finite":
-        log(f"warning: {problem} at iter {iter_num} (batch_fp {batch_fp}): step skipped "
-            f"(spike_policy='skip')")
+        log.warning(f"warning: {problem} at iter {iter_num} (batch_fp {batch_fp}): step skipped "
+                    f"(spike_policy='skip')")
         return
     what = f"non-finite loss {loss} or gradient norm at iter {iter_num} (batch_fp {batch_fp})"
     if cfg.nan_policy == "stop":
@@ -419,7 +421,7 @@ def skip_or_stop(cfg, log, problem, iter_num, loss, batch_fp):
                         f"still good. Try a lower learning_rate, grad_clip=1.0 or "
                         f"dtype=bfloat16, and check the data at that batch; nan_policy='skip' "
                         f"skips such steps.")
-    log(f"warning: {what}: step skipped (nan_policy='skip')")
+    log.warning(f"warning: {what}: step skipped (nan_policy='skip')")
 
 
 # ---- what a step reports ----
@@ -439,9 +441,9 @@ def report_step(run, step, dt, first):
     if row["iter"] % cfg.log_interval == 0:
         row.update(metrics.rank_telemetry(step.alone_s, step.data_wait_s, run.device,
                                           run.ranks.world_size))
-        metrics.log_step(run.log, row, run.peak)
+        metrics.log_step(row, run.peak)
         if not first:
-            metrics.log_straggler(run.log, row, run.metrics.slowest)
+            metrics.log_straggler(row, run.metrics.slowest)
     metrics.record(run.metrics, row)
 
 

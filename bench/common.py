@@ -77,7 +77,7 @@ def write_token_files(data_dir, ids_by_split, *, tokenizer, vocab_size, eot_toke
     tokenfile.write_meta(data_dir, tokenizer=tokenizer, vocab_size=vocab_size,
                          eot_token=eot_token, splits=splits)
     for split in ids_by_split:
-        docindex.build(tokenfile.open_split(data_dir, split, 1, log=lambda *a: None),
+        docindex.build(tokenfile.open_split(data_dir, split, 1),
                        docindex.doc_index_path(data_dir, split), eot_token)
 
 

@@ -82,7 +82,7 @@ def sparse_documents(folder):
     """The document index of the folder's sparse train.bin as if it held documents of web
     text's lengths (its tokens, all 0, have no end-of-text to find), written by
     docindex.Writer as prepare.py writes one: about 8 bytes per 1,000 tokens."""
-    token_split = tokenfile.open_split(folder, "train", 1, log=lambda *a: None)
+    token_split = tokenfile.open_split(folder, "train", 1)
     writer, rng, at = docindex.Writer(docindex.doc_index_path(folder, "train")), \
         np.random.default_rng(0), 0
     while at < token_split.n_tokens:

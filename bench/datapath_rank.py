@@ -40,7 +40,7 @@ def ddpgpt(data_dir, rank, world, mode="epoch"):
     nothing between batches would time two threads passing the interpreter lock back and
     forth; the training part measures what the thread is for, a step's wait for data. The
     data is opened as train.py opens it: a Mixture of each source's train split."""
-    train = sources.open_splits(data_sources(data_dir), BLOCK, VOCAB, log=lambda *a: None,
+    train = sources.open_splits(data_sources(data_dir), BLOCK, VOCAB,
                                 splits=["train"], mode=mode)["train"]
     return data.rank_batches(train, block_size=BLOCK, batch_size=BATCH, micro_steps=1,
                              rank=rank, world_size=world, seed=SEED, mode=mode, start_step=0,

@@ -16,6 +16,7 @@ sharded.py's reader for a folder's index).
 A run writes through a Saver: on the ranks that write, in the background (async_save) or not.
 """
 import glob
+import logging
 import os
 import pickle
 import re
@@ -29,6 +30,8 @@ import torch.distributed as dist
 
 from ddpgpt import fileio, parallel
 from ddpgpt.errors import UserError
+
+log = logging.getLogger(__name__)
 
 # sharded.py (torch.distributed.checkpoint, DTensor) is imported only where a folder is read or
 # written: importing it takes 1-2 s, a third of every process's start-up, for runs that write
@@ -238,14 +241,14 @@ def read_folder(path, whole):
     return {**values, **tensors}, None
 
 
-def load_latest(out_dir, log=print, whole=TENSORS):
+def load_latest(out_dir, whole=TENSORS):
     """(state, path) of the newest checkpoint that loads, or (None, None) if there is none.
     A damaged newest checkpoint is reported and skipped in favour of the one before it."""
     for path in list_checkpoints(out_dir):
         state, problem = read(path, whole)
         if state is not None:
             return state, path
-        log(f"checkpoint: {path} {problem}; trying an older one")
+        log.info(f"checkpoint: {path} {problem}; trying an older one")
     return None, None
 
 
@@ -297,9 +300,8 @@ class Saver:
     writing goes on while the run trains; one save at a time, the next waiting for the one
     before; a failed one is this run's error, raised by the next check() or save()."""
 
-    def __init__(self, cfg, ranks, model, background, log):
-        self.out_dir, self.keep, self.log, self.master = cfg.out_dir, cfg.keep_checkpoints, log, \
-            ranks.master
+    def __init__(self, cfg, ranks, model, background):
+        self.out_dir, self.keep, self.master = cfg.out_dir, cfg.keep_checkpoints, ranks.master
         self.folder = cfg.parallel == "fsdp"
         self.writes = self.folder or ranks.master
         # a folder's saves run their collectives in a group of their own, on the CPU, so that
@@ -337,7 +339,7 @@ class Saver:
         else:
             path = save(self.out_dir, state, self.keep)
         took = time.perf_counter() - t0
-        self.log(f"saved {path} ({took:.2f} s)" if waited_s is None else
+        log.info(f"saved {path} ({took:.2f} s)" if waited_s is None else
                  f"saved {path} ({took:.2f} s, written in the background; the run waited "
                  f"{waited_s:.2f} s, for the save before it and for the copy in host memory)")
 

@@ -12,6 +12,7 @@ of text those same tokens stand for (tokenizer.byte_lengths), end-of-text counti
 byte: on byte-tokenized data it is the loss / ln 2 exactly, and it compares models whatever
 their tokenizer.
 """
+import logging
 import math
 from typing import Any, NamedTuple, Optional
 
@@ -21,6 +22,8 @@ import torch.distributed as dist
 from ddpgpt import data, hellaswag
 from ddpgpt.errors import UserError
 from ddpgpt.tokenizer import byte_lengths, tokenizer_of
+
+log = logging.getLogger(__name__)
 
 
 class Evaluation(NamedTuple):
@@ -36,7 +39,7 @@ class Evaluation(NamedTuple):
     hellaswag: Optional[hellaswag.HellaSwag]  # prepared, or None
 
 
-def for_training(cfg, splits, meta, vocab_size, log):
+def for_training(cfg, splits, meta, vocab_size):
     """train.py's Evaluation. Bits per byte and HellaSwag need the data's tokenizer (GPT-2's for
     nanoGPT's raw files, as sample.py assumes), with no more ids than the model has: without it
     the evaluations have no bits per byte, and hellaswag_interval is an error."""
@@ -46,17 +49,16 @@ def for_training(cfg, splits, meta, vocab_size, log):
         if cfg.hellaswag_interval:
             raise UserError(f"hellaswag_interval={cfg.hellaswag_interval} needs the data's "
                             f"tokenizer: {e}") from e
-        log(f"note: the evaluations leave bits per byte out: {e}")
+        log.info(f"note: the evaluations leave bits per byte out: {e}")
         tok = None
-    return make(splits, cfg, vocab_size, tok, cfg.hellaswag_interval > 0, cfg.hellaswag_path,
-                log)
+    return make(splits, cfg, vocab_size, tok, cfg.hellaswag_interval > 0, cfg.hellaswag_path)
 
 
-def make(splits, cfg, vocab_size, tok, with_hellaswag, hellaswag_path, log):
+def make(splits, cfg, vocab_size, tok, with_hellaswag, hellaswag_path):
     """An Evaluation of splits with cfg's block_size, batch_size and eval_iters. A HellaSwag
     batch holds batch_size x block_size tokens, as a training micro-batch does."""
     swag = hellaswag.prepare(hellaswag_path, tok, cfg.block_size,
-                             cfg.batch_size * cfg.block_size, log) if with_hellaswag else None
+                             cfg.batch_size * cfg.block_size) if with_hellaswag else None
     n = cfg.eval_iters * cfg.batch_size
     windows = {split: [data.eval_offsets(t.starts, cfg.block_size, n) for t in mix.splits]
                for split, mix in splits.items()}
@@ -65,8 +67,8 @@ def make(splits, cfg, vocab_size, tok, with_hellaswag, hellaswag_path, log):
         try:
             docs = [data.eval_document_offsets(t, cfg.block_size, n) for t in val.splits]
         except UserError as e:  # a val split of end-of-text ids alone
-            log(f"note: the evaluations leave the document-aligned val loss (val_loss_docs) "
-                f"out: {e}")
+            log.info(f"note: the evaluations leave the document-aligned val loss (val_loss_docs) "
+                     f"out: {e}")
     return Evaluation(splits, windows, docs, cfg.block_size, cfg.batch_size, cfg.eval_iters,
                       vocab_size, None if tok is None else byte_lengths(tok, vocab_size), swag)
 

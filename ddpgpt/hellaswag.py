@@ -20,6 +20,7 @@ example is scored in the same batch on any world size, so the counts are the sam
 import fcntl
 import http.client
 import json
+import logging
 import os
 import shutil
 import urllib.request
@@ -31,6 +32,8 @@ import torch.nn.functional as F
 
 from ddpgpt import fileio
 from ddpgpt.errors import UserError
+
+log = logging.getLogger(__name__)
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 FILE_NAME = "hellaswag_val.jsonl"
@@ -73,7 +76,7 @@ def cache_dir():
     return os.environ.get("DDPGPT_CACHE") or os.path.join(base, "ddpgpt")
 
 
-def locate(path, log):
+def locate(path):
     """The file to read: path when given; else the cached copy, downloaded the first time. Under
     a lock, so that of the processes that find no copy, one downloads and the others wait."""
     if path:
@@ -90,7 +93,7 @@ def locate(path, log):
         with open(cached + ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not os.path.exists(cached):
-                download(cached, log)
+                download(cached)
     except (OSError, http.client.HTTPException) as e:  # urllib's errors are OSErrors
         raise Unavailable(
             f"HellaSwag's validation set is not in {cache_dir()} and could not be downloaded "
@@ -101,9 +104,9 @@ def locate(path, log):
     return cached
 
 
-def download(path, log):
+def download(path):
     tmp = f"{path}.{os.getpid()}.tmp"
-    log(f"hellaswag: downloading {URL} to {path}")
+    log.info(f"hellaswag: downloading {URL} to {path}")
     try:
         with urllib.request.urlopen(URL, timeout=60) as response, open(tmp, "wb") as f:
             shutil.copyfileobj(response, f)
@@ -210,15 +213,15 @@ def pack(rendered, labels, budget):
     return batches
 
 
-def prepare(path, tok, block_size, budget, log):
+def prepare(path, tok, block_size, budget):
     """HellaSwag from path ('' for the cached copy), for a model of block_size positions."""
-    path = locate(path, log)
+    path = locate(path)
     examples = read(path)
     rendered = [render(e, tok.encode, block_size) for e in examples]
     truncated = sum(cut for _, _, cut in rendered)
     if truncated:
-        log(f"hellaswag: {truncated} of {len(examples)} examples are longer than "
-            f"block_size={block_size} + 1 tokens and are cut from the left")
+        log.info(f"hellaswag: {truncated} of {len(examples)} examples are longer than "
+                 f"block_size={block_size} + 1 tokens and are cut from the left")
     return HellaSwag(path, pack(rendered, [e.label for e in examples], budget), len(examples),
                      truncated)
 

@@ -21,6 +21,7 @@ transformers is imported inside the functions that need it: it takes seconds, an
 scratch or from a checkpoint never needs it.
 """
 import json
+import logging
 import os
 import tempfile
 
@@ -29,6 +30,8 @@ import torch
 from ddpgpt.errors import UserError
 from ddpgpt.model import RMS_EPS, swiglu_hidden
 from ddpgpt.tokenizer import GPT2_NAMES
+
+log = logging.getLogger(__name__)
 
 NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # nanoGPT's names for OpenAI's weights
 # (n_layer, n_head, n_embd, vocab_size) of each: nanoGPT's table, and GPT2Config's defaults
@@ -260,7 +263,7 @@ def _fetch(load, init_from):
         raise UserError(cannot_load(init_from, e)) from e
 
 
-def load(init_from, log=print):
+def load(init_from):
     """(weights in model.py's layout, GPTConfig's arguments) of GPT-2 weights: a name in NAMES
     (through Hugging Face's cache, downloaded the first time) or a local folder, which may
     also hold a Qwen3 (the modern block, as export.py writes it)."""
@@ -272,14 +275,14 @@ def load(init_from, log=print):
         args = qwen3_args_of(config)
         model = _fetch(lambda: transformers.Qwen3ForCausalLM.from_pretrained(
             repo, config=config, dtype=torch.float32), init_from)
-        log(f"loaded the Qwen3 (arch='modern') weights of {repo}: "
-            f"{model.num_parameters() / 1e6:.1f}M parameters")
+        log.info(f"loaded the Qwen3 (arch='modern') weights of {repo}: "
+                 f"{model.num_parameters() / 1e6:.1f}M parameters")
         return from_qwen3_state(model.state_dict()), args
     config = _fetch(lambda: transformers.GPT2Config.from_pretrained(repo), init_from)
     args = model_args_of(config)
     model = _fetch(lambda: transformers.GPT2LMHeadModel.from_pretrained(
         repo, config=config, dtype=torch.float32), init_from)
-    log(f"loaded the GPT-2 weights of {repo}: {model.num_parameters() / 1e6:.1f}M parameters")
+    log.info(f"loaded the GPT-2 weights of {repo}: {model.num_parameters() / 1e6:.1f}M parameters")
     return from_hf_state(model.state_dict()), args
 
 

@@ -4,23 +4,25 @@ on its own, so that two runs never write into one folder at once.
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import time
 
 from ddpgpt.errors import UserError
 from ddpgpt.fileio import HOST, alive, disk_full
 
+log = logging.getLogger(__name__)
+
 LOCK_NAME = "ddpgpt.lock"
 _held = {}  # {path: open descriptor} of the locks this process holds, for release_held
 
 
 @contextlib.contextmanager
-def locked(folder, script, log=print,
-           fix="choose a folder that you can create and write files in."):
+def locked(folder, script, fix="choose a folder that you can create and write files in."):
     """Hold folder's lock while the block runs: made by prepare.py for its out_dir, and for
     train.py's, so that two runs never write into one folder at once: take it in one process
     of a run (rank 0). The folder is made if it does not exist. Another holder is a UserError
-    that names it; log gets the notice when a dead holder's lock is taken over; a folder that
+    that names it; taking over a dead holder's lock is logged (INFO); a folder that
     cannot be written in is a UserError that says what it is and then fix, what to do.
 
     The lock is fcntl.flock on folder/ddpgpt.lock, which holds its holder's host, pid, script,
@@ -41,7 +43,7 @@ def locked(folder, script, log=print,
                         f"per folder): it is not ddpgpt's. Move or rename it, then run again.")
     try:
         os.makedirs(folder, exist_ok=True)
-        fd = acquire(path, script, log)
+        fd = acquire(path, script)
     except OSError as e:
         why = disk_full(e, folder) or e.strerror or str(e)
         raise UserError(f"cannot write in {folder} ({why}): {fix}") from e
@@ -66,7 +68,7 @@ def release_held():
             release(path, _held.pop(path))
 
 
-def acquire(path, script, log):
+def acquire(path, script):
     """An open descriptor of the lock file at path, locked, with this process as its holder."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -77,8 +79,8 @@ def acquire(path, script, log):
         except BlockingIOError:
             locked_now = False
         except OSError as e:  # a file system that cannot lock (ENOLCK, EOPNOTSUPP)
-            log(f"warning: the file system of {path} cannot lock files ({e.strerror}): only "
-                f"its contents keep a second writer out")
+            log.warning(f"warning: the file system of {path} cannot lock files ({e.strerror}): "
+                        f"only its contents keep a second writer out")
             locked_now = True
         if locked_now and not same_file(fd, path):
             os.close(fd)  # its holder removed it between our open and our lock: a new one
@@ -87,8 +89,8 @@ def acquire(path, script, log):
             write_holder(fd, script)
             return fd
         if holder and gone(holder):
-            log(f"{script}: taking over the lock on {os.path.dirname(path)}: "
-                f"{describe_holder(holder)} held it and is no longer running")
+            log.info(f"{script}: taking over the lock on {os.path.dirname(path)}: "
+                     f"{describe_holder(holder)} held it and is no longer running")
             if locked_now:
                 write_holder(fd, script)
                 return fd

@@ -9,6 +9,7 @@ begins: read() gives the rows of the run as it stands, which compare_runs.py and
 """
 import dataclasses
 import json
+import logging
 import os
 import resource
 import secrets
@@ -22,6 +23,8 @@ import torch.distributed as dist
 
 from ddpgpt import fileio
 from ddpgpt.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 class Metrics(NamedTuple):
@@ -40,7 +43,7 @@ def start_row(iter_num, resumed, init_from, world_size):
             "world_size": world_size, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def open_metrics(cfg, master, start, log):
+def open_metrics(cfg, master, start):
     """The Metrics of a run: on rank 0 with metrics.jsonl open, its start row written (and
     wandb); elsewhere with neither."""
     slowest = deque(maxlen=STRAGGLER_STEPS)
@@ -50,10 +53,10 @@ def open_metrics(cfg, master, start, log):
     fresh = start["run"] == "fresh"
     if fresh and os.path.exists(path) and os.path.getsize(path):
         # train.py refuses a fresh start beside checkpoints: that run left none
-        log(f"note: {path} holds the rows of an earlier run, which left no checkpoint; this "
-            f"run's follow its start row ({json.dumps(start)}), and compare_runs.py and plot.py "
-            f"read those only")
-    drop_cut_off_line(path, log)
+        log.info(f"note: {path} holds the rows of an earlier run, which left no checkpoint; "
+                 f"this run's follow its start row ({json.dumps(start)}), and compare_runs.py and "
+                 f"plot.py read those only")
+    drop_cut_off_line(path)
     file = open(path, "a")
     record(Metrics(file, None, slowest), start)
     if not cfg.wandb_log:
@@ -65,7 +68,7 @@ def open_metrics(cfg, master, start, log):
     return Metrics(file, wandb, slowest)
 
 
-def drop_cut_off_line(path, log):
+def drop_cut_off_line(path):
     """Drop the last line of metrics.jsonl when a kill cut it off mid-write (it does not end
     in a newline; read() leaves it out too): rows appended after it would continue that line,
     and the file would no longer be JSON lines. The rows before it are kept."""
@@ -86,8 +89,8 @@ def drop_cut_off_line(path, log):
         if whole == end:
             return
         f.truncate(whole)
-    log(f"note: {path} ended in a line cut off when a run was stopped ({end - whole} bytes): "
-        f"dropped, so that this run's rows start on a line of their own")
+    log.info(f"note: {path} ended in a line cut off when a run was stopped ({end - whole} bytes): "
+             f"dropped, so that this run's rows start on a line of their own")
 
 
 def wandb_run_id(out_dir, new):
@@ -127,11 +130,11 @@ def close(metrics):
 
 # ---- the console ----
 
-def log_step(log, row, peak):
+def log_step(row, peak):
     mfu = f", mfu {row['mfu'] * 100:.1f}%" if peak else ""
-    log(f"iter {row['iter']}: loss {row['loss']:.4f}, grad norm {row['grad_norm']:.3g}, lr "
-        f"{row['lr']:.2e}, {row['ms']:.1f} ms, {row['tok_per_s']:,.0f} tok/s{mfu}, data wait "
-        f"{row['data_wait'] * 100:.1f}%")
+    log.info(f"iter {row['iter']}: loss {row['loss']:.4f}, grad norm {row['grad_norm']:.3g}, lr "
+             f"{row['lr']:.2e}, {row['ms']:.1f} ms, {row['tok_per_s']:,.0f} tok/s{mfu}, data wait "
+             f"{row['data_wait'] * 100:.1f}%")
 
 
 # ---- every rank's numbers ----
@@ -155,7 +158,7 @@ def rank_telemetry(alone_s, data_wait_s, device, world_size):
     return {"rank_ms": list(ms), "rank_data_wait_ms": list(wait), "rank_mem_mib": list(mib)}
 
 
-def log_straggler(log, row, slowest):
+def log_straggler(row, slowest):
     """Name the slowest rank when it has been the slowest at each of the last STRAGGLER_STEPS
     log steps, each time STRAGGLER_MARGIN times the median of the others or more, saying by
     how much. On a busy machine the slowest rank of one step is noise that flips from rank to
@@ -173,10 +176,11 @@ def log_straggler(log, row, slowest):
         return
     _, iters, alone, median, waits = zip(*slowest)
     alone, median, wait = (statistics.fmean(v) for v in (alone, median, waits))
-    log(f"iter {row['iter']}: rank {rank} is the slowest, at each of the last {len(slowest)} "
-        f"log steps (iters {iters[0]} to {iters[-1]}): {alone:.1f} ms alone in the step against "
-        f"a median of {median:.1f} ms for the other ranks, {alone / median:.2f}x "
-        f"(+{alone - median:.1f} ms a step), {wait:.1f} ms of it waiting for data")
+    log.info(f"iter {row['iter']}: rank {rank} is the slowest, at each of the last "
+             f"{len(slowest)} log steps (iters {iters[0]} to {iters[-1]}): {alone:.1f} ms alone "
+             f"in the step against a median of {median:.1f} ms for the other ranks, "
+             f"{alone / median:.2f}x (+{alone - median:.1f} ms a step), {wait:.1f} ms of it "
+             f"waiting for data")
     slowest.clear()
 
 

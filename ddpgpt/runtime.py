@@ -50,13 +50,6 @@ def ranks():
     return Ranks(0, 0, 1, 1)
 
 
-def logger(ranks, stream=None):
-    """print on rank 0, nothing elsewhere: one copy of each line in a shared log."""
-    if not ranks.master:
-        return lambda *args, **kw: None
-    return print if stream is None else (lambda *args, **kw: print(*args, file=stream, **kw))
-
-
 # ---- the device ----
 
 def pick_device(device, ranks):

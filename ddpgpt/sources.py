@@ -3,6 +3,7 @@ split opened as a data.Mixture of the sources' token files, and what that data i
 identity), which checkpoints keep and every rank must share.
 """
 import dataclasses
+import logging
 import math
 import os
 import sys
@@ -14,6 +15,8 @@ from ddpgpt import data, docindex, tokenfile
 from ddpgpt.errors import UserError
 from ddpgpt.tokenizer import same_vocabulary
 
+log = logging.getLogger(__name__)
+
 
 class Source(NamedTuple):
     folder: str
@@ -21,7 +24,7 @@ class Source(NamedTuple):
     name: str  # in metrics: val_loss/<name>; '' for data_dir alone
 
 
-def of(cfg, given, log):
+def of(cfg, given):
     """(the settings, the Sources of a run): data_mix's, else data_dir alone. Each replaces the
     other, so where both are set the later counts, as config files and arguments apply in
     order (config/owt.py's data_dir, then --data_mix), with a note; set in one place (both
@@ -35,8 +38,8 @@ def of(cfg, given, log):
                 f"data_dir={cfg.data_dir!r} and data_mix={cfg.data_mix!r} are both set "
                 f"({given['data_dir']}, {given['data_mix']}): keep data_mix (each source and "
                 f"its weight) to train on the mixture, or drop it to train on data_dir alone.")
-        log(f"note: {later}={getattr(cfg, later)!r} ({given[later]}) replaces "
-            f"{earlier}={getattr(cfg, earlier)!r} ({given[earlier]})")
+        log.info(f"note: {later}={getattr(cfg, later)!r} ({given[later]}) replaces "
+                 f"{earlier}={getattr(cfg, earlier)!r} ({given[earlier]})")
         if later == "data_dir":
             cfg = dataclasses.replace(cfg, data_mix="")
     if not cfg.data_mix:
@@ -80,23 +83,23 @@ def read_meta(sources):
     return metas[0]
 
 
-def open_splits(sources, block_size, vocab_size, log, splits=tokenfile.SPLITS, mode="epoch"):
+def open_splits(sources, block_size, vocab_size, splits=tokenfile.SPLITS, mode="epoch"):
     """{split: the Mixture of the sources' token files}; one source is the plain case. Train's
     is made ready to sample in `mode` (data.with_windows), with each source's document index
     in 'documents' mode, which needs it; val's has each source's index where there is one, for
     the document-aligned val loss."""
     out = {}
     for split in splits:
-        parts = [open_split(s.folder, split, block_size, vocab_size, log, mode) for s in sources]
+        parts = [open_split(s.folder, split, block_size, vocab_size, mode) for s in sources]
         mix = data.mixture(parts, [s.weight for s in sources], [s.name for s in sources])
         out[split] = data.with_windows(mix, block_size, mode) if split == "train" else mix
     return out
 
 
-def open_split(folder, split, block_size, vocab_size=None, log=print, mode="epoch"):
+def open_split(folder, split, block_size, vocab_size=None, mode="epoch"):
     """One source's split (tokenfile.open_split), with its document index as open_splits says:
     the one place that decides which splits open theirs."""
-    token_split = tokenfile.open_split(folder, split, block_size, vocab_size, log=log)
+    token_split = tokenfile.open_split(folder, split, block_size, vocab_size)
     if split == "train" and mode == "documents":
         return with_index(token_split, folder, split)
     if split != "val":
@@ -104,7 +107,8 @@ def open_split(folder, split, block_size, vocab_size=None, log=print, mode="epoc
     try:
         return with_index(token_split, folder, split)
     except UserError as e:
-        log(f"note: the evaluations leave the document-aligned val loss (val_loss_docs) out: {e}")
+        log.info(f"note: the evaluations leave the document-aligned val loss (val_loss_docs) "
+                 f"out: {e}")
         return token_split
 
 
@@ -112,14 +116,14 @@ def with_index(token_split, folder, split):
     return token_split._replace(docs=docindex.open_doc_index(token_split, folder, split))
 
 
-def open_for_model(data_dir, split, tok, block_size, vocab_size, log):
+def open_for_model(data_dir, split, tok, block_size, vocab_size):
     """One split of data_dir, as a Mixture of one source, whose tokens must be the model's."""
     used = (tokenfile.read_meta(data_dir) or {}).get("tokenizer")
     if used and not same_vocabulary(used, tok.name):
         raise UserError(f"{data_dir} holds {used!r} tokens, but the model reads "
                         f"{tok.name!r} tokens: give a data_dir prepared with "
                         f"--tokenizer={tok.name}.")
-    return data.mixture([open_split(data_dir, split, block_size, vocab_size, log)])
+    return data.mixture([open_split(data_dir, split, block_size, vocab_size)])
 
 
 def identity(splits):
@@ -129,7 +133,7 @@ def identity(splits):
             for split, mix in splits.items()}
 
 
-def check_same_data(what, before, now, checkpoint, allow, log):
+def check_same_data(what, before, now, checkpoint, allow):
     """Resuming "at the exact data position" of other data would be a silent lie: refuse it,
     unless the user says the change is meant (allow). before, now: identity() of the data the
     checkpoint (as the message names it) was trained on, and of this run's; what: the key
@@ -141,8 +145,8 @@ def check_same_data(what, before, now, checkpoint, allow, log):
             f"{what} is not the data {checkpoint} was trained on (tokens and fingerprint per "
             f"split: {before} then, {now} now): point it at that data again, or pass "
             f"--allow_data_change=True to go on from the same sample index in this data.")
-    log(f"warning: {what} is not the data {checkpoint} was trained on; going on from the "
-        f"same sample index in it, as allow_data_change=True asks")
+    log.warning(f"warning: {what} is not the data {checkpoint} was trained on; going on from the "
+                f"same sample index in it, as allow_data_change=True asks")
 
 
 def same_on_all_ranks(identities, data_dir, ranks, script):
@@ -158,7 +162,7 @@ def same_on_all_ranks(identities, data_dir, ranks, script):
     return False
 
 
-def log_train(log, mix, samples):
+def log_train(mix, samples):
     """For a mixture, each source's share of the samples (not of the tokens on disk); for a
     mixture or in 'documents' mode, how many epochs of each source max_iters reads (of its
     document starts, in that mode). mix is ready to sample (data.with_windows)."""
@@ -172,6 +176,6 @@ def log_train(log, mix, samples):
             per_epoch = int(data.blocks_per_epoch(np.diff(token_split.starts), w.block_size).sum())
             what = "blocks"
         share = f"{weight:.2%} of the samples, " if len(mix.splits) > 1 else ""
-        log(f"data: {name or 'train'} ({os.path.dirname(token_split.paths[0])}): {share}"
-            f"{samples * weight / per_epoch:,.2f} epochs of its {per_epoch:,} {what} by "
-            f"max_iters")
+        log.info(f"data: {name or 'train'} ({os.path.dirname(token_split.paths[0])}): {share}"
+                 f"{samples * weight / per_epoch:,.2f} epochs of its {per_epoch:,} {what} by "
+                 f"max_iters")

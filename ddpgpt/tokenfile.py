@@ -44,6 +44,7 @@ import gc
 import glob
 import hashlib
 import json
+import logging
 import os
 import pickle
 import re
@@ -53,6 +54,8 @@ import numpy as np
 
 from ddpgpt import fileio
 from ddpgpt.errors import UserError
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 META_NAME = "meta.json"
@@ -290,7 +293,7 @@ def llmc_datasets(paths, split):
     return sorted({os.path.basename(p).rsplit(f"_{split}_", 1)[0] for p in paths})
 
 
-def check_llmc_shards(data_dir, split, paths, log):
+def check_llmc_shards(data_dir, split, paths):
     """llm.c shards of one dataset only (two would be read as one split, in name order), and
     a notice where their numbering has gaps (a download that left some out?)."""
     names = sorted({n for s in SPLITS for n in llmc_datasets(llmc_shards(data_dir, s), s)})
@@ -306,8 +309,9 @@ def check_llmc_shards(data_dir, split, paths, log):
     if missing:
         shown = ", ".join(f"{i:06d}" for i in missing[:5]) + (", ..." if len(missing) > 5
                                                               else "")
-        log(f"data: note: the llm.c {split} shards in {data_dir} skip {len(missing)} number(s) "
-            f"({shown}): read as they are, in name order. A download that left some out?")
+        log.info(f"data: note: the llm.c {split} shards in {data_dir} skip {len(missing)} "
+                 f"number(s) ({shown}): read as they are, in name order. A download that left "
+                 f"some out?")
 
 
 def check_llmc_header(path, n_tokens):
@@ -358,7 +362,7 @@ def file_tokens(paths, dtype, header_bytes, listed, hint):
     return counts
 
 
-def open_split(data_dir, split, block_size, vocab_size=None, log=print):
+def open_split(data_dir, split, block_size, vocab_size=None):
     """Check one split on disk (against meta.json where there is one) and return its
     TokenSplit, without its document index (sources.open_split adds it). The checks cost the
     same for any file size: sizes, headers, and a fingerprint of 64 chunks."""
@@ -366,20 +370,20 @@ def open_split(data_dir, split, block_size, vocab_size=None, log=print):
     hint = PREPARE_HINT.format(data_dir)
     paths, header, listed = split_files(data_dir, split, meta)
     if meta is None:
-        log(f"data: {data_dir} has no {META_NAME}; reading {split}.bin as raw uint16 tokens "
-            "(nanoGPT's format)")
+        log.info(f"data: {data_dir} has no {META_NAME}; reading {split}.bin as raw uint16 tokens "
+                 "(nanoGPT's format)")
     elif meta.get("tokenizer") == "char":
-        log(f"data: {data_dir} has nanoGPT's {NANOGPT_META}: {meta['vocab_size']} characters; "
-            f"reading {split}.bin as uint16")
+        log.info(f"data: {data_dir} has nanoGPT's {NANOGPT_META}: {meta['vocab_size']} characters; "
+                 f"reading {split}.bin as uint16")
     elif meta.get("format") == "llmc" and listed is None:
-        check_llmc_shards(data_dir, split, paths, log)
+        check_llmc_shards(data_dir, split, paths)
     dtype = np.dtype(meta["dtype"] if meta else np.uint16)
     counts = file_tokens(paths, dtype, header, listed, hint)
     fingerprint = sampled_fingerprint(paths, header, (counts * dtype.itemsize).tolist())
     token_split = TokenSplit(tuple(paths), dtype, header, np.concatenate([[0], np.cumsum(counts)]),
                              fingerprint)
     if len(paths) > 1:
-        log(f"data: {split}: {describe(token_split)}, {token_split.n_tokens:,} tokens")
+        log.info(f"data: {split}: {describe(token_split)}, {token_split.n_tokens:,} tokens")
     expected = (meta or {}).get("splits", {}).get(split, {}).get("fingerprint")
     if expected is not None and expected != fingerprint:
         raise UserError(

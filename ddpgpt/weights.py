@@ -14,6 +14,7 @@ check_resume(); sample.py and eval.py load through load(); export.py, which expo
 checkpoints only, through checkpoint_at() and tokenizer.py's data_meta() and tokenizer_of().
 """
 import dataclasses
+import logging
 import os
 import shlex
 from typing import NamedTuple, Optional
@@ -24,6 +25,8 @@ from ddpgpt.model import GPTConfig
 from ddpgpt.settings import INIT_FROM
 from ddpgpt.state import Saved
 from ddpgpt.tokenizer import GPT2_NAMES, Tokenizer, data_meta, get_tokenizer, tokenizer_of
+
+log = logging.getLogger(__name__)
 
 GPT2_VOCAB_SIZE = 50257  # GPT-2's tokenizer: 256 bytes, 50,000 merges and end-of-text
 ARCHITECTURE = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "arch",
@@ -54,7 +57,7 @@ def model_args(cfg, meta):
     return args
 
 
-def for_training(cfg, given, meta, log, in_parts=False):
+def for_training(cfg, given, meta, in_parts=False):
     """The Start of a run with these settings (given: the keys the user set) on data described
     by meta. GPT-2's weights are a fresh start as auto sees it: in an out_dir with a checkpoint
     the run resumes, so that a restarted or requeued fine-tune goes on from its last checkpoint
@@ -62,7 +65,7 @@ def for_training(cfg, given, meta, log, in_parts=False):
     checkpoint folder in parts, once sharded (checkpoint.restore), and has no weights here."""
     args = model_args(cfg, meta)
     resume = None if cfg.init_from == "scratch" else \
-        newest_checkpoint(cfg, log, () if in_parts else checkpoint.TENSORS)
+        newest_checkpoint(cfg, () if in_parts else checkpoint.TENSORS)
     if resume is not None:
         if cfg.init_from not in INIT_FROM:
             check_fine_tune(cfg, resume)
@@ -71,7 +74,7 @@ def for_training(cfg, given, meta, log, in_parts=False):
         return Start(resume, args, checkpoint.model_state(resume))
     refuse_to_mix(cfg)
     if cfg.init_from not in INIT_FROM:
-        return Start(None, *pretrained(cfg, given, args, meta, log))
+        return Start(None, *pretrained(cfg, given, args, meta))
     return Start(None, args, None)
 
 
@@ -100,15 +103,15 @@ def architecture(args):
     return {k: every[k] for k in ARCHITECTURE}
 
 
-def newest_checkpoint(cfg, log, whole):
+def newest_checkpoint(cfg, whole):
     """out_dir's newest checkpoint that loads, or None; an error for init_from='resume'."""
-    state, path = checkpoint.load_latest(cfg.out_dir, log=log, whole=whole)
+    state, path = checkpoint.load_latest(cfg.out_dir, whole=whole)
     if state is None and cfg.init_from == "resume":
         raise UserError(f"init_from='resume' but {cfg.out_dir} holds no loadable checkpoint "
                         f"(ckpt_*.pt or ckpt_*/): train from scratch with "
                         f"--init_from=scratch, or use --init_from=auto.")
     if state is not None:
-        log(f"resuming from {path} (iter {state['iter_num']})")
+        log.info(f"resuming from {path} (iter {state['iter_num']})")
     return state
 
 
@@ -147,11 +150,11 @@ def take_architecture(cfg, given, args, weights_args, source):
     return {**args, **{k: v for k, v in weights_args.items() if k != "dropout"}}
 
 
-def pretrained(cfg, given, args, meta, log):
+def pretrained(cfg, given, args, meta):
     """(model_args, weights) of GPT-2's weights (hf.py). As in nanoGPT the architecture is
     theirs, but a smaller block_size crops the position table (the first positions are the
     same)."""
-    weights, weights_args = hf.load(cfg.init_from, log=log)
+    weights, weights_args = hf.load(cfg.init_from)
     source, positions = f"the weights of {cfg.init_from}", weights_args["block_size"]
     check_pretrained_data(cfg, meta, weights_args, source)
     if "block_size" in given and cfg.block_size > positions:
@@ -183,7 +186,7 @@ def check_pretrained_data(cfg, meta, weights_args, source):
 
 # ---- a resume against this run's data ----
 
-def check_resume(cfg, resume, meta, identity, n_sources, log):
+def check_resume(cfg, resume, meta, identity, n_sources):
     """A resume reads the tokens it was trained on, from a whole global batch, in the data it
     was trained on (identity: sources.identity()), unless the user says a change is meant."""
     saved = Saved.of(resume)
@@ -195,9 +198,9 @@ def check_resume(cfg, resume, meta, identity, n_sources, log):
     check_same_optimizer(cfg, saved.config)
     old_mix = saved.config.get("data_mix", "")
     if old_mix != cfg.data_mix and (old_mix or n_sources > 1):
-        log(f"note: data_mix was {old_mix!r} and is now {cfg.data_mix!r}: the run goes on "
-            f"from the same global sample, but which source each sample comes from differs "
-            f"from here on from what the old mixture would have read.")
+        log.info(f"note: data_mix was {old_mix!r} and is now {cfg.data_mix!r}: the run goes on "
+                 f"from the same global sample, but which source each sample comes from differs "
+                 f"from here on from what the old mixture would have read.")
     samples = saved.samples(cfg.global_batch)
     if samples % cfg.global_batch:
         raise UserError(
@@ -206,7 +209,7 @@ def check_resume(cfg, resume, meta, identity, n_sources, log):
             f"global batch that divides it.")
     what = f"data_mix={cfg.data_mix!r}" if cfg.data_mix else f"data_dir={cfg.data_dir!r}"
     sources.check_same_data(what, saved.data_identity, identity,
-                            f"the checkpoint in {cfg.out_dir}", cfg.allow_data_change, log)
+                            f"the checkpoint in {cfg.out_dir}", cfg.allow_data_change)
     optim.check_extension(saved.config, cfg, saved.iter_num, cfg.out_dir)
 
 
@@ -236,7 +239,7 @@ class Loaded(NamedTuple):
     state: Optional[dict]  # the whole checkpoint, or None for GPT-2's weights
 
 
-def checkpoint_at(source, hint, log=print, whole=checkpoint.TENSORS):
+def checkpoint_at(source, hint, whole=checkpoint.TENSORS):
     """(state, path) of a checkpoint file or folder, or of the newest loadable one in an
     out_dir, its tensors of the parts in `whole` read whole; hint says what to give instead."""
     if os.path.isfile(source) or checkpoint.is_folder(source):
@@ -244,7 +247,7 @@ def checkpoint_at(source, hint, log=print, whole=checkpoint.TENSORS):
         if state is None:
             raise UserError(f"{source} {problem}: {hint}")
         return state, source
-    state, path = checkpoint.load_latest(source, log=log, whole=whole)
+    state, path = checkpoint.load_latest(source, whole=whole)
     if state is None:
         what = ("holds no loadable checkpoint (ckpt_*.pt, ckpt_*/ or nanoGPT's ckpt.pt)"
                 if os.path.isdir(source) else "does not exist")
@@ -252,17 +255,17 @@ def checkpoint_at(source, hint, log=print, whole=checkpoint.TENSORS):
     return state, path
 
 
-def load(init_from, out_dir, hint, log=print):
+def load(init_from, out_dir, hint):
     """Loaded for init_from='resume' (out_dir: a run's folder or one checkpoint file), else
     for GPT-2's weights by name or folder, which read GPT-2's tokens."""
     if init_from == "resume":
-        state, path = checkpoint_at(out_dir, hint, log, whole=("model",))
+        state, path = checkpoint_at(out_dir, hint, whole=("model",))
         meta, where = data_meta(state)
         tok = tokenizer_of(meta, state["model_args"]["vocab_size"])
         return Loaded(state["model_args"], checkpoint.model_state(state), tok,
                       f"{path} (iter {state['iter_num']}), tokenizer {tok.name!r} from {where}",
                       state)
-    weights, args = hf.load(init_from, log=log)
+    weights, args = hf.load(init_from)
     gpt2 = get_tokenizer("gpt2")
     if args["vocab_size"] < gpt2.vocab_size:
         raise UserError(

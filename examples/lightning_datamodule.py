@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 # run as a script, this file's folder is on sys.path, not the checkout that holds ddpgpt/
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ddpgpt import configurator, data, errors, metrics, optim, sources, tokenfile
+from ddpgpt import configurator, data, errors, logs, metrics, optim, sources, tokenfile
 from ddpgpt.configurator import key
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
@@ -108,6 +108,8 @@ class BlockDataModule(L.LightningDataModule):
         self.train_file = self.train_mix = self.train_identity = None
 
     def setup(self, stage):
+        # ddpgpt's lines (the data's, a note on the data) on rank 0 alone, as train.py prints them
+        logs.setup(self.trainer.is_global_zero)
         self.train_file = sources.open_split(self.data_dir, "train", self.block_size,
                                              mode=self.mode)
         # what the fingerprints need, made once: the tables that samples_fingerprint reads
@@ -153,7 +155,7 @@ class BlockDataModule(L.LightningDataModule):
                 f"(batch_size x gradient_accumulation_steps) that divides it.")
         sources.check_same_data(f"data_dir={self.data_dir!r}", self.identity_at_start,
                                 self.train_identity, f"the checkpoint {trainer.ckpt_path}",
-                                self.allow_data_change, print)
+                                self.allow_data_change)
         done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         if done % trainer.accumulate_grad_batches:
             raise UserError(

@@ -14,6 +14,7 @@
 import glob
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -30,6 +31,19 @@ from ddpgpt.tokenizer import install_tiktoken_file
 # GPT-2's vocabulary in tiktoken's file (OpenAI's, MIT licence), shipped so that the tests need
 # no network and nothing beside the checkout; its sha256 is the one tiktoken checks for r50k_base
 VOCAB = os.path.join(ROOT, "tests", "fixtures", "r50k_base.tiktoken")
+
+
+@pytest.fixture(autouse=True)
+def unconfigured_logging():
+    """Each test starts with the 'ddpgpt' logger as in a process that never called logs.setup()
+    (its lines reach the root logger, and caplog): a test that set it up in this process (the
+    Lightning example's DataModule) leaves no handler on a stream pytest has replaced."""
+    yield
+    logger = logging.getLogger("ddpgpt")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    logger.setLevel(logging.NOTSET)
+    logger.propagate = True
 VOCAB_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 # what prepare.py writes by default
 OUTPUTS = ("train.bin", "val.bin", tokenfile.META_NAME, "train.docidx", "val.docidx")

@@ -1,6 +1,7 @@
 """What a run says about itself: the gradient norm, skipped spikes, each rank's telemetry and
 the slowest rank, the WSD schedule, and a resumed run's wandb curve."""
 import glob
+import logging
 import math
 import os
 from collections import deque
@@ -110,23 +111,26 @@ def telemetry_row(i, ms):
     return {"iter": i, "rank_ms": ms, "rank_data_wait_ms": [0.0] * len(ms)}
 
 
-def straggler_lines(rows):
-    lines, slowest = [], deque(maxlen=run_metrics.STRAGGLER_STEPS)
-    for row in rows:
-        run_metrics.log_straggler(lines.append, row, slowest)
-    return lines
+def straggler_lines(rows, caplog):
+    caplog.clear()
+    slowest = deque(maxlen=run_metrics.STRAGGLER_STEPS)
+    with caplog.at_level(logging.INFO, logger="ddpgpt"):
+        for row in rows:
+            run_metrics.log_straggler(row, slowest)
+    return caplog.messages
 
 
-def test_a_slowest_rank_that_flips_or_is_barely_slower_is_not_named():
+def test_a_slowest_rank_that_flips_or_is_barely_slower_is_not_named(caplog):
     # a busy machine: the slowest rank changes from step to step, however slow
-    assert straggler_lines(telemetry_row(i, [100, 300] if i % 3 else [300, 100])
-                           for i in range(30)) == []
+    assert straggler_lines((telemetry_row(i, [100, 300] if i % 3 else [300, 100])
+                            for i in range(30)), caplog) == []
     # always the same rank, but 10% slower: noise as well
-    assert straggler_lines(telemetry_row(i, [100, 110, 100, 101]) for i in range(30)) == []
+    assert straggler_lines((telemetry_row(i, [100, 110, 100, 101]) for i in range(30)),
+                           caplog) == []
 
 
-def test_a_rank_that_stays_slower_is_named_every_window_not_every_step():
-    lines = straggler_lines(telemetry_row(i, [100.0, 130.0, 90.0]) for i in range(12))
+def test_a_rank_that_stays_slower_is_named_every_window_not_every_step(caplog):
+    lines = straggler_lines((telemetry_row(i, [100.0, 130.0, 90.0]) for i in range(12)), caplog)
     assert len(lines) == 2 and lines[0].startswith(
         "iter 4: rank 1 is the slowest, at each of the last 5 log steps (iters 0 to 4): 130.0 "
         "ms alone in the step against a median of 95.0 ms for the other ranks, 1.37x (+35.0 ms "
@@ -136,7 +140,7 @@ def test_a_rank_that_stays_slower_is_named_every_window_not_every_step():
     # one step where another rank is the slowest starts the count again
     rows = [telemetry_row(i, [100.0, 150.0]) for i in range(8)]
     rows[3] = telemetry_row(3, [150.0, 100.0])
-    assert straggler_lines(rows) == []
+    assert straggler_lines(rows, caplog) == []
 
 
 def test_wsd_is_flat_then_decays_to_min_lr_over_the_cooldown():

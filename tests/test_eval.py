@@ -327,14 +327,14 @@ def test_fetched_once_into_the_cache_whole_or_not_at_all(swag_file, tmp_path, mo
     bad.write_text(json.dumps({**GOOD, "label": 9}) + "\n")
     monkeypatch.setattr(hellaswag, "URL", bad.as_uri())  # what urllib fetches, with no network
     with pytest.raises(UserError, match="the label 9 is not one of 0 to 3"):
-        hellaswag.locate("", log=print)
+        hellaswag.locate("")
     assert not [f for f in os.listdir(tmp_path / "cache") if f.endswith((".jsonl", ".tmp"))]
     monkeypatch.setattr(hellaswag, "URL", f"file://{swag_file}")
-    cached = hellaswag.locate("", log=print)
+    cached = hellaswag.locate("")
     assert cached == str(tmp_path / "cache" / "hellaswag_val.jsonl")
     assert open(cached, "rb").read() == open(swag_file, "rb").read()
     monkeypatch.setattr(hellaswag, "URL", "file:///no/such/file")  # the copy is read from now on
-    assert hellaswag.locate("", log=print) == cached
+    assert hellaswag.locate("") == cached
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ under fsdp), saves in the background that a kill or a full disk cannot turn into
 checkpoint that is not whole, export, eval and sample from a folder, and the bad combinations."""
 import glob
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -229,7 +230,7 @@ def test_a_full_disk_during_a_sharded_save_is_a_clear_error_and_keeps_the_one_be
     assert f'File "{ROOT}' not in p.stderr
     assert not [f for f in os.listdir(out) if f.endswith("tmp")]
     assert checkpoint.list_checkpoints(out) == [checkpoint.path_for(out, 3, folder=True)]
-    state, path = checkpoint.load_latest(out, log=print)
+    state, path = checkpoint.load_latest(out)
     assert path == checkpoint.path_for(out, 3, folder=True)
 
 
@@ -254,28 +255,28 @@ def test_export_eval_and_sample_read_a_checkpoint_folder(runs, corpus, tmp_path,
     assert relative_difference(runs["fsdp"], out) <= RTOL
 
 
-def test_a_damaged_or_dangerous_checkpoint_folder_is_passed_over(runs, tmp_path):
+def test_a_damaged_or_dangerous_checkpoint_folder_is_passed_over(runs, tmp_path, caplog):
     out = str(tmp_path / "out")
     shutil.copytree(runs["fsdp"], out)
     newest, older = checkpoint.list_checkpoints(out)[:2]
     part = os.path.join(newest, "__1_0.distcp")
     os.truncate(part, os.path.getsize(part) // 2)
-    messages = []
-    state, path = checkpoint.load_latest(out, log=messages.append)
+    caplog.set_level(logging.INFO, logger="ddpgpt")
+    state, path = checkpoint.load_latest(out)
     assert path == older and state["iter_num"] == 10
-    assert f"{newest} is incomplete: its file __1_0.distcp is" in messages[0]
+    assert f"{newest} is incomplete: its file __1_0.distcp is" in caplog.messages[0]
     # an index that would run code when unpickled: refused, and nothing runs
     marker = tmp_path / "code_ran"
     with open(os.path.join(newest, ".metadata"), "wb") as f:
         pickle.dump(RunsCode(marker), f)
-    messages.clear()
-    assert checkpoint.load_latest(out, log=messages.append)[1] == older
+    caplog.clear()
+    assert checkpoint.load_latest(out)[1] == older
     assert f"{newest} was refused: loading it would execute code (its index .metadata calls " \
-           f"posix.system" in messages[0] and not marker.exists()
+           f"posix.system" in caplog.messages[0] and not marker.exists()
     os.remove(os.path.join(older, "values.pt"))
-    messages.clear()
-    assert checkpoint.load_latest(out, log=messages.append) == (None, None)
-    assert f"{older} has no loadable values.pt" in messages[1]
+    caplog.clear()
+    assert checkpoint.load_latest(out) == (None, None)
+    assert f"{older} has no loadable values.pt" in caplog.messages[1]
 
 
 class RunsCode:

@@ -102,7 +102,7 @@ def test_a_folder_loads_with_transformers_logits(hf_folder, gpt2_data, tmp_path)
     cfg, given = configurator.parse_given(TrainConfig, [
         f"--init_from={hf_folder}", f"--data_dir={gpt2_data}", f"--out_dir={tmp_path}", *RUN],
         "train.py")
-    start = for_training(cfg, given, tokenfile.read_meta(gpt2_data), log=print)
+    start = for_training(cfg, given, tokenfile.read_meta(gpt2_data))
     args = start.args
     assert (args["n_layer"], args["n_embd"], args["block_size"], args["bias"]) == (2, 32, 32, True)
     model = ours(args, start.weights)

@@ -2,6 +2,7 @@
 corrupt checkpoint writes, a full disk, a failing rank, NaN losses."""
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -142,7 +143,7 @@ def test_a_writer_killed_mid_checkpoint_leaves_the_previous_one_loadable(tmp_pat
     writer.send_signal(signal.SIGKILL)
     writer.wait()
     assert not os.path.exists(checkpoint.path_for(out, 2))
-    state, path = checkpoint.load_latest(out, log=lambda *a: None)
+    state, path = checkpoint.load_latest(out)
     assert path == checkpoint.path_for(out, 1) and sha(path) == before
     save_big_checkpoint(out, 3)  # the next save clears what the killed writer left
     assert sorted(os.listdir(out)) == ["ckpt_0000001.pt", "ckpt_0000003.pt"]
@@ -171,17 +172,17 @@ class RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
+def test_a_checkpoint_that_would_run_code_is_refused(tmp_path, caplog):
     out, marker = str(tmp_path / "out"), tmp_path / "code_ran"
     os.makedirs(out)
     checkpoint.save(out, {"model": {}, "model_args": {}, "iter_num": 1}, keep=3)
     torch.save({"model": {}, "model_args": {}, "iter_num": 2, "x": RunsCode(marker)},
                checkpoint.path_for(out, 2))
-    messages = []
-    state, path = checkpoint.load_latest(out, log=messages.append)
+    caplog.set_level(logging.INFO, logger="ddpgpt")
+    state, path = checkpoint.load_latest(out)
     assert path == checkpoint.path_for(out, 1) and state["iter_num"] == 1
-    assert "ckpt_0000002.pt was refused: loading it would execute code" in messages[0]
-    assert "posix.system" in messages[0]
+    assert "ckpt_0000002.pt was refused: loading it would execute code" in caplog.messages[0]
+    assert "posix.system" in caplog.messages[0]
     assert not marker.exists()
 
 
@@ -209,7 +210,7 @@ def test_a_full_disk_during_a_save_is_a_clear_error_and_keeps_the_previous_check
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
     saved = checkpoint.list_checkpoints(out)
     assert saved, "the first checkpoints fit and must still be there"
-    state, path = checkpoint.load_latest(out, log=print)
+    state, path = checkpoint.load_latest(out)
     assert path == saved[0]
 
 
