@@ -45,16 +45,14 @@ def main(argv):
     except UserError as e:
         error = str(e)
     if not runtime.agree(error, ranks, "eval.py"):
-        runtime.finish(ranks.world_size)  # every rank is here: the group ends in step
-        return 1
+        return runtime.finish(ranks.world_size, 1)  # every rank is here
     with peers.watched(ranks, lambda: ("", "Nothing is lost: run it again.")):
         results = evaluate(model.to(device), ev, ranks, runtime.precision(cfg.dtype, device),
                            device)
     if ranks.master:
         print(summary(cfg, results, loaded.source, where, ev.hellaswag))
         print(json.dumps({**results, "model": loaded.source}))
-    runtime.finish(ranks.world_size)
-    return 0
+    return runtime.finish(ranks.world_size)
 
 
 def start_up(cfg, given):

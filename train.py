@@ -102,16 +102,14 @@ def main(argv):
             error, identity = None, found.identity
         except UserError as e:
             error, identity = str(e), None
-        if not runtime.agree(error, ranks, "train.py") or not sources.same_on_all_ranks(
-                runtime.gather(identity, ranks.world_size), cfg.data_dir, ranks, "train.py"):
-            runtime.finish(ranks.world_size)  # every rank is here: the group ends in step
-            return 1
-        log.info(f"configuration:\n{configurator.describe(cfg)}")
-        run = make_run(cfg, ranks, device, found)
-        found = None  # free the checkpoint's tensors
-        train(run, stop_signals)
-    runtime.finish(ranks.world_size)
-    return 0
+        agreed = runtime.agree(error, ranks, "train.py") and sources.same_on_all_ranks(
+            runtime.gather(identity, ranks.world_size), cfg.data_dir, ranks, "train.py")
+        if agreed:
+            log.info(f"configuration:\n{configurator.describe(cfg)}")
+            run = make_run(cfg, ranks, device, found)
+            found = None  # free the checkpoint's tensors
+            train(run, stop_signals)
+    return runtime.finish(ranks.world_size, 0 if agreed else 1)  # out_dir's lock released
 
 
 def standing(cfg, run):

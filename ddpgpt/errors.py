@@ -5,9 +5,11 @@ paragraph after the script's name and exits 1. Anything else is a bug in ddpgpt 
 traceback. (A stop signal that ends train.py before its first step is one line too.)
 """
 import os
+import signal
 import sys
+import time
 
-from ddpgpt.signals import Interrupted, say_once
+from ddpgpt.signals import EXIT_AT_ONCE as STOP_SIGNALS, Interrupted, say_once
 
 
 class UserError(Exception):
@@ -20,26 +22,24 @@ class SettingsError(UserError):
     the same arguments and files and meets it alike, so rank 0 alone says it."""
 
 
-class PeerLost(UserError):
-    """Another rank of the run is gone (peers.watched): the process exits as soon as it
-    has said so (exit_now)."""
-
-
 def run(main, script, argv):
     """main(argv)'s exit status; a UserError is printed as one paragraph, with the rank under a
-    launcher, and is status 1. It is printed before any teardown of a process group: since
-    PyTorch 2.6 destroying one waits for collectives that the other ranks may never join, so
-    this rank exits without it, and torchrun (or srun --kill-on-bad-exit) ends the others."""
+    launcher, and is status 1. Under a launcher that rank then exits at once, without any
+    teardown of a process group: since PyTorch 2.6 destroying one waits for collectives that
+    the other ranks may never join, and the interpreter's own exit can abort in gloo's threads
+    (runtime.finish); torchrun (or srun --kill-on-bad-exit) ends the others."""
     try:
         return main(argv)
     except SettingsError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"{script}: error: {e}", file=sys.stderr)
+        else:
+            wait_for_the_launcher()
         return 1
     except UserError as e:
         where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
         print(f"{script}: error{where}: {e}", file=sys.stderr)
-        if isinstance(e, PeerLost):
+        if where:
             exit_now(1)
         return 1
     except Interrupted as e:
@@ -47,6 +47,15 @@ def run(main, script, argv):
             raise
         say_once(e.line)
         exit_now(128 + e.signum)
+
+
+def wait_for_the_launcher(cap_s=60):
+    """Rank 0 meets the same SettingsError and says it: this rank waits, silent, for the
+    launcher to end it once rank 0 has exited. Were it to exit first, torchrun could end rank
+    0 before its line is out."""
+    for stop in STOP_SIGNALS:
+        signal.signal(stop, signal.SIG_DFL)  # ended without a word
+    time.sleep(cap_s)
 
 
 def exit_now(status):

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch.distributed as dist
 
 from ddpgpt import watchdog
-from ddpgpt.errors import PeerLost
+from ddpgpt.errors import UserError
 
 
 # ---- a store for each restart ----
@@ -193,7 +193,7 @@ def lost_first(lost, rank):
 
 @contextlib.contextmanager
 def watched(ranks, standing):
-    """A collective that fails because another rank is gone becomes a PeerLost: which rank
+    """A collective that fails because another rank is gone becomes a UserError: which rank
     was lost first (lost_first), in which of our functions, and standing(): (where the run
     is, e.g. 'at iter 57', and how to go on). The lowest rank that survives says all of it;
     the others say in one line that they lost it too, so that a log of many ranks holds one
@@ -210,7 +210,7 @@ def watched(ranks, standing):
         where = " ".join(filter(None, (watchdog.where_raised(e.__traceback__, ranks.world_size),
                                        at)))
         if not (ranks.rank == 0 or (ranks.rank == 1 and first == 0)):
-            raise PeerLost(f"lost {who} too, in {where} ({lost.said}); the lowest rank that "
+            raise UserError(f"lost {who} too, in {where} ({lost.said}); the lowest rank that "
                            f"survives says what to do.") from None
         if first != lost.rank:
             who += f", which rank {lost.rank} had lost before it left,"
@@ -219,5 +219,5 @@ def watched(ranks, standing):
                if lost.gone else
                "did not answer within dist_timeout_s: it is stuck or stopped, or its node went "
                "away without closing its connections")
-        raise PeerLost(f"lost {who} in {where}: that rank {how}. The backend said: "
+        raise UserError(f"lost {who} in {where}: that rank {how}. The backend said: "
                        f"{lost.said}. {advice}") from None

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ddpgpt import peers
-from ddpgpt.errors import UserError
+from ddpgpt.errors import UserError, exit_now
 
 
 class Ranks(NamedTuple):
@@ -185,12 +185,18 @@ def check_backend(backend, device):
     return backend
 
 
-def finish(world_size):
-    """Leave the process group on the way out of a run that succeeded, or whose ranks all
-    agreed to stop (agree). (A rank that fails alone exits without it: since PyTorch 2.6 destroying a group waits for collectives that the other
-    ranks may never join; errors.run says so.)"""
-    if world_size > 1:
-        dist.destroy_process_group()
+def finish(world_size, status=0):
+    """status, for a process alone. A rank of several that every rank reached together (the
+    run succeeded, or all agreed to stop) leaves the process group and exits with status at
+    once: the group's last owner is then the model (DDP's reducer, FSDP), whose teardown as the
+    script returns joins gloo's threads while holding the GIL, and a gloo thread that is still
+    dropping a collective's tensor waits for that GIL: the rank hangs for ever (1 in 6 runs on
+    4 ranks here). Everything a script writes is closed or flushed by then. (A rank that fails
+    alone never comes here: errors.run ends it at once too.)"""
+    if world_size == 1:
+        return status
+    dist.destroy_process_group()
+    exit_now(status)
 
 
 def agree(error, ranks, script):
