@@ -99,16 +99,30 @@ def val_split(cfg, trained, loaded):
         return {}, None
     where = f"data_mix={mix!r}" if mix else folder
     try:
-        if mix:
-            found = sources.parse_mix(mix)
-            return sources.open_splits(found, cfg.block_size, vocab_size, ("val",)), \
-                f"{where}, the checkpoint's"
-        return {"val": sources.open_for_model(folder, "val", tok, cfg.block_size,
-                                              vocab_size)}, f"{where}, the checkpoint's data_dir"
+        val = sources.open_splits(sources.parse_mix(mix), cfg.block_size, vocab_size,
+                                  ("val",)) if mix else \
+            {"val": sources.open_for_model(folder, "val", tok, cfg.block_size, vocab_size)}
     except UserError as e:
         raise UserError(f"the checkpoint trained on {where}, which cannot be read here: {e} "
                         f"Give --data_dir=<the same data's folder here>, or --val_loss=False "
                         f"for HellaSwag alone.") from e
+    check_same_val(val, loaded, where)
+    return val, f"{where}, the checkpoint's{'' if mix else ' data_dir'}"
+
+
+def check_same_val(val, loaded, where):
+    """The checkpoint's own data, prepared again since (other documents in val, perhaps ones
+    it trained on), would give a val loss that is not the one train.py logged: refused, as
+    train.py refuses to resume on other data."""
+    before = (Saved.of(loaded.state).data_identity or {}).get("val")
+    now = sources.identity(val)["val"]
+    if before is not None and before != now:
+        raise UserError(
+            f"{where} is not the data the checkpoint was trained on: its val split is {now} "
+            f"(tokens and fingerprint per source), the checkpoint's was {before}, so it was "
+            f"prepared again since and this val loss would not be the run's. Point it at the "
+            f"data the run trained on, or give --data_dir=<a folder> to evaluate on that "
+            f"folder as it is now.")
 
 
 def make_evaluation(cfg, given, val, loaded):

@@ -136,7 +136,7 @@ def write_file(dest, state):
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", metavar="OUT_DIR",
                         help="a run's out_dir (its newest checkpoint), or a checkpoint file or "

@@ -54,7 +54,7 @@ def draw(runs, smooth, title):
     panels = {"loss": axes[0, 0], "val_loss": axes[0, 1], "lr": axes[1, 0],
               "tok_per_s": axes[1, 1]}
     for n, (label, (series, resumed)) in enumerate(runs.items()):
-        color = f"C{n % 10}"
+        color, marker = f"C{n % 10}", "os^Dv<>p"[n % 8]  # a marker each: runs that overlap
         for key in ("loss", "tok_per_s"):
             x, y = series[key]
             if not x:
@@ -66,24 +66,46 @@ def draw(runs, smooth, title):
         x, y = series["train_loss"]
         panels["loss"].plot(x, y, color=color, linestyle="--", marker=".", linewidth=1)
         x, y = series["val_loss"]
-        panels["val_loss"].plot(x, y, color=color, marker="o", markersize=3, label=label)
+        panels["val_loss"].plot(x, y, color=color, marker=marker, markersize=3, alpha=0.85)
         panels["lr"].plot(*series["lr"], color=color, label=label)
         for ax in panels.values():
             for i in resumed:
                 ax.axvline(i, color=color, linestyle=":", linewidth=1)
     titles = {"loss": "loss (each step; dashed: train loss at evaluations)",
-              "val_loss": "val loss", "lr": "learning rate", "tok_per_s": "tokens / s"}
+              "val_loss": "val loss" + zoom_past_first(panels["val_loss"], [
+                  s["val_loss"][1] for s, _ in runs.values()]),
+              "lr": "learning rate", "tok_per_s": "tokens / s"}
     for key, ax in panels.items():
         ax.set_title(titles[key], fontsize=10)
         ax.grid(alpha=0.3)
     for ax in axes[1]:
         ax.set_xlabel("iter")
-    panels["loss"].legend(fontsize=8)
     panels["lr"].ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    # the runs' names under the panels, where no curve runs
+    fig.legend(*panels["loss"].get_legend_handles_labels(), loc="lower center",
+               ncol=min(len(runs), 5), fontsize=8, frameon=False)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     return fig
+
+
+def zoom_past_first(ax, val_losses):
+    """Scale the val loss panel to the evaluations after each run's first: the first one, of
+    the untrained model, lies far above the rest and would flatten them. What the title adds,
+    where the first ones are off the panel."""
+    later = [v for values in val_losses for v in values[1:]]
+    if not later:
+        return ""
+    low, high = min(later), max(later)
+    span = high - low or abs(high) * 0.1 or 1.0
+    top = high + 0.15 * span
+    ax.set_ylim(low - 0.1 * span, top)
+    off = [values[0] for values in val_losses if values and values[0] > top]
+    if not off:
+        return ""
+    return f" (the first evaluation, {off[0]:.4f}, is off the top)" if len(off) == 1 and \
+        len(val_losses) == 1 else " (the first evaluations are off the top)"
 
 
 def main(argv):

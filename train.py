@@ -85,6 +85,7 @@ def main(argv):
     stop_signals = signals.catch_stop_signals()
     cfg, given = configurator.parse_given(TrainConfig, argv, "train.py")
     ranks = runtime.ranks()
+    signals.stop_when_the_launcher_dies()  # once ranks() has set RANK under srun too
     watchdog.start(cfg.out_dir, ranks.rank, ranks.world_size, cfg.hang_timeout_s,
                    cfg.startup_timeout_s)
     logs.setup(ranks.master)
@@ -123,9 +124,14 @@ def standing(cfg, run):
         f"{cfg.out_dir} holds no checkpoint yet, so the run starts over"
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(
         os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if cfg.init_from == "scratch":
-        how = ("run the same command with --init_from=auto (init_from=scratch would start "
-               "over, in torchrun's restarts too)")
+    if cfg.init_from == "scratch" and not newest:
+        how = ("run the same command again, or let torchrun do so (--max-restarts=N); "
+               "--init_from=auto would resume from the checkpoints it saves from then on")
+    elif cfg.init_from == "scratch":
+        refused = (f"torchrun's restart ({restarts} left of --max-restarts) will be refused, "
+                   f"as init_from='scratch' is in an out_dir that holds checkpoints; "
+                   if restarts > 0 else "")
+        how = f"{refused}run the same command with --init_from=auto, which resumes from it"
     elif restarts > 0:
         how = (f"torchrun restarts the run by itself ({restarts} restart(s) left of "
                f"--max-restarts) and init_from={cfg.init_from!r} resumes from it")

@@ -91,7 +91,7 @@ def save(out_dir, state, keep):
             os.remove(tmp)
         raise not_written(path, out_dir, why) from e
     replaced(path)
-    prune(out_dir, keep)
+    prune(out_dir, keep, state["iter_num"])
     return path
 
 
@@ -121,7 +121,7 @@ def save_folder(out_dir, state, aliases, keep, group, master):
         raise not_written(path, out_dir, why) from None
     if master:
         replaced(path)
-        prune(out_dir, keep)
+        prune(out_dir, keep, state["iter_num"])
     return path
 
 
@@ -160,10 +160,15 @@ def replaced(path):
         os.remove(other)
 
 
-def prune(out_dir, keep):
-    for old in list_checkpoints(out_dir)[keep:]:
-        if _NAME.search(old):
-            shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+def prune(out_dir, keep, iter_num):
+    """Keep the newest `keep` checkpoints of the run as far as iter_num, the one just saved
+    among them. Those of later iters are left alone and count for nothing: they are what a
+    resume passed over (damaged, or not loadable here), so keeping them by number would delete
+    the good ones and leave nothing that loads."""
+    ours = [p for p in list_checkpoints(out_dir)
+            if (m := _NAME.search(p)) and int(m.group(1)) <= iter_num]
+    for old in ours[keep:]:
+        shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
 
 
 def remove_temporaries(out_dir):

@@ -29,11 +29,11 @@ import torch
 
 from ddpgpt.errors import UserError
 from ddpgpt.model import RMS_EPS, swiglu_hidden
+from ddpgpt.settings import FOLDER_HINT, NAMES
 from ddpgpt.tokenizer import GPT2_NAMES
 
 log = logging.getLogger(__name__)
 
-NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # nanoGPT's names for OpenAI's weights
 # (n_layer, n_head, n_embd, vocab_size) of each: nanoGPT's table, and GPT2Config's defaults
 SHAPES = {"gpt2": (12, 12, 768, 50257), "gpt2-medium": (24, 16, 1024, 50257),
           "gpt2-large": (36, 20, 1280, 50257), "gpt2-xl": (48, 25, 1600, 50257)}
@@ -43,10 +43,6 @@ TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "ml
 NO_BIAS = ("wte.weight", "wpe.weight", "lm_head.weight")  # every other weight has a bias in HF
 TO_APPROXIMATE = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 TO_ACTIVATION = {"none": "gelu", "tanh": "gelu_new"}
-FOLDER_HINT = ("a Hugging Face GPT-2 folder holds config.json and model.safetensors, as "
-               "save_pretrained or `hf download openai-community/gpt2 config.json "
-               "model.safetensors --local-dir ./gpt2` writes them (or a Qwen3 folder that "
-               "export.py wrote from an arch='modern' checkpoint)")
 MODEL_TYPES = ("gpt2", "qwen3")  # config.json's model_type: GPT-2, or the modern block
 # the modern block's names -> Qwen3ForCausalLM's, in each block (h.N <-> model.layers.N) and
 # outside them
@@ -72,15 +68,6 @@ def _transformers():
         raise UserError(f"GPT-2 weights need the transformers package ({e}): "
                         f"pip install -r requirements.txt") from e
     return transformers
-
-
-def check_init_from(init_from, keywords):
-    """A UserError unless init_from is one of keywords, a name in NAMES or an existing folder."""
-    if init_from in keywords or init_from in NAMES or os.path.isdir(init_from):
-        return
-    raise UserError(
-        f"init_from={init_from!r} is none of {', '.join(keywords)}, GPT-2's weights by name "
-        f"({', '.join(NAMES)}) or an existing folder; {FOLDER_HINT}.")
 
 
 # ---- the mapping ----
@@ -357,6 +344,19 @@ def save_byte_tokenizer(folder, tok, max_length):
     backend.add_special_tokens([AddedToken(EOT, special=True)])  # id 256, after the bytes
     assert backend.token_to_id(EOT) == tok.eot
     _save_backend(backend, folder, max_length, eos=EOT)
+
+
+def folder_tokenizer(folder):
+    """The tokenizer.py name of a folder's tokenizer.json where it is one that save_tokenizer
+    writes and GPT-2's ids would misread: 'byte' (export.py's of a byte-level model); None for
+    anything else, whose weights read GPT-2's tokens."""
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    from tokenizers import Tokenizer
+    vocab = Tokenizer.from_file(path).get_vocab(with_added_tokens=True)
+    byte = {char: b for b, char in byte_level_alphabet().items()}
+    return "byte" if vocab == {**byte, EOT: len(byte)} else None
 
 
 def save_char_tokenizer(folder, tok, max_length):

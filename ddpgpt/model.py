@@ -12,14 +12,16 @@ one (wte, h.N.ln_1, attn.c_proj, mlp.c_fc, ln_f, lm_head); the rest are attn.c_q
 """
 import math
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
 from ddpgpt.errors import UserError
+from ddpgpt.settings import Arch
 
-ARCHES = ("gpt2", "modern")
+ARCHES = get_args(Arch)
 RMS_EPS = 1e-6  # RMSNorm's epsilon, Qwen3's
 
 

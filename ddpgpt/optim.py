@@ -62,9 +62,17 @@ def muon_parameters(model, patterns):
     model's order. Each pattern must match one at least (a typo would leave Muon out
     silently), and each must be a matrix: Muon orthogonalises 2-D updates only."""
     named = dict(model.named_parameters())  # a tied matrix once, by its first name
+    tied = tied_names(model)
     chosen = set()
     for pattern in filter(None, (p.strip() for p in patterns.split(","))):
         found = {name for name in named if fnmatch.fnmatchcase(name, pattern)}
+        alias = next((name for name in tied if fnmatch.fnmatchcase(name, pattern)), None)
+        if not found and alias is not None:
+            raise UserError(
+                f"muon_params={patterns!r}: {pattern!r} names {alias}, which is tied to "
+                f"{tied[alias]}: one matrix, which the model's parameters name once, as "
+                f"{tied[alias]}. The embedding and the output layer belong to AdamW in Muon's "
+                f"recipe: leave it out (the default 'transformer.h.*.c_*.weight' does).")
         if not found:
             raise UserError(
                 f"muon_params={patterns!r}: {pattern!r} matches no parameter of the model, "
@@ -84,6 +92,16 @@ def muon_parameters(model, patterns):
             f"orthogonalises 2-D updates only, and norms and biases belong to AdamW. Narrow "
             f"the patterns to the matrices, e.g. the default 'transformer.h.*.c_*.weight'.")
     return [p for name, p in named.items() if name in chosen]
+
+
+def tied_names(model):
+    """{a parameter's other name: the name model.named_parameters() gives it} for the
+    matrices that are tied (GPT-2's output layer to its token embedding)."""
+    first = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+    return {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
+            if first[id(p)] != name}
 
 
 class MuonAdamW:

@@ -14,8 +14,8 @@ from ddpgpt import configurator
 from ddpgpt.configurator import key
 from ddpgpt.errors import UserError
 
-# hf.py and optim.py import torch, 3 s of start-up that prepare.py and index_documents.py do
-# without: the checks that need them import them
+# optim.py imports torch, 3 s of start-up that prepare.py and index_documents.py do without:
+# the checks that need it import it
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Backend = Literal["", "nccl", "gloo"]
@@ -23,6 +23,11 @@ Sampling = Literal["epoch", "random", "documents"]
 Arch = Literal["gpt2", "modern"]
 Parallel = Literal["ddp", "fsdp"]
 INIT_FROM = ("scratch", "resume", "auto")  # train.py's; else GPT-2's weights
+NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # nanoGPT's names for OpenAI's weights
+FOLDER_HINT = ("a Hugging Face GPT-2 folder holds config.json and model.safetensors, as "
+               "save_pretrained or `hf download openai-community/gpt2 config.json "
+               "model.safetensors --local-dir ./gpt2` writes them (or a Qwen3 folder that "
+               "export.py wrote from an arch='modern' checkpoint)")
 YEAR_S = 365 * 24 * 3600  # a watchdog limit beyond it is an error, not an OverflowError; 0: off
 DEVICE_HELP = "auto: this rank's GPU when torch sees one, else cpu; cuda: cuda:<local rank>"
 DTYPE_HELP = "auto: bfloat16 on a GPU that has it natively, else float16; float32 on a CPU"
@@ -43,6 +48,15 @@ def check_only_for(cfg, name, key, wanted):
     if actual != wanted and value != default:
         raise UserError(f"{name}={value!r} is a setting of {key}={wanted!r}, and this run is "
                         f"{key}={actual!r}: add --{key}={wanted}, or leave {name} out.")
+
+
+def check_init_from(init_from, keywords):
+    """A UserError unless init_from is one of keywords, a name in NAMES or an existing folder."""
+    if init_from in keywords or init_from in NAMES or os.path.isdir(init_from):
+        return
+    raise UserError(
+        f"init_from={init_from!r} is none of {', '.join(keywords)}, GPT-2's weights by name "
+        f"({', '.join(NAMES)}) or an existing folder; {FOLDER_HINT}.")
 
 
 def check_bias(arch, bias):
@@ -163,9 +177,9 @@ class TrainConfig:
                                  "memory for their copy")
 
     def __post_init__(self):
-        from ddpgpt import hf, optim
+        from ddpgpt import optim
         configurator.check(self)
-        hf.check_init_from(self.init_from, INIT_FROM)
+        check_init_from(self.init_from, INIT_FROM)
         cooldown = optim.cooldown_start(self)
         if self.decay_lr and self.lr_schedule == "wsd" and self.max_iters and \
                 not self.eval_only and self.warmup_iters > cooldown:
@@ -180,11 +194,10 @@ class TrainConfig:
 
     def check_recipe(self):
         """The combinations of arch and optimizer that cannot work."""
-        from ddpgpt import hf
         check_bias(self.arch, self.bias)
-        if self.init_from == "scratch" or self.init_from in hf.NAMES:  # else the weights' arch
+        if self.init_from == "scratch" or self.init_from in NAMES:  # else the weights' arch
             check_only_for(self, "rope_theta", "arch", "modern")
-        if self.arch == "modern" and self.init_from in hf.NAMES:
+        if self.arch == "modern" and self.init_from in NAMES:
             raise UserError(f"arch='modern' with init_from={self.init_from!r}: OpenAI's GPT-2 "
                             f"weights are arch='gpt2'. Fine-tune them with arch='gpt2' (the "
                             f"default), or train the modern block from scratch.")
@@ -246,9 +259,8 @@ class SampleConfig:
     compile: bool = key(False, "torch.compile the model")
 
     def __post_init__(self):
-        from ddpgpt import hf
         configurator.check(self)
-        hf.check_init_from(self.init_from, ("resume",))
+        check_init_from(self.init_from, ("resume",))
 
 
 @dataclass
@@ -278,12 +290,11 @@ class EvalConfig:
     dist_timeout_s: int = key(600, "how long a collective may wait", at_least=1)
 
     def __post_init__(self):
-        from ddpgpt import hf
         configurator.check(self)
         if not (self.hellaswag or self.val_loss):
             raise UserError("hellaswag=False and val_loss=False leave nothing to evaluate: "
                             "keep one of them")
-        hf.check_init_from(self.init_from, ("resume",))
+        check_init_from(self.init_from, ("resume",))
 
 
 @dataclass

@@ -82,6 +82,30 @@ def exit_at_once(script):
     _before_steps = write_end
 
 
+LAUNCHER_POLL_S = 1.0
+
+
+def stop_when_the_launcher_dies(script="train.py"):
+    """Under torchrun (or srun, one task a rank), a launcher killed outright (kill -9) leaves
+    its ranks to init, training on with nobody to end them and holding out_dir's lock, so
+    that the same command is refused. A thread watches this process's parent and, once it is
+    gone, sends this process SIGTERM: the run stops as for a stop signal, at one step agreed
+    by every rank (each sees its own launcher go), and saves."""
+    if "RANK" not in os.environ:
+        return
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(LAUNCHER_POLL_S)
+        if os.environ["RANK"] == "0":
+            print(f"{script}: its launcher (pid {parent}) is gone: stopping as for SIGTERM",
+                  file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
 def steps_begin():
     """From the first step on, a stop signal is recorded, and the step it comes in is the
     last: the ranks agree on it and rank 0 saves."""

@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 from ddpgpt import checkpoint, hf, optim, sources
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPTConfig
-from ddpgpt.settings import INIT_FROM
+from ddpgpt.settings import INIT_FROM, NAMES
 from ddpgpt.state import Saved
 from ddpgpt.tokenizer import GPT2_NAMES, Tokenizer, data_meta, get_tokenizer, tokenizer_of
 
@@ -173,7 +173,7 @@ def check_pretrained_data(cfg, meta, weights_args, source):
     such weights with GPT-2's); a smaller folder's must at least have an embedding for every
     token id of the data."""
     tokens = (meta or {}).get("tokenizer")
-    gpt2_ids = cfg.init_from in hf.NAMES or weights_args["vocab_size"] >= GPT2_VOCAB_SIZE
+    gpt2_ids = cfg.init_from in NAMES or weights_args["vocab_size"] >= GPT2_VOCAB_SIZE
     if gpt2_ids and tokens not in (None, *GPT2_NAMES) or \
             meta is not None and meta["vocab_size"] > weights_args["vocab_size"]:
         ids = f"{weights_args['vocab_size']} token ids" + (", GPT-2's" if gpt2_ids else "")
@@ -201,6 +201,11 @@ def check_resume(cfg, resume, meta, identity, n_sources):
         log.info(f"note: data_mix was {old_mix!r} and is now {cfg.data_mix!r}: the run goes on "
                  f"from the same global sample, but which source each sample comes from differs "
                  f"from here on from what the old mixture would have read.")
+    old_sampling = saved.config.get("sampling", "epoch")  # before the key: epoch's windows
+    if old_sampling != cfg.sampling:
+        log.info(f"note: sampling was {old_sampling!r} and is now {cfg.sampling!r}: the run goes "
+                 f"on from the same global sample, but from here on its windows are drawn as "
+                 f"sampling={cfg.sampling!r} draws them, not in the order it was reading.")
     samples = saved.samples(cfg.global_batch)
     if samples % cfg.global_batch:
         raise UserError(
@@ -257,7 +262,8 @@ def checkpoint_at(source, hint, whole=checkpoint.TENSORS):
 
 def load(init_from, out_dir, hint):
     """Loaded for init_from='resume' (out_dir: a run's folder or one checkpoint file), else
-    for GPT-2's weights by name or folder, which read GPT-2's tokens."""
+    for GPT-2's weights by name or folder, which read GPT-2's tokens, or bytes where the
+    folder's tokenizer.json is the byte tokenizer's (export.py's of a byte-level model)."""
     if init_from == "resume":
         state, path = checkpoint_at(out_dir, hint, whole=("model",))
         meta, where = data_meta(state)
@@ -266,11 +272,12 @@ def load(init_from, out_dir, hint):
                       f"{path} (iter {state['iter_num']}), tokenizer {tok.name!r} from {where}",
                       state)
     weights, args = hf.load(init_from)
-    gpt2 = get_tokenizer("gpt2")
-    if args["vocab_size"] < gpt2.vocab_size:
+    named = os.path.isdir(init_from) and hf.folder_tokenizer(init_from)
+    tok = get_tokenizer(named or "gpt2")
+    if args["vocab_size"] < tok.vocab_size:
         raise UserError(
-            f"{init_from} has {args['vocab_size']} token ids, fewer than the {gpt2.vocab_size} "
+            f"{init_from} has {args['vocab_size']} token ids, fewer than the {tok.vocab_size} "
             f"of GPT-2's tokenizer, with which Hugging Face weights are read: use the "
             f"checkpoint they were exported from, with --out_dir.")
-    return Loaded(args, weights, gpt2, f"{init_from}, tokenizer 'gpt2' (Hugging Face weights)",
-                  None)
+    where = "its tokenizer.json" if named else "Hugging Face weights"
+    return Loaded(args, weights, tok, f"{init_from}, tokenizer {tok.name!r} ({where})", None)

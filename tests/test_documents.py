@@ -146,6 +146,20 @@ def test_mixtures_of_shards_and_llmc_shards_train_the_same_batches_on_any_world_
 
 
 @pytest.mark.slow
+def test_a_resume_in_another_sampling_mode_says_so(env, corpus, tmp_path):
+    """epoch -> documents on a resume: the run goes on from its sample count in another order,
+    and says so as a data_mix change does (was: without a word)."""
+    run = [f"--data_dir={corpus}", f"--out_dir={tmp_path / 'out'}", *TINY,
+           "--gradient_accumulation_steps=1", "--eval_interval=2"]
+    python("train.py", *run, "--max_iters=2", env=env)
+    p = python("train.py", *run, "--max_iters=3", "--init_from=resume", "--sampling=documents",
+               env=env)
+    assert "note: sampling was 'epoch' and is now 'documents': the run goes on from the same " \
+           "global sample, but from here on its windows are drawn as sampling='documents' draws " \
+           "them" in p.stdout
+
+
+@pytest.mark.slow
 def test_index_of_nanogpt_files_is_prepares_and_a_stale_one_is_refused(env, tmp_path):
     write_corpus(tmp_path / "docs.jsonl", 300, seed=2)
     ours = prepare(env, tmp_path / "docs.jsonl", tmp_path / "ours", tokenizer="byte")

@@ -205,6 +205,30 @@ def test_a_mixture_reports_bits_per_byte_per_source(corpus, tmp_path, env):
         assert result[key] == pytest.approx(row[key], rel=1e-9), key
 
 
+@pytest.mark.slow
+def test_eval_of_a_checkpoint_whose_data_was_prepared_again_is_refused(corpus, tmp_path, env):
+    """The checkpoint's data_dir made again from the same documents with another val split
+    (val documents the run trained on): refused, naming both; an explicit --data_dir still
+    evaluates on the folder as it is (was: evaluated without a word)."""
+    data_dir, out = tmp_path / "data", tmp_path / "out"
+    docs = os.path.join(os.path.dirname(corpus), "docs")
+    prepare = ["prepare.py", f"--dataset={docs}", "--tokenizer=byte", "--val_docs=1",
+               f"--out_dir={data_dir}", "--num_proc=1"]
+    python(*prepare, env=env)
+    python("train.py", f"--data_dir={data_dir}", f"--out_dir={out}", *TINY,
+           "--gradient_accumulation_steps=1", "--max_iters=2", "--eval_interval=2", env=env)
+    shutil.rmtree(data_dir)
+    python(*prepare, "--seed=7", env=env)
+    message = fails("eval.py", f"--out_dir={out}", "--hellaswag=False",
+                    env=env).stderr.strip().splitlines()[-1]
+    assert message.startswith(f"eval.py: error: {data_dir} is not the data the checkpoint was "
+                              f"trained on: its val split is "), message
+    assert "so it was prepared again since and this val loss would not be the run's" in message
+    p = python("eval.py", f"--out_dir={out}", f"--data_dir={data_dir}", "--hellaswag=False",
+               env=env)
+    assert "val_loss" in last_json(p.stdout)
+
+
 def test_without_the_data_tokenizer_bits_per_byte_are_left_out_and_hellaswag_refused(tmp_path,
                                                                                      env):
     folder, out = str(tmp_path / "data"), f"--out_dir={tmp_path / 'out'}"

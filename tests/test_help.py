@@ -65,7 +65,9 @@ def test_the_lightning_example_answers_help(env):
 @pytest.mark.parametrize("script, words", [
     ("export.py", ["usage: export.py [-h] OUT_DIR DEST", "a run's out_dir (its newest "
                    "checkpoint), or a checkpoint file or", "the folder to write, or a file "
-                   "ending in .pt; it must not exist"]),
+                   "ending in .pt; it must not exist",
+                   # what follows the description's colon (was: nothing)
+                   "  python export.py out/ckpt_0000040.pt gpt2-finetuned"]),
     ("compare_runs.py", ["usage: compare_runs.py [-h] [--losses] run_a run_b",
                          "a run's out_dir (its metrics.jsonl)", "also compare losses exactly"]),
     ("plot.py", ["usage: plot.py [-h]", "a run's out_dir (its metrics.jsonl); several for one "

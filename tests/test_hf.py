@@ -210,6 +210,11 @@ def test_a_byte_model_without_biases_exports_exactly(corpus, tmp_path, env):
         ids = rng.integers(0, 257, rng.integers(1, 40)).tolist()
         assert tok.decode(ids, skip_special_tokens=True) == byte.decode(ids), ids
     assert tok.decode([104, 256, 105]) == "h<|endoftext|>i"
+    # sample.py reads the export with its own tokenizer (was: GPT-2's, refused for 257 ids)
+    p = python("sample.py", f"--init_from={dest}", "--start=def ", "--num_samples=1",
+               "--max_new_tokens=8", "--device=cpu", env=env)
+    assert p.stdout.startswith("def ") and f"{dest}, tokenizer 'byte' (its tokenizer.json)" \
+        in p.stderr, p.stderr
     # every file as a plain open() writes it: readable by all, as save_pretrained's siblings
     assert {f: oct(os.stat(dest / f).st_mode & 0o777) for f in os.listdir(dest)} == \
         {f: oct(0o666 & ~current_umask()) for f in os.listdir(dest)}

@@ -69,8 +69,10 @@ def test_sixteen_gib_file_costs_lightning_ranks_what_sixteen_mib_does_unlike_the
             for d in at}
     # CPU time: this rank's work from opening the data to its first batch. Its wall time
     # also holds the wait for the other rank, which other work on the machine makes vary by
-    # more than 10% between fits of the same file.
-    assert seen[huge]["data_setup_cpu_s"] <= 1.1 * seen[small]["data_setup_cpu_s"], seen
+    # more than 10% between fits of the same file. The CPU time of ~0.05 s varies by a few ms
+    # under load too (0.061 against 0.054 s with 3 test files at once on 2 cores): 10% and
+    # 20 ms, where anything that walks 16 GiB's 8.6e9 windows once takes seconds.
+    assert seen[huge]["data_setup_cpu_s"] <= 1.1 * seen[small]["data_setup_cpu_s"] + 0.02, seen
     assert seen[huge]["rss"] <= 1.1 * seen[small]["rss"], seen
     assert max(r["rss"] for r in at[huge]) < min(r["rss"] for r in at[small]) + 16 * MiB, seen
     assert max(r["peak_rss"] for r in at[huge]) <= 1.1 * seen[small]["rss"], seen

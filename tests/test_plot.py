@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from matplotlib import image
 
+import plot
 from conftest import TINY, fails, python
 
 BLUE, ORANGE = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)  # matplotlib's first two colours
@@ -59,3 +60,17 @@ def test_a_line_that_is_json_but_not_a_row_is_named(env, tmp_path, line):
     assert message == (f"plot.py: error: {tmp_path}/metrics.jsonl, line 2 is not a row of "
                        f"train.py's ({line!r}): metrics.jsonl holds one JSON object per line, "
                        f"each with its iter, as train.py writes them"), message
+
+
+def test_the_first_evaluation_does_not_flatten_the_val_curve():
+    """The untrained model's val loss lies far above the rest: the panel is scaled to the
+    later ones, and its title says the first is off the top (was: a flat line at the bottom)."""
+    series = {"loss": ([0, 1], [5.6, 5.0]), "lr": ([0, 1], [1e-3, 1e-3]),
+              "tok_per_s": ([0, 1], [100, 100]), "train_loss": ([0, 10, 20], [5.6, 2.1, 1.9]),
+              "val_loss": ([0, 10, 20], [5.57, 2.12, 1.80])}
+    fig = plot.draw({"run": (series, [])}, 0, "")
+    val = fig.axes[1]
+    low, high = val.get_ylim()
+    assert low < 1.80 and 2.12 < high < 5.57
+    assert val.get_title() == "val loss (the first evaluation, 5.5700, is off the top)"
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["run"]

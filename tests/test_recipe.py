@@ -115,6 +115,12 @@ def test_muon_params_that_name_a_norm_or_nothing_are_user_errors():
     with pytest.raises(UserError, match="'lm_head.weights' matches no parameter"):
         optim.muon_parameters(model, "transformer.h.*.c_*.weight, lm_head.weights")
     assert len(optim.muon_parameters(model, "transformer.h.*.c_*.weight,lm_head.weight")) == 15
+    # GPT-2's output layer is its token embedding: said so (was: 'matches no parameter')
+    torch.manual_seed(0)
+    gpt2 = GPT(GPTConfig(**SMALL))
+    with pytest.raises(UserError, match=r"'lm_head.weight' names lm_head.weight, which is tied "
+                                        r"to transformer.wte.weight: one matrix"):
+        optim.muon_parameters(gpt2, "transformer.h.*.c_*.weight,lm_head.weight")
 
 
 # ---- training, resuming, float16 ----

@@ -162,6 +162,23 @@ def test_a_truncated_newest_checkpoint_is_reported_and_the_previous_one_used(
     assert f"resuming from {checkpoint.path_for(out, 2)} (iter 2)" in p.stdout
 
 
+@pytest.mark.slow
+def test_keeping_few_checkpoints_never_keeps_a_damaged_one_over_the_good(env, corpus, tmp_path):
+    """ckpt 6 and 8, a damaged 10: a resume with keep_checkpoints=1 loads 8 and saves 9, which
+    it keeps, with 10 left as it is (was: 10 kept by its number, 9 and 8 deleted: nothing
+    loaded any more)."""
+    out = str(tmp_path / "out")
+    python("train.py", *train_args(corpus, out, "--max_iters=10", "--eval_interval=2"), env=env)
+    damaged = checkpoint.path_for(out, 10)
+    os.truncate(damaged, os.path.getsize(damaged) // 2)
+    p = python("train.py", *train_args(corpus, out, "--max_iters=9", "--eval_interval=2",
+                                       "--init_from=resume", "--keep_checkpoints=1"), env=env)
+    assert f"resuming from {checkpoint.path_for(out, 8)} (iter 8)" in p.stdout
+    assert checkpoint.list_checkpoints(out) == [damaged, checkpoint.path_for(out, 9)]
+    state, path = checkpoint.load_latest(out)
+    assert path == checkpoint.path_for(out, 9) and state["iter_num"] == 9
+
+
 class RunsCode:
     """Unpickling this would run a command: a checkpoint must never be loaded that way."""
 

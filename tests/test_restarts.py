@@ -13,7 +13,7 @@ import psutil
 import torch
 import pytest
 
-from ddpgpt import peers
+from ddpgpt import checkpoint, peers
 from conftest import ROOT, TINY, metrics, python, torchrun
 from test_reliability import wait_for_step
 
@@ -107,6 +107,61 @@ def test_torchrun_restarts_a_run_again_and_again_and_it_continues_exactly(
                           text)) == RESTARTS
     assert f"torchrun restarts the run by itself ({RESTARTS - 1} restart(s) left of " \
            f"--max-restarts)" in text
+
+
+@pytest.mark.slow
+def test_with_init_from_scratch_the_survivor_says_the_restart_will_be_refused(env, corpus,
+                                                                              tmp_path):
+    """--max-restarts=1 and init_from left at scratch: a rank killed after a checkpoint, the
+    survivor's paragraph says that torchrun's restart will be refused and what to run, and the
+    restart is refused (was: 'init_from=scratch would start over', which it does not)."""
+    out, log = str(tmp_path / "out"), tmp_path / "log"
+    args = [a for a in ARGS if not a.startswith("--init_from")] + ["--eval_interval=10"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen([*TORCHRUN, "--standalone", "--nproc_per_node=2",
+                                 "--max-restarts=1", *train_args(corpus, out, *args)],
+                                cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        kill_at_steps(out, [(15, 1, signal.SIGKILL)], [proc])
+        assert proc.wait(timeout=300) != 0
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert "torchrun's restart (1 left of --max-restarts) will be refused, as " \
+           "init_from='scratch' is in an out_dir that holds checkpoints; run the same command " \
+           "with --init_from=auto, which resumes from it." in text, text
+    assert f"{out} holds the checkpoints of an earlier run" in text, text  # the refusal
+
+
+@pytest.mark.slow
+def test_ranks_whose_torchrun_is_killed_stop_save_and_free_the_out_dir(env, corpus, tmp_path):
+    """kill -9 of torchrun itself: its ranks see their launcher gone, stop as for SIGTERM at
+    one step, save, and end, so that the same command resumes (was: both trained on with no
+    launcher, holding out_dir's lock, and the rerun was refused)."""
+    out, log = str(tmp_path / "out"), tmp_path / "log"
+    args = [a for a in ARGS if not a.startswith("--max_iters")] + ["--max_iters=100000",
+                                                                    "--log_interval=1"]
+    with open(log, "w") as f:
+        agent = subprocess.Popen([*TORCHRUN, "--standalone", "--nproc_per_node=2",
+                                  *train_args(corpus, out, *args)],
+                                 cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        wait_for_step(out, 3, agent)
+        ranks = [rank_process(r, out) for r in (0, 1)]
+        agent.kill()
+        agent.wait()
+        gone, alive = psutil.wait_procs(ranks, timeout=120)
+        assert not alive, log.read_text()
+    finally:
+        for p in psutil.Process().children(recursive=True):
+            p.kill()
+    text = log.read_text()
+    assert "train.py: its launcher (pid " in text and ") is gone: stopping as for SIGTERM" \
+        in text, text
+    last = max(r["iter"] for r in metrics(out) if "loss" in r)
+    resume = [a for a in args if not a.startswith("--max_iters")] + [f"--max_iters={last + 2}"]
+    p = torchrun(2, *train_args(corpus, out, *resume), env=env)
+    assert f"resuming from {checkpoint.path_for(out, last + 1)} (iter {last + 1})" in p.stdout
 
 
 @pytest.mark.slow
