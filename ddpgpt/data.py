@@ -46,6 +46,8 @@ SAMPLING_MODES = get_args(Sampling)
 # the domains of hash_key(seed, domain, ...): one per thing drawn
 RANDOM_KEY, EPOCH_KEY, PHASE_KEY, MIX_KEY, DOCUMENTS_KEY = 1, 2, 3, 4, 5
 
+READER = "batches"  # the reader thread's name: watchdog.where_now looks for it
+
 
 # ---- points 1 and 2: global sample indices ----
 
@@ -458,7 +460,7 @@ def rank_batches(mix, *, block_size, batch_size, micro_steps, rank, world_size, 
     if not prefetch:
         while True:
             yield on_device(load())
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="batches") as pool:
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=READER) as pool:
         pending = deque(pool.submit(load) for _ in range(prefetch))
         while True:
             batch = pending.popleft().result()

@@ -31,7 +31,7 @@ import time
 import traceback
 from collections import deque
 
-from ddpgpt import fileio, lock
+from ddpgpt import data, fileio, lock
 
 EXIT_CODE = 124  # as coreutils' timeout: the run timed out
 WARMUP_STEPS = 5  # compiling, allocator and autotuning make the first steps slow
@@ -253,10 +253,12 @@ def where_now(watchdog_ident, world_size):
     ours, beyond = place(frames[main])
     if ours != "data.rank_batches":
         return described(ours, beyond, world_size)
-    # the main thread waits for the reader thread's future; the one other thread that runs
-    # our code is that reader
+    # the main thread waits for the reader thread's future: that thread, by its name (others
+    # of ours, the watchdog's and the launcher's watchers, run our code too)
+    names = {t.ident: t.name for t in threading.enumerate()}
     readers = [" -> ".join(filter(None, place(f))) for ident, f in frames.items()
-               if ident not in (main, watchdog_ident) and any(map(is_ours, stack(f)))]
+               if ident not in (main, watchdog_ident) and
+               names.get(ident, "").startswith(data.READER)]
     return "data.rank_batches, waiting for its next batch" + "".join(
         f" (reader thread in {r})" for r in readers)
 
