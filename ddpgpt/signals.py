@@ -98,9 +98,10 @@ def stop_when_the_launcher_dies(script="train.py"):
     def watch():
         while os.getppid() == parent:
             time.sleep(LAUNCHER_POLL_S)
-        if os.environ["RANK"] == "0":
-            print(f"{script}: its launcher (pid {parent}) is gone: stopping as for SIGTERM",
-                  file=sys.stderr, flush=True)
+        # every rank that sees it says so: the first to see it may stop the others (the
+        # ranks agree on the stop) before they look again
+        print(f"{script} (rank {os.environ['RANK']}): its launcher (pid {parent}) is gone: "
+              f"stopping as for SIGTERM", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()

@@ -156,8 +156,8 @@ def test_ranks_whose_torchrun_is_killed_stop_save_and_free_the_out_dir(env, corp
         for p in psutil.Process().children(recursive=True):
             p.kill()
     text = log.read_text()
-    assert "train.py: its launcher (pid " in text and ") is gone: stopping as for SIGTERM" \
-        in text, text
+    assert re.search(r"train\.py \(rank \d\): its launcher \(pid \d+\) is gone: stopping as "
+                     r"for SIGTERM", text), text
     last = max(r["iter"] for r in metrics(out) if "loss" in r)
     resume = [a for a in args if not a.startswith("--max_iters")] + [f"--max_iters={last + 2}"]
     p = torchrun(2, *train_args(corpus, out, *resume), env=env)
