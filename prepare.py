@@ -381,6 +381,7 @@ def write_outputs(out_dir, writers, tokenizer, docs, counts, n_val, cfg, setting
         full = isinstance(e, OSError) and fileio.disk_full(e, out_dir)  # before space is freed
         for w in writers.values():
             w.discard()
+        fileio.remove_own_temporaries(out_dir)
         if full:
             raise UserError(f"{full}. Nothing published before was damaged: "
                             f"{what_is_left(out_dir, writers)}. Free space there, or pass an "

@@ -47,6 +47,16 @@ def remove_stale_temporaries(folder, of=None):
     return stale
 
 
+def remove_own_temporaries(folder):
+    """Remove this process's temporary files in folder. A writer removes the file it knows of
+    when stopped; this also finds one that a stop signal left unknown, raised after the file
+    was created and before its opener returned it."""
+    for name in os.listdir(folder):
+        if (m := _TMP.search(name)) and m.group(2) == HOST and int(m.group(1)) == os.getpid():
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, name))
+
+
 def publish(tmp_path, final_path):
     """Make a completely written file visible under its final name, durably."""
     with open(tmp_path, "rb") as f:

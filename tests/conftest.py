@@ -172,8 +172,10 @@ def prepare_fails(tmp_path, *args, env):
 
 
 def metrics(out_dir):
+    """The rows of out_dir/metrics.jsonl, complete ones only: tests read it during a run too,
+    where the last line may be still being written."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [json.loads(line) for line in f if line.endswith("\n")]
 
 
 def steps(out_dir):
