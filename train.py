@@ -186,6 +186,7 @@ def make_run(cfg, ranks, device, found):
              f"{model.get_num_params() / 1e6:.2f}M parameters, global batch {cfg.global_batch} x "
              f"{cfg.block_size} tokens ({micro_steps} micro-step{'s' * (micro_steps != 1)} of "
              f"{cfg.batch_size} per rank)")
+    optim.note_an_unfinished_decay(cfg)
     sources.log_train(found.splits["train"], cfg.max_iters * cfg.global_batch)
     batches = data.rank_batches(
         found.splits["train"], block_size=cfg.block_size, batch_size=cfg.batch_size,

@@ -18,12 +18,15 @@ muon_lr at the peak (set_lr).
 """
 import fnmatch
 import inspect
+import logging
 import math
 from types import SimpleNamespace
 
 import torch
 
 from ddpgpt.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def make(cfg, model, device_type):
@@ -162,6 +165,17 @@ def lr_at(cfg, it):
         return cfg.min_lr
     ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
+
+
+def note_an_unfinished_decay(cfg):
+    """A cosine schedule that max_iters cuts short ends with the learning rate well above
+    min_lr, which nothing else would say (nanoGPT's configs set lr_decay_iters = max_iters)."""
+    if cfg.decay_lr and cfg.lr_schedule == "cosine" and not cfg.eval_only and \
+            cfg.warmup_iters < cfg.max_iters < cfg.lr_decay_iters:
+        log.info(f"note: max_iters={cfg.max_iters} ends before lr_decay_iters="
+                 f"{cfg.lr_decay_iters}: the last step's learning rate is "
+                 f"{lr_at(cfg, cfg.max_iters - 1):.3g}, not min_lr={cfg.min_lr:g}; to decay to "
+                 f"min_lr by the end, set --lr_decay_iters={cfg.max_iters}")
 
 
 def cooldown_start(cfg):

@@ -169,6 +169,21 @@ def test_cosine_is_nanogpts():
     assert [optim.lr_at(cfg, it) for it in range(12)] == [nanogpt_lr(i) for i in range(12)]
 
 
+def test_a_cosine_schedule_that_max_iters_cuts_short_is_noted(caplog):
+    caplog.set_level(logging.INFO, logger="ddpgpt.optim")
+    short = TrainConfig(max_iters=100, warmup_iters=10, lr_decay_iters=1000, learning_rate=1e-3,
+                        min_lr=1e-4)
+    optim.note_an_unfinished_decay(short)
+    assert caplog.messages == [
+        f"note: max_iters=100 ends before lr_decay_iters=1000: the last step's learning rate is "
+        f"{optim.lr_at(short, 99):.3g}, not min_lr=0.0001; to decay to min_lr by the end, set "
+        f"--lr_decay_iters=100"]
+    caplog.clear()
+    for whole in (dict(lr_decay_iters=100), dict(lr_schedule="wsd"), dict(decay_lr=False)):
+        optim.note_an_unfinished_decay(TrainConfig(max_iters=100, warmup_iters=10, **whole))
+    assert caplog.messages == []
+
+
 def test_each_step_is_taken_at_the_schedules_learning_rate(env, corpus, tmp_path):
     schedule = ["--max_iters=12", "--lr_schedule=wsd", "--cooldown_frac=0.25",
                 "--warmup_iters=3", "--learning_rate=1e-3", "--min_lr=1e-4"]
