@@ -241,6 +241,17 @@ def cannot_load(init_from, error):
             f"--init_from=./{init_from}.")
 
 
+def say_the_hub_comes_first(repo):
+    """Unless HF_HUB_OFFLINE=1, the hub is asked about repo's files even when they are cached:
+    with no network, it is retried for about 30 s before the error, which the user should not
+    have to sit through to learn the fix."""
+    import huggingface_hub  # comes with transformers
+    if not huggingface_hub.constants.HF_HUB_OFFLINE:
+        log.info(f"loading {repo} through Hugging Face's hub and its cache; without network, "
+                 f"set HF_HUB_OFFLINE=1 to read the cache alone at once (else the hub is "
+                 f"retried for about 30 s)")
+
+
 def _fetch(load, init_from):
     """load(), with what goes wrong finding, downloading or reading the files as a UserError:
     transformers raises OSError for a missing file, other errors for a damaged one."""
@@ -257,6 +268,8 @@ def load(init_from):
     model_type = "gpt2" if init_from in NAMES else check_folder(init_from)
     transformers = _transformers()
     repo = repo_of(init_from)
+    if init_from in NAMES:
+        say_the_hub_comes_first(repo)
     if model_type == "qwen3":
         config = _fetch(lambda: transformers.Qwen3Config.from_pretrained(repo), init_from)
         args = qwen3_args_of(config)

@@ -327,6 +327,23 @@ def test_gpt2_offline_without_cached_weights(script, gpt2_data, tmp_path, env):
     assert "hf download openai-community/gpt2" in message and "--init_from=./gpt2" in message
 
 
+def test_without_hf_hub_offline_the_fix_is_said_before_the_hubs_retries(tmp_path, env):
+    """No network (a closed port as the hub) and HF_HUB_OFFLINE unset: the hub is retried for
+    about 30 s before the error; the line saying how to skip that comes first."""
+    del env["HF_HUB_OFFLINE"]
+    env.update(HF_HOME=str(tmp_path / "empty_hf_home"), HF_ENDPOINT="http://127.0.0.1:9")
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "sample.py"), "--init_from=gpt2",
+                          "--device=cpu"], env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        first = p.stderr.readline()  # sample.py's own lines go to stderr
+    finally:
+        p.kill()
+        p.wait()
+    assert first.startswith("loading openai-community/gpt2 through Hugging Face's hub and its "
+                            "cache; without network, set HF_HUB_OFFLINE=1"), first
+
+
 @pytest.mark.slow
 def test_export_errors(tmp_path, env):
     (tmp_path / "dest").mkdir()
