@@ -11,6 +11,7 @@
   decoded(out, tokenizer)  the documents of a prepared folder, its meta.json checked
   small_disk     a real 1 MiB file system (a tmpfs; skipped without root), for full disks
 """
+import contextlib
 import glob
 import hashlib
 import json
@@ -21,6 +22,7 @@ import sys
 import sysconfig
 
 import numpy as np
+import psutil
 import pytest
 
 from ddpgpt import tokenfile
@@ -84,12 +86,36 @@ def env(session_env):
 
 
 def run(args, env, cwd=ROOT, timeout=600, check=True):
-    """Run a command like a user would; on an unexpected exit code show all it printed."""
-    p = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    """Run a command like a user would; on an unexpected exit code show all it printed, and
+    when it hangs, that and where each of its processes was (a hang seen once in CI must be
+    understood from its log)."""
+    proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        where = stacks_then_kill(proc.pid)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{args} did not end in {timeout} s\n--- stdout\n{stdout}\n"
+                             f"--- stderr\n{stderr}\n--- where its processes were\n{where}")
+    p = subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
     if check and p.returncode != 0:
         raise AssertionError(f"{args} exited {p.returncode}\n--- stdout\n{p.stdout}\n"
                              f"--- stderr\n{p.stderr}")
     return p
+
+
+def stacks_then_kill(pid):
+    """py-spy's dump of the Python stacks (and the native frames) of pid and its descendants,
+    which are then killed: torchrun's ranks too, which would keep the output pipes open."""
+    tree = [psutil.Process(pid)]
+    tree += tree[0].children(recursive=True)
+    dumps = [subprocess.run(["py-spy", "dump", "--native", "--pid", str(p.pid)],
+                            capture_output=True, text=True, timeout=60) for p in tree]
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    return "\n".join(d.stdout + d.stderr for d in dumps)
 
 
 def python(script, *args, env, **kw):
