@@ -53,8 +53,13 @@ _said = threading.Lock()  # the line is said once, by whichever way out comes fi
 
 def before_steps(script, signum):
     rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
-    return (f"{script}: stopped by {signal.Signals(signum).name}{rank} before the first step: "
+    line = (f"{script}: stopped by {signal.Signals(signum).name}{rank} before the first step: "
             f"nothing to save yet")
+    if signum == signal.SIGTERM and "TORCHELASTIC_RUN_ID" in os.environ:
+        # the same signal whoever sent it: say the likelier sender's reason too
+        line += (" (torchrun stops the other ranks this way when one fails: its summary, "
+                 "below, names the failed rank if there is one)")
+    return line
 
 
 def exit_at_once(script):

@@ -321,6 +321,27 @@ NCCL_TIMEOUT = ("[PG ID 0 PG GUID 0(default_pg) Rank 1] Watchdog caught collecti
                 "Timeout(ms)=600000) ran for 600012 milliseconds before timing out.")
 
 
+@pytest.mark.slow
+def test_a_rank_killed_in_start_up_leaves_the_survivor_saying_who_stopped_it(env, corpus,
+                                                                            tmp_path):
+    """kill -9 of rank 1 in the first evaluation: torchrun stops rank 0 with SIGTERM, which
+    said only "stopped by SIGTERM", as if a user had stopped the run."""
+    out, log = str(tmp_path / "out"), tmp_path / "log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([*TORCHRUN, "--standalone", "--nproc_per_node=2", *train_args(
+            corpus, out, *TINY, "--eval_iters=20000", "--max_iters=10")], cwd=ROOT, env=env,
+            stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 90
+    while "world size" not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    rank_process(1, out).kill()
+    proc.wait(timeout=60)
+    assert "train.py: stopped by SIGTERM (rank 0) before the first step: nothing to save yet " \
+           "(torchrun stops the other ranks this way when one fails: its summary, below, " \
+           "names the failed rank if there is one)" in log.read_text()
+
+
 @pytest.mark.parametrize("text, gone, said", [
     (GLOO_CLOSED, True, "Connection closed by peer [127.0.0.1]:12721"),
     ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
