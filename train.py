@@ -26,11 +26,15 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
 
-import torch
-import torch.distributed as dist
+from ddpgpt import signals
 
-from ddpgpt import (checkpoint, configurator, data, errors, evaluation, lock, logs, metrics,
-                    optim, parallel, peers, runtime, signals, sources, watchdog, weights)
+signals.end_at_once_while_importing("train.py")  # one line, not a traceback from each rank
+
+import torch  # noqa: E402  (the imports that take seconds come after)
+import torch.distributed as dist  # noqa: E402
+
+from ddpgpt import (checkpoint, configurator, data, errors, evaluation, lock, logs,  # noqa: E402
+                    metrics, optim, parallel, peers, runtime, sources, watchdog, weights)
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import TrainConfig

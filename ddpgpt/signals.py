@@ -20,6 +20,20 @@ TRAIN_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 PREPARE_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+def end_at_once_while_importing(script):
+    """Until catch_stop_signals(), while the script still imports (torch's import takes
+    seconds, and torchrun passes a Ctrl-C on to its ranks as SIGINT), SIGINT and SIGTERM end
+    the process with before_steps' line instead of a KeyboardInterrupt traceback from each
+    rank. One that the parent ignores (a background job's SIGINT) stays ignored."""
+    def stop(signum, frame):
+        say_once(before_steps(script, signum))
+        os._exit(128 + signum)
+
+    for s in EXIT_AT_ONCE:
+        if signal.getsignal(s) is not signal.SIG_IGN:
+            signal.signal(s, stop)
+
+
 def catch_stop_signals(script="train.py"):
     """The list the stop signals are recorded in as they come, instead of dying. Caught from
     the start, so that a signal that comes while the model is built is not lost. Until

@@ -1,6 +1,7 @@
 """Ranks that die, and runs that go on: torchrun's restarts with no variable to set (one node,
 and two agents as two nodes), the paragraph with which the survivors of a dead rank end, a
 stop signal before the first step, and what a failed collective's words say (peers.py)."""
+import contextlib
 import os
 import re
 import signal
@@ -319,6 +320,43 @@ NCCL_ABORTED = ("NCCL communicator was aborted on rank 3.  Original reason for f
 NCCL_TIMEOUT = ("[PG ID 0 PG GUID 0(default_pg) Rank 1] Watchdog caught collective operation "
                 "timeout: WorkNCCL(SeqNum=812, OpType=ALLREDUCE, NumelIn=3, NumelOut=3, "
                 "Timeout(ms)=600000) ran for 600012 milliseconds before timing out.")
+
+
+def importing_torch(pid):
+    """Whether train.py's process pid is in torch's import: torch's library is loaded (its
+    import has begun), and the signals train.py catches once its imports are done, SIGUSR1
+    among them, are not caught yet (/proc's SigCgt mask)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            loaded = "libtorch" in f.read()
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except FileNotFoundError:
+        return False
+    return loaded and not caught >> (signal.SIGUSR1 - 1) & 1
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_ranks_import_torch_is_one_line_from_each(env, corpus, tmp_path):
+    """torchrun passes Ctrl-C on to its ranks as SIGINT: in the seconds of torch's import each
+    rank printed a KeyboardInterrupt traceback of ~28 lines."""
+    out = str(tmp_path / "out")
+    proc = subprocess.Popen([*TORCHRUN, "--standalone", "--nproc_per_node=2", *train_args(
+        corpus, out, *TINY)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    ranks = []
+    while len(ranks) < 2 or not all(importing_torch(r.pid) for r in ranks):
+        assert proc.poll() is None and time.monotonic() < deadline
+        with contextlib.suppress(psutil.Error):
+            ranks = psutil.Process(proc.pid).children()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    text = proc.communicate(timeout=60)[0]
+    for rank in range(2):
+        assert f"train.py: stopped by SIGINT (rank {rank}) before the first step: nothing to " \
+               f"save yet\n" in text, text
+    assert "KeyboardInterrupt" not in text and f'File "{ROOT}' not in text, text
 
 
 @pytest.mark.slow
