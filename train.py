@@ -270,6 +270,7 @@ def loop(run, stop_signals):
             log.info(f"stopping at iter {state.iter_num}: signal received, saving a checkpoint")
             save(run, last=True)
             log.info(f"interrupted at iter {state.iter_num}; resume with --init_from=resume")
+            signals.say_torchrun_reports_next()
             break
     # ---------------------------------------------------------------- TRAINING LOOP END
 

@@ -9,7 +9,8 @@ import signal
 import sys
 import time
 
-from ddpgpt.signals import EXIT_AT_ONCE as STOP_SIGNALS, Interrupted, say_once
+from ddpgpt.signals import EXIT_AT_ONCE as STOP_SIGNALS, Interrupted, say_once, \
+    say_torchrun_reports_next
 
 
 class UserError(Exception):
@@ -33,6 +34,7 @@ def run(main, script, argv):
     except SettingsError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"{script}: error: {e}", file=sys.stderr)
+            say_torchrun_reports_next()
         else:
             wait_for_the_launcher()
         return 1
@@ -62,6 +64,8 @@ def exit_now(status):
     """End the process without the interpreter's exit, whose teardown of the process group
     waits for peers that may be gone (seconds with gloo), while torchrun waits for every rank
     before it restarts the others or reports."""
+    if status:
+        say_torchrun_reports_next()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

@@ -27,6 +27,7 @@ def end_at_once_while_importing(script):
     rank. One that the parent ignores (a background job's SIGINT) stays ignored."""
     def stop(signum, frame):
         say_once(before_steps(script, signum))
+        say_torchrun_reports_next()
         os._exit(128 + signum)
 
     for s in EXIT_AT_ONCE:
@@ -94,6 +95,7 @@ def exit_at_once(script):
                 time.sleep(GRACE_S)
                 if _before_steps is not None:
                     say_once(before_steps(script, signum))
+                    say_torchrun_reports_next()
                     os._exit(128 + signum)
         os.close(read_end)
 
@@ -134,6 +136,15 @@ def steps_begin():
         write_end, _before_steps = _before_steps, None
         signal.set_wakeup_fd(-1)
         os.close(write_end)  # the watcher reads the end of the pipe, and ends
+
+
+def say_torchrun_reports_next():
+    """After rank 0's last line of a run that failed or was stopped under torchrun, which may
+    then print a traceback of its own (ChildFailedError; its SignalException on Ctrl-C) that
+    would read as the answer."""
+    if os.environ.get("RANK") == "0" and "TORCHELASTIC_RUN_ID" in os.environ:
+        print("(torchrun's own report of how the ranks ended may follow: what happened is "
+              "said above)", file=sys.stderr, flush=True)
 
 
 def say_once(line):

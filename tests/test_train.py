@@ -136,6 +136,18 @@ def test_errors_on_two_ranks_are_reported_once(env, corpus, tmp_path):
     assert "(ranks 0, 1)" in err
 
 
+def test_under_torchrun_the_error_is_followed_by_a_line_saying_torchruns_report_is_next(
+        env, corpus, tmp_path):
+    """torchrun's ChildFailedError traceback (~30 lines) came after the error, and read as the
+    answer."""
+    lines = train_error(env, f"--data_dir={corpus}", f"--out_dir={tmp_path}", *TINY,
+                        "--gradient_accumulation_steps=3", nproc=2).splitlines()
+    error = next(i for i, line in enumerate(lines) if line.startswith("train.py: error"))
+    assert lines[error + 1] == "(torchrun's own report of how the ranks ended may follow: what " \
+                               "happened is said above)", lines
+    assert lines.count(lines[error + 1]) == 1  # from rank 0 alone
+
+
 def test_a_settings_error_on_two_ranks_is_reported_once(env, tmp_path):
     """A key that cannot be read is the same on every rank (the same arguments and files):
     rank 0 says it once, with no rank named (was: once per rank)."""
