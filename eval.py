@@ -21,12 +21,16 @@ import os
 import sys
 import time
 
-from ddpgpt import (configurator, errors, evaluation, hellaswag, logs, peers, runtime,
-                    sources, weights)
-from ddpgpt.errors import UserError
-from ddpgpt.model import GPT, GPTConfig
-from ddpgpt.settings import EvalConfig, TrainConfig
-from ddpgpt.state import Saved
+from ddpgpt import cpu
+
+cpu.wait_passively()  # before torch is imported
+
+from ddpgpt import (configurator, errors, evaluation, hellaswag, logs, peers,  # noqa: E402
+                    runtime, sources, weights)
+from ddpgpt.errors import UserError  # noqa: E402
+from ddpgpt.model import GPT, GPTConfig  # noqa: E402
+from ddpgpt.settings import EvalConfig, TrainConfig  # noqa: E402
+from ddpgpt.state import Saved  # noqa: E402
 
 log = logging.getLogger("ddpgpt.eval")
 

@@ -9,12 +9,16 @@ stdout, what was loaded to stderr, so `python sample.py ... > samples.txt` keeps
 import logging
 import sys
 
-import torch
+from ddpgpt import cpu
 
-from ddpgpt import configurator, errors, logs, runtime, weights
-from ddpgpt.errors import UserError
-from ddpgpt.model import GPT, GPTConfig
-from ddpgpt.settings import SampleConfig
+cpu.wait_passively()  # before torch is imported
+
+import torch  # noqa: E402
+
+from ddpgpt import configurator, errors, logs, runtime, weights  # noqa: E402
+from ddpgpt.errors import UserError  # noqa: E402
+from ddpgpt.model import GPT, GPTConfig  # noqa: E402
+from ddpgpt.settings import SampleConfig  # noqa: E402
 
 log = logging.getLogger("ddpgpt.sample")
 

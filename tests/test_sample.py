@@ -90,6 +90,15 @@ def test_same_seed_same_samples_other_seed_others(trained, env):
     assert len(set(samples(runs[0]))) == 3  # the samples of one run differ too
 
 
+@pytest.mark.parametrize("chosen, policy", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_openmp_threads_wait_passively_unless_the_user_chose(trained, env, chosen, policy):
+    """Spinning threads made sample.py's 200 tokens many times slower on a loaded machine."""
+    env.pop("OMP_WAIT_POLICY", None)
+    env.update(OMP_DISPLAY_ENV="TRUE", **({"OMP_WAIT_POLICY": chosen} if chosen else {}))
+    p = sample(trained["byte"], "--num_samples=1", "--max_new_tokens=2", env=env)
+    assert f"OMP_WAIT_POLICY = '{policy}'" in p.stderr  # what OpenMP itself says it uses
+
+
 def test_prompt_from_file(trained, env, tmp_path):
     prompt = "naïve prompt\nfrom a file: "
     (tmp_path / "prompt.txt").write_text(prompt, encoding="utf-8")
