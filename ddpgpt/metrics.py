@@ -1,7 +1,7 @@
 """What a training run reports: a row per step and per evaluation in out_dir/metrics.jsonl (and
-wandb, and TensorBoard), written by rank 0; the step's console line; and every rank's own numbers (time alone in
-the step, time waiting for data, memory), gathered on log steps, with the slowest rank named
-when it stays the slowest.
+wandb, and TensorBoard), written by rank 0; the step's console line; and every rank's own
+numbers (time alone in the step, time waiting for data, memory), gathered on log steps, with
+the slowest rank named when it stays the slowest.
 
 Each run opens its rows in metrics.jsonl with a start row, {"run": "fresh"} or {"run":
 "resumed"} and the iter it starts at, so that the file says where one run ends and the next
