@@ -96,13 +96,14 @@ def main(argv):
     device = runtime.pick_device(cfg.device, ranks)
     runtime.init_distributed(device, ranks.world_size, cfg.backend, cfg.dist_timeout_s)
     run = None  # once made: a rank that is lost says where the run stands (standing)
-    # rank 0 holds out_dir's lock for the run: a second run there would delete this one's
-    # checkpoints and interleave its metrics (refused like any start-up error, by agree())
-    with contextlib.ExitStack() as out_dir_lock, \
-            peers.watched(ranks, lambda: standing(cfg, run)):
+    # rank 0 holds out_dir's lock (and tensorboard_dir's) for the run: a second run there
+    # would delete this one's checkpoints and interleave its metrics (refused like any
+    # start-up error, by agree())
+    with contextlib.ExitStack() as locks, peers.watched(ranks, lambda: standing(cfg, run)):
         try:
             if ranks.master:
-                out_dir_lock.enter_context(lock.locked(cfg.out_dir, "train.py"))
+                locks.enter_context(lock.locked(cfg.out_dir, "train.py"))
+                locks.enter_context(metrics.tensorboard_ready(cfg))
             cfg, found = start_up(cfg, given, ranks, device)
             error, identity = None, found.identity
         except UserError as e:
@@ -114,7 +115,7 @@ def main(argv):
             run = make_run(cfg, ranks, device, found)
             found = None  # free the checkpoint's tensors
             train(run, stop_signals)
-    return runtime.finish(ranks.world_size, 0 if agreed else 1)  # out_dir's lock released
+    return runtime.finish(ranks.world_size, 0 if agreed else 1)  # the locks released
 
 
 def standing(cfg, run):
@@ -440,7 +441,7 @@ def report_step(run, step, dt, first):
     """A step's timings added to its row, on the console every log_interval steps with every
     rank's numbers (a rank that stays the slowest named, judged from the log steps after a
     run's first, whose one-time work differs between ranks), and the row in metrics.jsonl (and
-    wandb)."""
+    wandb, and TensorBoard)."""
     cfg, row = run.cfg, step.row
     row.update(ms=dt * 1000, tok_per_s=cfg.global_batch * cfg.block_size / dt,
                data_wait=step.data_wait_s / dt)

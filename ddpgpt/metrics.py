@@ -1,12 +1,13 @@
 """What a training run reports: a row per step and per evaluation in out_dir/metrics.jsonl (and
-wandb), written by rank 0; the step's console line; and every rank's own numbers (time alone in
-the step, time waiting for data, memory), gathered on log steps, with the slowest rank named
-when it stays the slowest.
+wandb, and TensorBoard), written by rank 0; the step's console line; and every rank's own
+numbers (time alone in the step, time waiting for data, memory), gathered on log steps, with
+the slowest rank named when it stays the slowest.
 
 Each run opens its rows in metrics.jsonl with a start row, {"run": "fresh"} or {"run":
 "resumed"} and the iter it starts at, so that the file says where one run ends and the next
 begins: read() gives the rows of the run as it stands, which compare_runs.py and plot.py take.
 """
+import contextlib
 import dataclasses
 import json
 import logging
@@ -21,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ddpgpt import fileio
+from ddpgpt import fileio, lock
 from ddpgpt.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 class Metrics(NamedTuple):
     file: Any  # metrics.jsonl, open for appending; None off rank 0
     wandb: Any  # the wandb module once initialised; None without wandb_log or off rank 0
+    tensorboard: Any  # a SummaryWriter; None without tensorboard_log or off rank 0
     slowest: deque  # the slowest rank of each log step since one was last named (straggler)
 
 
@@ -45,10 +47,10 @@ def start_row(iter_num, resumed, init_from, world_size):
 
 def open_metrics(cfg, master, start):
     """The Metrics of a run: on rank 0 with metrics.jsonl open, its start row written (and
-    wandb); elsewhere with neither."""
+    wandb, and TensorBoard); elsewhere with none of them."""
     slowest = deque(maxlen=STRAGGLER_STEPS)
     if not master:
-        return Metrics(None, None, slowest)
+        return Metrics(None, None, None, slowest)
     path = os.path.join(cfg.out_dir, "metrics.jsonl")
     fresh = start["run"] == "fresh"
     if fresh and os.path.exists(path) and os.path.getsize(path):
@@ -58,14 +60,8 @@ def open_metrics(cfg, master, start):
                  f"plot.py read those only")
     drop_cut_off_line(path)
     file = open(path, "a")
-    record(Metrics(file, None, slowest), start)
-    if not cfg.wandb_log:
-        return Metrics(file, None, slowest)
-    import wandb  # slow to import, and only needed here
-    wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name,
-               config=dataclasses.asdict(cfg), id=wandb_run_id(cfg.out_dir, new=fresh),
-               resume="allow")
-    return Metrics(file, wandb, slowest)
+    record(Metrics(file, None, None, slowest), start)  # the start row is metrics.jsonl's alone
+    return Metrics(file, open_wandb(cfg, fresh), open_tensorboard(cfg, start["iter"]), slowest)
 
 
 def drop_cut_off_line(path):
@@ -93,6 +89,17 @@ def drop_cut_off_line(path):
              f"dropped, so that this run's rows start on a line of their own")
 
 
+def open_wandb(cfg, fresh):
+    """The wandb module, its run initialised; None without wandb_log."""
+    if not cfg.wandb_log:
+        return None
+    import wandb  # slow to import, and only needed here
+    wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name,
+               config=dataclasses.asdict(cfg), id=wandb_run_id(cfg.out_dir, new=fresh),
+               resume="allow")
+    return wandb
+
+
 def wandb_run_id(out_dir, new):
     """The wandb run of out_dir, made by its fresh start and kept there: a resumed or requeued
     run goes on with the same curve instead of starting a new run."""
@@ -105,8 +112,50 @@ def wandb_run_id(out_dir, new):
         return f.read().strip()
 
 
+def tensorboard_dir(cfg):
+    return cfg.tensorboard_dir or cfg.out_dir
+
+
+def tensorboard_ready(cfg):
+    """With tensorboard_log, at start-up on rank 0, before any rank takes a step: tensorboard
+    imports (else a UserError), and tensorboard_dir is locked for the run as out_dir is (two
+    runs writing in one folder would purge each other's curves), unless it is out_dir, locked
+    already. A context manager, held for the run."""
+    if not cfg.tensorboard_log:
+        return contextlib.nullcontext()
+    summary_writer()
+    folder = tensorboard_dir(cfg)
+    if os.path.realpath(folder) == os.path.realpath(cfg.out_dir):
+        return contextlib.nullcontext()
+    return lock.locked(folder, "train.py", fix=(
+        "set tensorboard_dir to a folder that you can create and write files in, or leave it "
+        "out to write the event files in out_dir."))
+
+
+def summary_writer():
+    """torch's SummaryWriter class, whose import is tensorboard's: made only when asked for."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise UserError(f"tensorboard_log=True, but tensorboard cannot be imported ({e}): "
+                        f"install it, pip install tensorboard==2.20.0 (requirements.txt's "
+                        f"version), or leave tensorboard_log out.") from e
+    return SummaryWriter
+
+
+def open_tensorboard(cfg, start_iter):
+    """A SummaryWriter in tensorboard_dir; None without tensorboard_log. Its purge_step, the
+    run's first iter, tells TensorBoard's readers to drop what earlier runs wrote there from
+    that iter on (the steps a crash took past the checkpoint now resumed; all of an earlier
+    run that left no checkpoint), as read() drops those rows of metrics.jsonl: no step is
+    shown twice."""
+    if not cfg.tensorboard_log:
+        return None
+    return summary_writer()(tensorboard_dir(cfg), purge_step=start_iter)
+
+
 def record(metrics, row):
-    """One row of metrics.jsonl (and of wandb); rank 0 alone has them open."""
+    """One row of metrics.jsonl (and of wandb, and TensorBoard); rank 0 alone has them open."""
     if metrics.file is not None:
         try:
             metrics.file.write(json.dumps(row) + "\n")
@@ -119,6 +168,22 @@ def record(metrics, row):
                             f"resume with --init_from=resume.") from e
     if metrics.wandb is not None:
         metrics.wandb.log(row, step=row["iter"])
+    if metrics.tensorboard is not None:
+        write_scalars(metrics.tensorboard, row)
+
+
+def write_scalars(writer, row):
+    """A row's scalars in TensorBoard at its iter."""
+    for name, value in scalars(row).items():
+        writer.add_scalar(name, value, row["iter"])
+    writer.flush()  # as metrics.jsonl is flushed: a run killed later keeps the row
+
+
+def scalars(row):
+    """A row's numbers by key, its iter aside: what TensorBoard shows of it. Its text
+    (batch_fp, skipped) and each rank's lists (rank_ms, ...) are metrics.jsonl's alone."""
+    return {name: value for name, value in row.items() if name != "iter" and
+            isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
 def close(metrics):
@@ -126,6 +191,8 @@ def close(metrics):
         metrics.file.close()
     if metrics.wandb is not None:
         metrics.wandb.finish()
+    if metrics.tensorboard is not None:
+        metrics.tensorboard.close()
 
 
 # ---- the console ----

@@ -89,6 +89,10 @@ class TrainConfig:
     wandb_log: bool = key(False, "log to wandb too")
     wandb_project: str = key("ddpgpt", "the wandb project")
     wandb_run_name: str = key("gpt2", "the wandb run's name")
+    tensorboard_log: bool = key(False, "log to TensorBoard too (rank 0): event files in "
+                                       "tensorboard_dir")
+    tensorboard_dir: str = key("", "the folder of this run's TensorBoard event files, one run "
+                                   "per folder as out_dir; '': out_dir")
     # data
     data_dir: str = key("data/openwebtext", "the folder prepare.py wrote")
     data_mix: str = key("", "sources and their shares of the samples, e.g. "
@@ -191,6 +195,7 @@ class TrainConfig:
                 f"{cooldown}, or raise max_iters.")
         self.check_recipe()
         self.check_parallel()
+        check_only_for(self, "tensorboard_dir", "tensorboard_log", True)
 
     def check_recipe(self):
         """The combinations of arch and optimizer that cannot work."""

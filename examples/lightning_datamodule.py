@@ -16,7 +16,10 @@ What Lightning needs, all in make_trainer() and BlockDataModule (docs/lightning.
 
 Rank 0 writes out_dir/metrics.jsonl, one row per step with `batch_fp`, the fingerprint of the
 samples all ranks read in that step, as train.py does: `python compare_runs.py` compares a
-Lightning run with a train.py run. Lightning itself is needed only here and in the tests.
+Lightning run with a train.py run. With --tensorboard_log=True the rows' numbers go to
+Lightning's TensorBoardLogger too, in out_dir/lightning_logs/version_N (a new version for each
+fit, resumed ones too, as Lightning does). Lightning itself is needed only here and in the
+tests.
 """
 import json
 import os
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
 # run as a script, this file's folder is on sys.path, not the checkout that holds ddpgpt/
@@ -67,6 +71,8 @@ class LightningConfig:
     vocab_size: int = key(0, "0: the data's vocabulary rounded up to a multiple of 64",
                           at_least=0)
     learning_rate: float = key(1e-3, "constant: train.py has the schedule", at_least=0)
+    tensorboard_log: bool = key(False, "log each step to TensorBoard too: Lightning's "
+                                       "TensorBoardLogger, in out_dir/lightning_logs")
     seed: int = key(1337, "the data order and the initial weights", at_least=0)
 
     def __post_init__(self):
@@ -222,6 +228,8 @@ class GPTModule(L.LightningModule):
                    "batch_fp": self.trainer.datamodule.fingerprint(indices)}
             self.metrics.write(json.dumps(row) + "\n")
             self.metrics.flush()
+            if self.logger is not None:  # TensorBoard's, with --tensorboard_log=True
+                self.logger.log_metrics(metrics.scalars(row), step=row["iter"])
             if row["iter"] % self.log_interval == 0 or self.trainer.global_step == \
                     self.trainer.max_steps:
                 print(f"step {row['iter']}: loss {loss:.4f}")
@@ -257,8 +265,18 @@ def make_trainer(cfg):
         use_distributed_sampler=False,  # RankSampler shards; see BlockDataModule
         accumulate_grad_batches=cfg.gradient_accumulation_steps // cfg.devices,
         max_steps=cfg.max_steps, gradient_clip_val=1.0,  # train.py's grad_clip
-        callbacks=[every],
-        default_root_dir=cfg.out_dir, logger=False, enable_progress_bar=False)
+        callbacks=[every], default_root_dir=cfg.out_dir, logger=tensorboard_logger(cfg),
+        enable_progress_bar=False)
+
+
+def tensorboard_logger(cfg):
+    """Lightning's TensorBoardLogger with tensorboard_log, in out_dir/lightning_logs; else no
+    logger (False)."""
+    if not cfg.tensorboard_log:
+        return False
+    metrics.summary_writer()  # the error of a missing tensorboard, before Lightning starts
+    # without its placeholder hp_metric of -1: the scalars are metrics.jsonl's numbers alone
+    return TensorBoardLogger(cfg.out_dir, name="lightning_logs", default_hp_metric=False)
 
 
 def build(cfg):

@@ -1,0 +1,117 @@
+"""tensorboard_log=True as a user runs it: the event files, read back with TensorBoard's own
+reader, hold the numbers of metrics.jsonl's rows, once each, also across a resume after a crash
+past the last checkpoint; rank 0 alone writes them; the Lightning example logs to Lightning's
+TensorBoardLogger; and what a user sees when tensorboard cannot be imported or its folder
+written."""
+import glob
+import os
+
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import TINY, fails, metrics, steps, torchrun
+from ddpgpt import metrics as run_metrics
+from test_lightning import EXAMPLE, TINY_LIGHTNING, lightning
+
+ARGS = [*TINY, "--gradient_accumulation_steps=2", "--eval_interval=3", "--log_interval=2",
+        "--tensorboard_log=True"]
+
+
+@pytest.fixture(scope="module")
+def resumed(session_env, corpus, tmp_path_factory):
+    """The out_dir of a run on 2 ranks that crashed during its save at iter 6 (the checkpoint at
+    6 removed: its rows of steps 3 to 5 and the evaluation at 6 are in metrics.jsonl and in its
+    event file, past the checkpoint at 3), then resumed to iter 8."""
+    out = tmp_path_factory.mktemp("tensorboard") / "out"
+    torchrun(2, "train.py", f"--data_dir={corpus}", f"--out_dir={out}", *ARGS, "--max_iters=6",
+             env=session_env)
+    os.remove(out / "ckpt_0000006.pt")
+    torchrun(2, "train.py", f"--data_dir={corpus}", f"--out_dir={out}", *ARGS, "--max_iters=8",
+             "--init_from=resume", env=session_env)
+    return out
+
+
+def scalars_read_back(folder):
+    """{tag: [(step, value), ...]} as TensorBoard's reader gives them."""
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+            for tag in events.Tags()["scalars"]}
+
+
+def as_tensorboard_holds(rows):
+    """{key: [(iter, value as float32, TensorBoard's precision), ...]} of rows, by iter."""
+    expected = {}
+    for row in sorted(rows, key=lambda r: r["iter"]):
+        for name, value in run_metrics.scalars(row).items():
+            expected.setdefault(name, []).append((row["iter"], float(np.float32(value))))
+    return expected
+
+
+@pytest.mark.slow
+def test_event_files_hold_the_metrics_rows_once_each_across_a_resume(resumed):
+    written = [r["iter"] for r in metrics(resumed) if "loss" in r]
+    assert written == [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7]  # steps 3 to 5 twice in the file
+    rows = run_metrics.read(resumed)  # the run as it stands: the resumed run's from iter 3
+    assert sorted(rows.steps) == list(range(8)) and sorted(rows.evals) == [0, 3, 6, 8]
+    logged = scalars_read_back(resumed)
+    assert logged == as_tensorboard_holds([*rows.steps.values(), *rows.evals.values()])
+    assert {"loss", "grad_norm", "lr", "ms", "tok_per_s", "data_wait", "train_loss",
+            "val_loss", "train_bpb", "val_bpb"} <= set(logged)
+    assert not {"batch_fp", "rank_ms", "run"} & set(logged)
+
+
+@pytest.mark.slow
+def test_rank_0_alone_writes_an_event_file_for_each_run(resumed):
+    files = glob.glob(f"{resumed.parent}/**/events.out.tfevents.*", recursive=True)
+    assert sorted(os.path.dirname(f) for f in files) == [str(resumed)] * 2, files
+
+
+@pytest.mark.slow
+def test_the_lightning_example_logs_its_steps_to_lightnings_tensorboard_logger(
+        env, corpus, tmp_path):
+    out = tmp_path / "out"
+    lightning(2, out, f"--data_dir={corpus}", *TINY_LIGHTNING, "--gradient_accumulation_steps=2",
+              "--max_steps=3", "--num_workers=0", "--tensorboard_log=True", env=env)
+    files = glob.glob(f"{out}/**/events.out.tfevents.*", recursive=True)
+    assert [os.path.dirname(f) for f in files] == [str(out / "lightning_logs" / "version_0")]
+    assert scalars_read_back(out / "lightning_logs" / "version_0") == \
+        as_tensorboard_holds(steps(out).values())
+
+
+def hidden_tensorboard(env, tmp_path):
+    """env with a `tensorboard` package first on the path whose import fails as it does where
+    tensorboard is not installed."""
+    package = tmp_path / "hidden" / "tensorboard"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'tensorboard'\", name='tensorboard')\n")
+    return dict(env, PYTHONPATH=os.pathsep.join([str(package.parent), env["PYTHONPATH"]]))
+
+
+@pytest.mark.parametrize("script", ["train.py", EXAMPLE])
+def test_tensorboard_not_installed_says_how_to_install_it(script, env, corpus, tmp_path):
+    err = fails(script, f"--data_dir={corpus}", f"--out_dir={tmp_path / 'out'}",
+                "--tensorboard_log=True", env=hidden_tensorboard(env, tmp_path)).stderr
+    assert err.strip().splitlines()[-1].endswith(
+        "error: tensorboard_log=True, but tensorboard cannot be imported (No module named "
+        "'tensorboard'): install it, pip install tensorboard==2.20.0 (requirements.txt's "
+        "version), or leave tensorboard_log out."), err
+
+
+def test_a_tensorboard_dir_that_cannot_be_written_names_the_key(env, corpus, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    err = fails("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path / 'out'}", *TINY,
+                "--tensorboard_log=True", f"--tensorboard_dir={blocker}/tb", env=env).stderr
+    assert f"cannot write in {blocker}/tb (Not a directory): set tensorboard_dir to a folder " \
+           f"that you can create and write files in, or leave it out to write the event " \
+           f"files in out_dir." in err, err
+
+
+def test_a_tensorboard_dir_without_tensorboard_log_is_refused(env, tmp_path):
+    err = fails("train.py", f"--tensorboard_dir={tmp_path}", env=env).stderr
+    assert f"tensorboard_dir='{tmp_path}' is a setting of tensorboard_log=True, and this run " \
+           f"is tensorboard_log=False: add --tensorboard_log=True, or leave tensorboard_dir " \
+           f"out." in err, err
