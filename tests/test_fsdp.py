@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -288,14 +289,21 @@ class RunsCode:
 
 
 @pytest.mark.slow
-def test_compiled_blocks_train_as_the_eager_ones(runs, corpus, tmp_path, env):
+def test_compiled_blocks_train_as_the_eager_ones_and_compile_once_for_training(runs, corpus,
+                                                                               tmp_path, env):
     """compile=True compiles each block in place; aot_eager (tests/launch_eager_compile.py)
-    traces them and their backward as inductor would, without generating code."""
+    traces them and their backward as inductor would, without generating code. 3 evaluation
+    batches over 2 ranks: every forward is still of batch_size windows, so the blocks compile
+    once for the evaluations and once more for training (grad mode), never for a batch size."""
     out = tmp_path / "out"
     args = train_args(corpus, out, "--parallel=fsdp", "--compile=True", "--max_iters=6",
-                      "--eval_interval=6")
-    p = torchrun(2, "tests/launch_eager_compile.py", *args, env=env)
+                      "--eval_interval=3", "--eval_iters=3")
+    p = torchrun(2, "tests/launch_eager_compile.py", *args, env=dict(env, TORCH_LOGS="recompiles"))
     assert "compile = True" in p.stdout
+    output = p.stdout + p.stderr
+    assert "size mismatch" not in output
+    recompiles = re.findall(r"\[rank(\d)\].*\[__recompiles\] Recompiling function", output)
+    assert sorted(recompiles) == ["0", "1"], output  # each rank's first training step
     ran, eager = steps(out), steps(runs["fsdp"])
     assert sorted(ran) == list(range(6))
     for i in ran:
