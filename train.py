@@ -305,8 +305,7 @@ def check_skipping(run, skipped):
     """nan_policy='skip' skips a bad batch; it cannot mend weights that are no longer finite
     (an applied step overflowed them), nor a run whose every batch is now non-finite: such a
     run would skip to its end and save nothing."""
-    params = list(run.model.parameters())
-    finite = bool(torch.stack([p.isfinite().all() for p in params]).all())
+    finite = parallel.all_finite(run.model)
     if finite and skipped < NAN_STREAK:
         return
     why = ("the weights themselves are no longer finite" if not finite else

@@ -13,8 +13,8 @@ one of two ways (the `parallel` key):
         gradients are summed and the weights kept and updated in float32.
 
 One rank trains the model itself, either way. What the training step does differently under
-each is here: which micro-step reduces the gradients (sync_gradients) and the gradient norm
-over sharded gradients (clip_grad_norm).
+each is here: which micro-step reduces the gradients (sync_gradients), the gradient norm
+over sharded gradients (clip_grad_norm), and whether the weights are finite (all_finite).
 """
 import sys
 from typing import Callable, NamedTuple
@@ -131,6 +131,18 @@ def clip_grad_norm(model, max_norm):
         norm = norm.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
     return norm
+
+
+def all_finite(model):
+    """Are all the weights finite? The same answer on every rank: under fsdp each rank holds a
+    shard of each weight, and would otherwise answer for its shard alone."""
+    params = list(model.parameters())
+    shards = is_dtensor(params[0])
+    finite = torch.stack([(p.to_local() if shards else p).isfinite().all()
+                          for p in params]).all().float()
+    if shards:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    return bool(finite)
 
 
 def is_dtensor(t):

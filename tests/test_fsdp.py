@@ -366,3 +366,20 @@ def test_a_save_in_the_background_needs_room_for_its_copy_in_host_memory():
                          if line.startswith("MemAvailable:"))
     assert checkpoint.host_has_room(available // 8, Ranks(0, 0, 2, 2))
     assert not checkpoint.host_has_room(available // 8, Ranks(0, 0, 8, 8))
+
+
+@pytest.mark.slow
+def test_nan_policy_skip_stops_every_rank_when_one_ranks_shard_is_not_finite(runs, corpus,
+                                                                               tmp_path, env):
+    """A NaN in the last row of one weight: under fsdp only rank 1 holds it. Every rank asks
+    the others whether the weights are finite, so rank 0 gives up too, with the same error,
+    instead of going on alone to find its peer gone."""
+    out = tmp_path / "out"
+    os.makedirs(out)
+    state = torch.load(checkpoint.path_for(runs["ddp"], 10), weights_only=True)
+    state["model"]["transformer.h.0.mlp.c_fc.weight"][-1, 0] = float("nan")
+    torch.save(state, checkpoint.path_for(str(out), 10))
+    p = fails("train.py", *train_args(corpus, out, "--parallel=fsdp", "--init_from=resume",
+                                      "--nan_policy=skip"), env=env, nproc=2)
+    assert "train.py: error (rank 0): nan_policy='skip' cannot recover at iter 10: the weights " \
+           "themselves are no longer finite" in p.stderr, p.stdout + p.stderr
