@@ -3,6 +3,7 @@ its device, its precision (dtype, autocast and gradient scaler), the process gro
 peers.py's store for each torchrun restart), the device's peak FLOP/s for MFU, and the ranks'
 agreement at start-up.
 """
+import logging
 import os
 import sys
 from contextlib import nullcontext
@@ -14,6 +15,8 @@ import torch.distributed as dist
 
 from ddpgpt import peers
 from ddpgpt.errors import UserError, exit_now
+
+log = logging.getLogger(__name__)
 
 
 class Ranks(NamedTuple):
@@ -53,12 +56,18 @@ def ranks():
 # ---- the device ----
 
 def pick_device(device, ranks):
-    """'auto' is this rank's GPU when torch sees one, else the CPU; 'cuda' is this rank's GPU,
+    """'auto' is this rank's GPU when torch sees one, else the CPU (with a note where the
+    process looks launched to run on a GPU: gpu_job_signs); 'cuda' is this rank's GPU,
     cuda:<local rank>, since a launcher starts one process per GPU. cuda:N with several ranks on
     this node would put them all on one GPU. A device this torch cannot serve is a UserError
     that names the ones it can."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cpu" and (signs := gpu_job_signs()):
+            log.info(f"note: device='auto' is the CPU: torch {torch.__version__} sees no CUDA "
+                     f"device (built for CUDA {torch.version.cuda or 'none: a CPU build'}), "
+                     f"though {signs}. Install torch's CUDA build, or check the "
+                     f"driver with nvidia-smi; --device=cpu runs on the CPU without this note.")
     try:
         chosen = torch.device(device)
     except RuntimeError:
@@ -84,6 +93,23 @@ def pick_device(device, ranks):
         raise UserError(f"this rank needs GPU cuda:{index}, but torch sees "
                         f"{torch.cuda.device_count()}: start at most that many ranks per node.")
     return f"cuda:{index}"
+
+
+# what a launcher sets when it gives a process GPUs
+GPU_JOB_VARIABLES = ("CUDA_VISIBLE_DEVICES", "SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS",
+                     "SLURM_STEP_GPUS")
+
+
+def gpu_job_signs():
+    """Why this process looks launched to run on a GPU ('' when it does not): torch built for
+    CUDA, or GPUs given to it by CUDA_VISIBLE_DEVICES or SLURM. A CPU-only machine shows none,
+    so device='auto' goes to the CPU there without a word."""
+    env = os.environ
+    signs = [f"{name}={env[name]}" for name in GPU_JOB_VARIABLES if env.get(name)]
+    if torch.version.cuda:
+        signs.insert(0, f"this torch is built for CUDA {torch.version.cuda}")
+    return ", ".join(signs)
+
 
 
 def apple_gpu(device, ranks):

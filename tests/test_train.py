@@ -3,6 +3,7 @@ configuration errors."""
 import contextlib
 import glob
 import json
+import logging
 import os
 
 import pytest
@@ -170,6 +171,23 @@ def test_cuda_means_each_ranks_own_gpu(monkeypatch):
         runtime.pick_device("cuda:0", Ranks(2, 2, 8, 8))
     with pytest.raises(UserError, match="needs GPU cuda:9, but torch sees 8"):
         runtime.pick_device("cuda", Ranks(9, 9, 10, 10))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="auto is the GPU here")
+def test_device_auto_on_the_cpu_says_so_where_the_job_was_given_gpus(monkeypatch, caplog):
+    """A CPU build of torch, or a driver it cannot use, under a launcher that gave the job
+    GPUs: one line says so. A CPU-only machine (a CPU build, no GPUs given) hears nothing."""
+    for name in runtime.GPU_JOB_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    caplog.set_level(logging.INFO, logger="ddpgpt")
+    assert runtime.pick_device("auto", Ranks(0, 0, 1, 1)) == "cpu"
+    assert bool(caplog.messages) == bool(torch.version.cuda), caplog.messages
+    caplog.clear()
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "8")
+    assert runtime.pick_device("auto", Ranks(3, 3, 8, 8)) == "cpu"
+    assert caplog.messages[0].startswith(f"note: device='auto' is the CPU: torch "
+                                         f"{torch.__version__} sees no CUDA device")
+    assert "SLURM_GPUS_ON_NODE=8" in caplog.messages[0]
 
 
 @pytest.mark.parametrize("name, peak", [
