@@ -44,13 +44,24 @@ def ranks():
                     f"{name} is not set: with one srun task per GPU, train.py needs MASTER_ADDR "
                     f"and MASTER_PORT; launch through launch/srun.sh, which sets them.")
         found = Ranks(int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]),
-                      int(env["SLURM_NTASKS"]), int(env.get("LOCAL_WORLD_SIZE", 1)))
+                      int(env["SLURM_NTASKS"]), slurm_tasks_on_this_node(env))
         # init_process_group's env:// rendezvous reads RANK and WORLD_SIZE: set them as
         # torchrun would (srun sets only the SLURM_* variables)
         env.update(RANK=str(found.rank), LOCAL_RANK=str(found.local_rank),
-                   WORLD_SIZE=str(found.world_size))
+                   WORLD_SIZE=str(found.world_size), LOCAL_WORLD_SIZE=str(found.local_world_size))
         return found
     return Ranks(0, 0, 1, 1)
+
+
+def slurm_tasks_on_this_node(env):
+    """The srun step's tasks on this node (SLURM_NODEID), from SLURM_STEP_TASKS_PER_NODE:
+    '8(x2),4' is 8 on each of the first two nodes, 4 on the third."""
+    counts = []
+    for part in env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1")) \
+            .split(","):
+        tasks, _, nodes = part.partition("(x")
+        counts += [int(tasks)] * int(nodes.rstrip(")") or 1)
+    return counts[int(env.get("SLURM_NODEID", 0))]
 
 
 # ---- the device ----
@@ -89,10 +100,19 @@ def pick_device(device, ranks):
                         f"on one GPU: use --device=cuda, which gives each rank its own, "
                         f"cuda:<local rank>.")
     index = ranks.local_rank if chosen.index is None else chosen.index
+    if chosen.index is None and torch.cuda.device_count() == 1 and one_srun_task_per_gpu():
+        index = 0  # this task's own GPU: SLURM bound it one, and torch sees that one alone
     if index >= torch.cuda.device_count():
         raise UserError(f"this rank needs GPU cuda:{index}, but torch sees "
                         f"{torch.cuda.device_count()}: start at most that many ranks per node.")
     return f"cuda:{index}"
+
+
+def one_srun_task_per_gpu():
+    """Is this process an srun task of its own (LAUNCHER=srun), not a rank that torchrun
+    started? SLURM may bind such a task to one GPU (--gpus-per-task=1, --gpu-bind), which is
+    then its cuda:0 whatever its SLURM_LOCALID."""
+    return "SLURM_LOCALID" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
 
 
 # what a launcher sets when it gives a process GPUs
