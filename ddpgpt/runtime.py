@@ -158,6 +158,17 @@ def device_type(device):
     return torch.device(device).type
 
 
+def on_device(device):
+    """A thread initializer (ThreadPoolExecutor's) that makes device the thread's CUDA device.
+    CUDA's current device is per thread and a new thread's is cuda:0: a rank's background
+    thread that pins memory (the batch reader) or runs DCP's save, which copies on
+    torch.cuda.current_stream(), would open a context of its own on GPU 0, every rank's."""
+    def set_device():
+        if device_type(device) == "cuda":
+            torch.cuda.set_device(device)
+    return set_device
+
+
 # ---- precision ----
 
 class Precision(NamedTuple):
