@@ -9,8 +9,9 @@ one of two ways (the `parallel` key):
         and backward all-gather its weights from the other ranks, and the backward of the last
         micro-step (of each, with reduce_every_micro_step) reduce-scatters the gradients, so
         that each rank has the sum of its shard of them and updates its shard of the weights.
-        In bfloat16 (on a GPU) the weights are gathered and multiplied in bfloat16, and the
-        gradients are summed and the weights kept and updated in float32.
+        In bfloat16 (on a GPU) the weights are gathered and multiplied in bfloat16, the
+        residual stream is bfloat16, and the gradients are summed and the weights kept and
+        updated in float32.
 
 One rank trains the model itself, either way. What the training step does differently under
 each is here: which micro-step reduces the gradients (sync_gradients), the gradient norm
@@ -97,8 +98,11 @@ def shard(model, device, dtype, reshard_after_forward, compile):
     from torch.distributed.device_mesh import init_device_mesh  # see is_dtensor()
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(runtime.device_type(device), (dist.get_world_size(),))
-    # bfloat16 gathers and matmuls; float32 gradient sums and master weights. autocast still
-    # wraps the forward, and keeps LayerNorm, softmax and the loss in float32, as under ddp
+    # bfloat16 gathers and matmuls; float32 gradient sums and master weights. The embeddings'
+    # output, gathered in bfloat16, makes the residual stream bfloat16 (float32 under ddp's
+    # autocast), as torchtitan has it: half the activations' memory, which is what fsdp is
+    # for (docs/fsdp.md). autocast still wraps the forward: LayerNorm, softmax and the loss in
+    # float32, as under ddp
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if dtype == "bfloat16" else MixedPrecisionPolicy()
     for block in model.transformer.h:

@@ -383,3 +383,23 @@ def test_nan_policy_skip_stops_every_rank_when_one_ranks_shard_is_not_finite(run
                                       "--nan_policy=skip"), env=env, nproc=2)
     assert "train.py: error (rank 0): nan_policy='skip' cannot recover at iter 10: the weights " \
            "themselves are no longer finite" in p.stderr, p.stdout + p.stderr
+
+
+@pytest.mark.slow
+def test_in_bfloat16_fsdp_keeps_the_residual_stream_in_bfloat16_and_trains_as_ddp(corpus,
+                                                                                tmp_path, env):
+    """arch=modern (rotary cos and sin, QK-norm) in bfloat16: ddp's autocast keeps the residual
+    stream in float32, fsdp's gathered bfloat16 weights make it bfloat16 (docs/fsdp.md says
+    why), and the losses agree to bfloat16's rounding. The QK-norm's gain, bfloat16 under fsdp,
+    is computed in float32 with its input: no dtype mix for RMSNorm's fused kernel to refuse."""
+    args = [*TINY, "--gradient_accumulation_steps=4", "--max_iters=4", "--eval_interval=4",
+            "--eval_iters=2", "--dtype=bfloat16", "--arch=modern", f"--data_dir={corpus}"]
+    seen = {}
+    for kind in ("ddp", "fsdp"):
+        p = torchrun(2, "tests/launch_block_dtypes.py", *args, f"--parallel={kind}",
+                     f"--out_dir={tmp_path / kind}", env=env)
+        seen[kind] = re.findall(r"block inputs \(rank \d\): (.*)", p.stdout)
+        assert "Mismatch dtype" not in p.stderr, p.stderr
+    assert seen == {"ddp": ["float32 float32 float32"] * 2,
+                    "fsdp": ["bfloat16 bfloat16 bfloat16"] * 2}
+    assert relative_difference(tmp_path / "ddp", tmp_path / "fsdp") <= 1e-3
