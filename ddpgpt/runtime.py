@@ -6,6 +6,7 @@ agreement at start-up.
 import logging
 import os
 import sys
+import time
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -156,6 +157,28 @@ def can_run_on():
 
 def device_type(device):
     return torch.device(device).type
+
+
+class Stopwatch:
+    """The time from its making to its last stop(), in seconds(): the host's clock on a CPU; on
+    CUDA the device's, by two events on its stream, since the host only queues the kernels and
+    its clock would time the queueing. seconds() is read after the step's synchronisation, when
+    both events are done: it waits for nothing."""
+
+    def __init__(self, device):
+        self.cuda = device_type(device) == "cuda"
+        if self.cuda:
+            self.start, self.end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            self.start.record()
+        self.t_start, self.took = time.perf_counter(), 0.0
+
+    def stop(self):
+        if self.cuda:
+            self.end.record()
+        self.took = time.perf_counter() - self.t_start
+
+    def seconds(self):
+        return self.start.elapsed_time(self.end) / 1000 if self.cuda else self.took
 
 
 def on_device(device):
