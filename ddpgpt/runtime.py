@@ -119,18 +119,19 @@ def one_srun_task_per_gpu():
 # what a launcher sets when it gives a process GPUs
 GPU_JOB_VARIABLES = ("CUDA_VISIBLE_DEVICES", "SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS",
                      "SLURM_STEP_GPUS")
+NVIDIA_DRIVER = "/dev/nvidiactl"  # the loaded driver's control device, on Linux
 
 
 def gpu_job_signs():
-    """Why this process looks launched to run on a GPU ('' when it does not): torch built for
-    CUDA, or GPUs given to it by CUDA_VISIBLE_DEVICES or SLURM. A CPU-only machine shows none,
-    so device='auto' goes to the CPU there without a word."""
+    """Why this process looks launched to run on a GPU ('' when it does not): GPUs given to it
+    by CUDA_VISIBLE_DEVICES or SLURM, or an NVIDIA driver loaded on this machine. A CPU-only
+    machine shows none, whatever torch build it has, so device='auto' goes to the CPU there
+    without a word."""
     env = os.environ
     signs = [f"{name}={env[name]}" for name in GPU_JOB_VARIABLES if env.get(name)]
-    if torch.version.cuda:
-        signs.insert(0, f"this torch is built for CUDA {torch.version.cuda}")
+    if os.path.exists(NVIDIA_DRIVER):
+        signs.append(f"this machine has an NVIDIA driver ({NVIDIA_DRIVER})")
     return ", ".join(signs)
-
 
 
 def apple_gpu(device, ranks):
