@@ -312,8 +312,7 @@ def check_skipping(run, skipped):
     """nan_policy='skip' skips a bad batch; it cannot mend weights that are no longer finite
     (an applied step overflowed them), nor a run whose every batch is now non-finite: such a
     run would skip to its end and save nothing."""
-    params = list(run.model.parameters())
-    finite = bool(torch.stack([p.isfinite().all() for p in params]).all())
+    finite = parallel.all_finite(run.model)
     if finite and skipped < NAN_STREAK:
         return
     why = ("the weights themselves are no longer finite" if not finite else
@@ -331,7 +330,7 @@ def check_skipping(run, skipped):
 class Step(NamedTuple):
     row: dict  # for metrics.jsonl
     stop: bool  # a rank was signalled to stop
-    alone_s: float  # this rank's seconds in the step before waiting for the others
+    alone: runtime.Stopwatch  # this rank's time in the step before waiting for the others
     data_wait_s: float  # its seconds waiting for data
 
 
@@ -343,9 +342,9 @@ def train_step(run, history, stop_signals):
     iter_num, samples = run.state.iter_num, run.state.samples
     lr = optim.set_lr(optimizer, cfg, iter_num)
     torch.manual_seed(cfg.seed + 7919 * run.ranks.rank + 104729 * iter_num)  # dropout resumes
-    loss_sum, data_wait_s, alone_s = forward_backward(
+    loss_sum, data_wait_s, alone = forward_backward(
         run.train_model, run.batches, run.micro_steps, run.precision,
-        cfg.reduce_every_micro_step)
+        cfg.reduce_every_micro_step, run.device)
     scaler.unscale_(optimizer)
     grad_norm = parallel.clip_grad_norm(model, cfg.grad_clip or math.inf)
     loss, grad_norm, stop = share_step_results(loss_sum, grad_norm, stop_signals,
@@ -366,14 +365,15 @@ def train_step(run, history, stop_signals):
         history.append((loss, grad_norm))
     row = {"iter": iter_num, "loss": loss, "grad_norm": grad_norm, "lr": lr,
            "batch_fp": batch_fp, **({"skipped": problem} if problem else {})}
-    return Step(row, stop, alone_s, data_wait_s)
+    return Step(row, stop, alone, data_wait_s)
 
 
-def forward_backward(model, batches, micro_steps, precision, reduce_every_micro_step):
+def forward_backward(model, batches, micro_steps, precision, reduce_every_micro_step, device):
     """This rank's micro-steps of one optimizer step: (the summed loss on the device, seconds
-    spent waiting for data, seconds until the last backward, which waits for the other ranks
-    in DDP: what this rank alone took). The gradients accumulate in the parameters."""
-    loss_sum, data_wait, t_start = 0.0, 0.0, time.perf_counter()
+    spent waiting for data, a Stopwatch of the time until the last backward, which waits for
+    the other ranks in DDP: what this rank alone took). The gradients accumulate in the
+    parameters."""
+    loss_sum, data_wait, alone = 0.0, 0.0, runtime.Stopwatch(device)
     for micro_step in range(micro_steps):
         # the gradients are reduced over the ranks in the last micro-step's backward only
         parallel.sync_gradients(model, micro_step == micro_steps - 1 or reduce_every_micro_step)
@@ -383,7 +383,7 @@ def forward_backward(model, batches, micro_steps, precision, reduce_every_micro_
         with precision.autocast:
             _, loss = model(x, y)
             loss = loss / micro_steps
-        alone = time.perf_counter() - t_start
+        alone.stop()  # at each micro-step: the last one's counts
         precision.scaler.scale(loss).backward()
         loss_sum = loss_sum + loss.detach().float()
     return loss_sum, data_wait, alone
@@ -450,7 +450,7 @@ def report_step(run, step, dt, first):
     if runtime.device_type(run.device) == "cuda":  # the allocator's count: no synchronising
         row["peak_mem"] = torch.cuda.max_memory_allocated(run.device)
     if row["iter"] % cfg.log_interval == 0:
-        row.update(metrics.rank_telemetry(step.alone_s, step.data_wait_s, run.device,
+        row.update(metrics.rank_telemetry(step.alone.seconds(), step.data_wait_s, run.device,
                                           run.ranks.world_size))
         metrics.log_step(row, run.peak)
         if not first:

@@ -37,6 +37,7 @@ TORCH_LOGS = "recompiles,graph_breaks"
 CPU = ["--device=cpu", "--dtype=float32", "--compile=False"]
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4"]
 TWO_RANKS = ["--backend=gloo", "--gradient_accumulation_steps=4"]  # 2 micro-steps per rank
+UNEVEN_EVALUATION = ["--eval_iters=3"]  # for 2 ranks: one has a batch fewer
 RECIPE = ["--arch=modern", "--optimizer=muon"]  # the same FLOPs per token as GPT-2's
 # What each mode runs: train.py's arguments for GPT-2 124M ("main") and for the 2-rank run
 # (a small model, as gloo carries every gradient through host memory); the steps, the
@@ -354,12 +355,13 @@ def agents(args, port):
 
 def two_ranks(s, parallel="ddp"):
     """2 ranks of train.py on the one GPU; under fsdp the run must also leave its sharded
-    checkpoint, a part per rank."""
+    checkpoint, a part per rank. An evaluation midway, of 3 batches over the 2 ranks, must not
+    recompile the model: its forwards are of the training's batch size."""
     spec, name = s.spec, "2 ranks" if parallel == "ddp" else f"{parallel}, 2 ranks"
     out = s.out("ranks" if parallel == "ddp" else parallel)
-    args = train_args(spec["ranks"], s.bytes, out, spec["rank_steps"], spec["rank_steps"])
-    finished = launch(s, name, agents([*args, f"--parallel={parallel}"], free_port()),
-                      spec["caps"]["ranks"])
+    args = train_args(spec["ranks"], s.bytes, out, spec["rank_steps"], spec["rank_steps"] // 2)
+    finished = launch(s, name, agents([*args, f"--parallel={parallel}", *UNEVEN_EVALUATION],
+                                      free_port()), spec["caps"]["ranks"])
     s.runs[name] = finished
     if not succeeded(finished):
         return failed_row(name, finished)
@@ -368,14 +370,15 @@ def two_ranks(s, parallel="ddp"):
     show(name, compile_lines(finished.output))
     ms = float(np.median([r["ms"] for r in steps[1:]])) if len(steps) > 1 else None
     passed = "world size 2," in finished.output and len(steps) == spec["rank_steps"] and \
-        all(math.isfinite(r["loss"]) for r in steps)
+        all(math.isfinite(r["loss"]) for r in steps) and after == 0
     if parallel == "fsdp":
         folder = checkpoint.path_for(out, spec["rank_steps"], folder=True)
         passed = passed and sorted(os.listdir(folder))[:3] == [".metadata", "__0_0.distcp",
                                                                "__1_0.distcp"]
     return check_row(name, passed, f"world size 2 on {spec['device']}, gloo, {parallel}: "
                      f"{len(steps)} steps, {report.FORMAT.format('{:,.1f}', ms)} ms/step after "
-                     f"the first; {first} recompile(s) by the first step, {after} after, "
+                     f"the first; {first} recompile(s) by the first step, {after} after "
+                     f"(an evaluation of uneven batches midway), "
                      f"{breaks} graph break(s)", ms_per_step=ms, recompiles_after=after,
                      graph_breaks=breaks)
 

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from ddpgpt import fileio, parallel
+from ddpgpt import fileio, parallel, runtime
 from ddpgpt.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -314,7 +314,9 @@ class Saver:
         self.group = dist.new_group(backend="gloo") if self.folder and ranks.world_size > 1 \
             else None
         self.aliases = aliases(model)
-        self.background = ThreadPoolExecutor(1, "checkpoint") if background else None
+        self.background = ThreadPoolExecutor(
+            1, "checkpoint", initializer=runtime.on_device(next(model.parameters()).device)) \
+            if background else None
         self.buffers = {}  # the host copies, reused from one background save to the next
         self.pending = None  # the Future of the save in the background
         self.iter_num = None  # of the last save begun

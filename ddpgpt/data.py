@@ -37,7 +37,7 @@ from typing import NamedTuple, Optional, get_args
 import numpy as np
 import torch
 
-from ddpgpt import docindex, tokenfile
+from ddpgpt import docindex, runtime, tokenfile
 from ddpgpt.errors import UserError
 from ddpgpt.permutation import feistel_shape, hash64, hash_key, permute, round_keys, walk
 from ddpgpt.settings import Sampling
@@ -460,7 +460,8 @@ def rank_batches(mix, *, block_size, batch_size, micro_steps, rank, world_size, 
     if not prefetch:
         while True:
             yield on_device(load())
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=READER) as pool:
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=READER,
+                            initializer=runtime.on_device(device)) as pool:
         pending = deque(pool.submit(load) for _ in range(prefetch))
         while True:
             batch = pending.popleft().result()

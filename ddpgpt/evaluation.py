@@ -112,12 +112,16 @@ def split_loss(model, token_split, offsets, ev, ranks, autocast, device, bpb=Tru
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     windows = n_bytes = 0
     # every rank runs as many forwards as the rank with the most windows: under fsdp each one
-    # gathers the weights with the other ranks. A rank with a batch fewer reads one more
-    # (the first windows again) and does not count it
+    # gathers the weights with the other ranks. Every forward is of batch_size windows, as a
+    # training micro-step's: a shorter last chunk would make torch.compile recompile the model
+    # with a symbolic batch size, which the training step would then run. A chunk is filled up
+    # with the first window, its targets -1 (ignored by the loss and its weight); a rank with a
+    # batch fewer reads one such batch and does not count it
     for i in range(0, len(offsets[::ranks.world_size]), ev.batch_size):
         chunk = mine[i:i + ev.batch_size]
-        x, y = data.read_xy(token_split, chunk if len(chunk) else offsets[:1], ev.block_size,
-                            ev.vocab_size)
+        x, y = data.read_xy(token_split, [*chunk, *[offsets[0]] * (ev.batch_size - len(chunk))],
+                            ev.block_size, ev.vocab_size)
+        y[len(chunk):] = -1
         with autocast:
             _, loss = model(x.to(device), y.to(device))
         if not len(chunk):
@@ -128,7 +132,7 @@ def split_loss(model, token_split, offsets, ev, ranks, autocast, device, bpb=Tru
         loss_sum += loss.double() * weight
         windows += weight
         if bpb and ev.token_bytes is not None:
-            n_bytes += int(ev.token_bytes[y.numpy()].sum())
+            n_bytes += int(ev.token_bytes[y[:len(chunk)].numpy()].sum())
     total = torch.stack([loss_sum, torch.full_like(loss_sum, windows),
                          torch.full_like(loss_sum, n_bytes)])
     if ranks.world_size > 1:

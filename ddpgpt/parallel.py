@@ -9,12 +9,13 @@ one of two ways (the `parallel` key):
         and backward all-gather its weights from the other ranks, and the backward of the last
         micro-step (of each, with reduce_every_micro_step) reduce-scatters the gradients, so
         that each rank has the sum of its shard of them and updates its shard of the weights.
-        In bfloat16 (on a GPU) the weights are gathered and multiplied in bfloat16, and the
-        gradients are summed and the weights kept and updated in float32.
+        In bfloat16 (on a GPU) the weights are gathered and multiplied in bfloat16, the
+        residual stream is bfloat16, and the gradients are summed and the weights kept and
+        updated in float32.
 
 One rank trains the model itself, either way. What the training step does differently under
-each is here: which micro-step reduces the gradients (sync_gradients) and the gradient norm
-over sharded gradients (clip_grad_norm).
+each is here: which micro-step reduces the gradients (sync_gradients), the gradient norm
+over sharded gradients (clip_grad_norm), and whether the weights are finite (all_finite).
 """
 import sys
 from typing import Callable, NamedTuple
@@ -97,8 +98,11 @@ def shard(model, device, dtype, reshard_after_forward, compile):
     from torch.distributed.device_mesh import init_device_mesh  # see is_dtensor()
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(runtime.device_type(device), (dist.get_world_size(),))
-    # bfloat16 gathers and matmuls; float32 gradient sums and master weights. autocast still
-    # wraps the forward, and keeps LayerNorm, softmax and the loss in float32, as under ddp
+    # bfloat16 gathers and matmuls; float32 gradient sums and master weights. The embeddings'
+    # output, gathered in bfloat16, makes the residual stream bfloat16 (float32 under ddp's
+    # autocast), as torchtitan has it: half the activations' memory, which is what fsdp is
+    # for (docs/fsdp.md). autocast still wraps the forward: LayerNorm, softmax and the loss in
+    # float32, as under ddp
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if dtype == "bfloat16" else MixedPrecisionPolicy()
     for block in model.transformer.h:
@@ -131,6 +135,18 @@ def clip_grad_norm(model, max_norm):
         norm = norm.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
     return norm
+
+
+def all_finite(model):
+    """Are all the weights finite? The same answer on every rank: under fsdp each rank holds a
+    shard of each weight, and would otherwise answer for its shard alone."""
+    params = list(model.parameters())
+    shards = is_dtensor(params[0])
+    finite = torch.stack([(p.to_local() if shards else p).isfinite().all()
+                          for p in params]).all().float()
+    if shards:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    return bool(finite)
 
 
 def is_dtensor(t):

@@ -3,8 +3,10 @@ its device, its precision (dtype, autocast and gradient scaler), the process gro
 peers.py's store for each torchrun restart), the device's peak FLOP/s for MFU, and the ranks'
 agreement at start-up.
 """
+import logging
 import os
 import sys
+import time
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -14,6 +16,8 @@ import torch.distributed as dist
 
 from ddpgpt import peers
 from ddpgpt.errors import UserError, exit_now
+
+log = logging.getLogger(__name__)
 
 
 class Ranks(NamedTuple):
@@ -41,24 +45,41 @@ def ranks():
                     f"{name} is not set: with one srun task per GPU, train.py needs MASTER_ADDR "
                     f"and MASTER_PORT; launch through launch/srun.sh, which sets them.")
         found = Ranks(int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]),
-                      int(env["SLURM_NTASKS"]), int(env.get("LOCAL_WORLD_SIZE", 1)))
+                      int(env["SLURM_NTASKS"]), slurm_tasks_on_this_node(env))
         # init_process_group's env:// rendezvous reads RANK and WORLD_SIZE: set them as
         # torchrun would (srun sets only the SLURM_* variables)
         env.update(RANK=str(found.rank), LOCAL_RANK=str(found.local_rank),
-                   WORLD_SIZE=str(found.world_size))
+                   WORLD_SIZE=str(found.world_size), LOCAL_WORLD_SIZE=str(found.local_world_size))
         return found
     return Ranks(0, 0, 1, 1)
+
+
+def slurm_tasks_on_this_node(env):
+    """The srun step's tasks on this node (SLURM_NODEID), from SLURM_STEP_TASKS_PER_NODE:
+    '8(x2),4' is 8 on each of the first two nodes, 4 on the third."""
+    counts = []
+    for part in env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1")) \
+            .split(","):
+        tasks, _, nodes = part.partition("(x")
+        counts += [int(tasks)] * int(nodes.rstrip(")") or 1)
+    return counts[int(env.get("SLURM_NODEID", 0))]
 
 
 # ---- the device ----
 
 def pick_device(device, ranks):
-    """'auto' is this rank's GPU when torch sees one, else the CPU; 'cuda' is this rank's GPU,
+    """'auto' is this rank's GPU when torch sees one, else the CPU (with a note where the
+    process looks launched to run on a GPU: gpu_job_signs); 'cuda' is this rank's GPU,
     cuda:<local rank>, since a launcher starts one process per GPU. cuda:N with several ranks on
     this node would put them all on one GPU. A device this torch cannot serve is a UserError
     that names the ones it can."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cpu" and (signs := gpu_job_signs()):
+            log.info(f"note: device='auto' is the CPU: torch {torch.__version__} sees no CUDA "
+                     f"device (built for CUDA {torch.version.cuda or 'none: a CPU build'}), "
+                     f"though {signs}. Install torch's CUDA build, or check the "
+                     f"driver with nvidia-smi; --device=cpu runs on the CPU without this note.")
     try:
         chosen = torch.device(device)
     except RuntimeError:
@@ -80,10 +101,37 @@ def pick_device(device, ranks):
                         f"on one GPU: use --device=cuda, which gives each rank its own, "
                         f"cuda:<local rank>.")
     index = ranks.local_rank if chosen.index is None else chosen.index
+    if chosen.index is None and torch.cuda.device_count() == 1 and one_srun_task_per_gpu():
+        index = 0  # this task's own GPU: SLURM bound it one, and torch sees that one alone
     if index >= torch.cuda.device_count():
         raise UserError(f"this rank needs GPU cuda:{index}, but torch sees "
                         f"{torch.cuda.device_count()}: start at most that many ranks per node.")
     return f"cuda:{index}"
+
+
+def one_srun_task_per_gpu():
+    """Is this process an srun task of its own (LAUNCHER=srun), not a rank that torchrun
+    started? SLURM may bind such a task to one GPU (--gpus-per-task=1, --gpu-bind), which is
+    then its cuda:0 whatever its SLURM_LOCALID."""
+    return "SLURM_LOCALID" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
+
+
+# what a launcher sets when it gives a process GPUs
+GPU_JOB_VARIABLES = ("CUDA_VISIBLE_DEVICES", "SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS",
+                     "SLURM_STEP_GPUS")
+NVIDIA_DRIVER = "/dev/nvidiactl"  # the loaded driver's control device, on Linux
+
+
+def gpu_job_signs():
+    """Why this process looks launched to run on a GPU ('' when it does not): GPUs given to it
+    by CUDA_VISIBLE_DEVICES or SLURM, or an NVIDIA driver loaded on this machine. A CPU-only
+    machine shows none, whatever torch build it has, so device='auto' goes to the CPU there
+    without a word."""
+    env = os.environ
+    signs = [f"{name}={env[name]}" for name in GPU_JOB_VARIABLES if env.get(name)]
+    if os.path.exists(NVIDIA_DRIVER):
+        signs.append(f"this machine has an NVIDIA driver ({NVIDIA_DRIVER})")
+    return ", ".join(signs)
 
 
 def apple_gpu(device, ranks):
@@ -110,6 +158,39 @@ def can_run_on():
 
 def device_type(device):
     return torch.device(device).type
+
+
+class Stopwatch:
+    """The time from its making to its last stop(), in seconds(): the host's clock on a CPU; on
+    CUDA the device's, by two events on its stream, since the host only queues the kernels and
+    its clock would time the queueing. seconds() is read after the step's synchronisation, when
+    both events are done: it waits for nothing."""
+
+    def __init__(self, device):
+        self.cuda = device_type(device) == "cuda"
+        if self.cuda:
+            self.start, self.end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            self.start.record()
+        self.t_start, self.took = time.perf_counter(), 0.0
+
+    def stop(self):
+        if self.cuda:
+            self.end.record()
+        self.took = time.perf_counter() - self.t_start
+
+    def seconds(self):
+        return self.start.elapsed_time(self.end) / 1000 if self.cuda else self.took
+
+
+def on_device(device):
+    """A thread initializer (ThreadPoolExecutor's) that makes device the thread's CUDA device.
+    CUDA's current device is per thread and a new thread's is cuda:0: a rank's background
+    thread that pins memory (the batch reader) or runs DCP's save, which copies on
+    torch.cuda.current_stream(), would open a context of its own on GPU 0, every rank's."""
+    def set_device():
+        if device_type(device) == "cuda":
+            torch.cuda.set_device(device)
+    return set_device
 
 
 # ---- precision ----

@@ -5,7 +5,9 @@ before each checkpoint save. When no beat comes within the limit, every rank who
 still run writes the stacks of all its threads to its log (stderr), headed with its rank and
 iter, and a one-line report to out_dir/hang/rank<r>.txt; rank 0 gathers the reports, prints
 where the ranks are, grouped, and which did not report, and writes that to
-out_dir/hang/summary.txt. Then each rank exits with EXIT_CODE, so that torchrun or SLURM ends
+out_dir/hang/summary.txt. Where the flight recorder is on (launch/srun.sh turns it on), each
+rank also writes its record of the last collectives, as torch would have on the collective
+timeout that the watchdog comes before. Then each rank exits with EXIT_CODE, so that torchrun or SLURM ends
 the run (and can restart it) instead of leaving it hung until a collective times out.
 
   the limit   until the first step completes: startup_timeout_s (rendezvous, data checks,
@@ -143,7 +145,19 @@ class Watchdog:
             self.say(f"the limit holds for each {self.doing} too: if it is only slow, raise "
                      f"{key} above the time one takes")
         # the files may be on the mount that hangs: exit whether or not this finishes
+        in_thread(self.dump_flight_recorder, REPORT_WAIT_S)
         in_thread(lambda: self.share(where), REPORT_WAIT_S + 5)
+
+    def dump_flight_recorder(self):
+        """The flight recorder's last collectives of this rank, where torch writes them when a
+        collective times out: this limit ends a hang before dist_timeout_s would."""
+        try:
+            path = flight_recorder_dump(self.rank)
+        except OSError as e:
+            self.say(f"could not write the flight recorder's dump: {e}")
+            return
+        if path is not None:
+            self.say(f"the flight recorder's last collectives of this rank are in {path}")
 
     def say(self, text):
         """Each line on its own, prefixed with the rank: ranks that share a log write at the
@@ -192,6 +206,25 @@ class Watchdog:
         except (OSError, ValueError):
             return None
         return line if line.get("time", 0) >= self.started else None
+
+
+def flight_recorder_dump(rank):
+    """Write the flight recorder's record of this rank's collectives to torch's own place for
+    it, TORCH_FR_DUMP_TEMP_FILE<rank> (launch/srun.sh sets it), when the recorder is on
+    (TORCH_FR_BUFFER_SIZE; the older TORCH_NCCL_* names too) and the process group is up: that
+    path, else None. NCCL's recorder under nccl, the CPU backends' under gloo."""
+    env, dist = os.environ, sys.modules.get("torch.distributed")
+    entries = env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")
+    if not entries.isdigit() or int(entries) == 0 or dist is None or not dist.is_initialized():
+        return None
+    c10d = sys.modules["torch"]._C._distributed_c10d
+    dump = c10d._dump_nccl_trace if dist.get_backend() == "nccl" else c10d._dump_fr_trace
+    path = (env.get("TORCH_FR_DUMP_TEMP_FILE") or
+            env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")) + str(rank)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(dump())
+    return path
 
 
 def in_thread(function, timeout_s):

@@ -80,7 +80,8 @@ echo "srun.sh: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $n_nodes n
      "$nproc rank(s), $LAUNCHER, rendezvous $head_node:$port, max restarts $MAX_RESTARTS"
 
 # NCCL's flight recorder: each rank keeps its last collectives in memory and writes them to
-# <prefix><rank> when a collective times out (dist_timeout_s), for torch's analyser
+# <prefix><rank> when a collective times out (dist_timeout_s), or the hang watchdog fires
+# (hang_timeout_s, which comes first), for torch's analyser
 # (launch/README.md). torch 2.13 reads TORCH_FR_*; the TORCH_NCCL_* names it replaced still
 # work, with a deprecation warning, so a value given under either name wins.
 export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}}

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -288,14 +289,21 @@ class RunsCode:
 
 
 @pytest.mark.slow
-def test_compiled_blocks_train_as_the_eager_ones(runs, corpus, tmp_path, env):
+def test_compiled_blocks_train_as_the_eager_ones_and_compile_once_for_training(runs, corpus,
+                                                                               tmp_path, env):
     """compile=True compiles each block in place; aot_eager (tests/launch_eager_compile.py)
-    traces them and their backward as inductor would, without generating code."""
+    traces them and their backward as inductor would, without generating code. 3 evaluation
+    batches over 2 ranks: every forward is still of batch_size windows, so the blocks compile
+    once for the evaluations and once more for training (grad mode), never for a batch size."""
     out = tmp_path / "out"
     args = train_args(corpus, out, "--parallel=fsdp", "--compile=True", "--max_iters=6",
-                      "--eval_interval=6")
-    p = torchrun(2, "tests/launch_eager_compile.py", *args, env=env)
+                      "--eval_interval=3", "--eval_iters=3")
+    p = torchrun(2, "tests/launch_eager_compile.py", *args, env=dict(env, TORCH_LOGS="recompiles"))
     assert "compile = True" in p.stdout
+    output = p.stdout + p.stderr
+    assert "size mismatch" not in output
+    recompiles = re.findall(r"\[rank(\d)\].*\[__recompiles\] Recompiling function", output)
+    assert sorted(recompiles) == ["0", "1"], output  # each rank's first training step
     ran, eager = steps(out), steps(runs["fsdp"])
     assert sorted(ran) == list(range(6))
     for i in ran:
@@ -358,3 +366,40 @@ def test_a_save_in_the_background_needs_room_for_its_copy_in_host_memory():
                          if line.startswith("MemAvailable:"))
     assert checkpoint.host_has_room(available // 8, Ranks(0, 0, 2, 2))
     assert not checkpoint.host_has_room(available // 8, Ranks(0, 0, 8, 8))
+
+
+@pytest.mark.slow
+def test_nan_policy_skip_stops_every_rank_when_one_ranks_shard_is_not_finite(runs, corpus,
+                                                                               tmp_path, env):
+    """A NaN in the last row of one weight: under fsdp only rank 1 holds it. Every rank asks
+    the others whether the weights are finite, so rank 0 gives up too, with the same error,
+    instead of going on alone to find its peer gone."""
+    out = tmp_path / "out"
+    os.makedirs(out)
+    state = torch.load(checkpoint.path_for(runs["ddp"], 10), weights_only=True)
+    state["model"]["transformer.h.0.mlp.c_fc.weight"][-1, 0] = float("nan")
+    torch.save(state, checkpoint.path_for(str(out), 10))
+    p = fails("train.py", *train_args(corpus, out, "--parallel=fsdp", "--init_from=resume",
+                                      "--nan_policy=skip"), env=env, nproc=2)
+    assert "train.py: error (rank 0): nan_policy='skip' cannot recover at iter 10: the weights " \
+           "themselves are no longer finite" in p.stderr, p.stdout + p.stderr
+
+
+@pytest.mark.slow
+def test_in_bfloat16_fsdp_keeps_the_residual_stream_in_bfloat16_and_trains_as_ddp(corpus,
+                                                                                tmp_path, env):
+    """arch=modern (rotary cos and sin, QK-norm) in bfloat16: ddp's autocast keeps the residual
+    stream in float32, fsdp's gathered bfloat16 weights make it bfloat16 (docs/fsdp.md says
+    why), and the losses agree to bfloat16's rounding. The QK-norm's gain, bfloat16 under fsdp,
+    is computed in float32 with its input: no dtype mix for RMSNorm's fused kernel to refuse."""
+    args = [*TINY, "--gradient_accumulation_steps=4", "--max_iters=4", "--eval_interval=4",
+            "--eval_iters=2", "--dtype=bfloat16", "--arch=modern", f"--data_dir={corpus}"]
+    seen = {}
+    for kind in ("ddp", "fsdp"):
+        p = torchrun(2, "tests/launch_block_dtypes.py", *args, f"--parallel={kind}",
+                     f"--out_dir={tmp_path / kind}", env=env)
+        seen[kind] = re.findall(r"block inputs \(rank \d\): (.*)", p.stdout)
+        assert "Mismatch dtype" not in p.stderr, p.stderr
+    assert seen == {"ddp": ["float32 float32 float32"] * 2,
+                    "fsdp": ["bfloat16 bfloat16 bfloat16"] * 2}
+    assert relative_difference(tmp_path / "ddp", tmp_path / "fsdp") <= 1e-3

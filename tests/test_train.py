@@ -3,6 +3,7 @@ configuration errors."""
 import contextlib
 import glob
 import json
+import logging
 import os
 
 import pytest
@@ -182,6 +183,54 @@ def test_cuda_means_each_ranks_own_gpu(monkeypatch):
         runtime.pick_device("cuda:0", Ranks(2, 2, 8, 8))
     with pytest.raises(UserError, match="needs GPU cuda:9, but torch sees 8"):
         runtime.pick_device("cuda", Ranks(9, 9, 10, 10))
+
+
+@pytest.mark.parametrize("gpus_seen, device", [(1, "cuda:0"), (8, "cuda:3")])
+def test_one_srun_task_per_gpu_finds_its_gpu_and_its_nodes_ranks(monkeypatch, gpus_seen, device):
+    """LAUNCHER=srun, 2 nodes of 8 tasks, this one the 4th task of the second node. A cluster
+    that binds one GPU to each task (CUDA_VISIBLE_DEVICES=3, say) shows it one GPU, its
+    cuda:0; another shows it all 8, and its GPU is cuda:<SLURM_LOCALID>."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in dict(SLURM_NTASKS="16", SLURM_PROCID="11", SLURM_LOCALID="3",
+                            SLURM_NODEID="1", SLURM_STEP_TASKS_PER_NODE="8(x2)",
+                            MASTER_ADDR="n1", MASTER_PORT="29500").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus_seen)
+    ranks = runtime.ranks()
+    assert ranks == Ranks(11, 3, 16, 8)
+    assert os.environ["LOCAL_WORLD_SIZE"] == "8"  # as torchrun sets it
+    assert runtime.pick_device("cuda", ranks) == runtime.pick_device("auto", ranks) == device
+    # under torchrun, a rank that sees fewer GPUs than its node's ranks is still refused
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1")
+    if gpus_seen == 1:
+        with pytest.raises(UserError, match="needs GPU cuda:3, but torch sees 1"):
+            runtime.pick_device("cuda", ranks)
+
+
+def test_slurm_tasks_per_node_of_uneven_nodes():
+    for node, tasks in enumerate([4, 4, 2]):
+        assert runtime.slurm_tasks_on_this_node(
+            {"SLURM_STEP_TASKS_PER_NODE": "4(x2),2", "SLURM_NODEID": str(node)}) == tasks
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="auto is the GPU here")
+def test_device_auto_on_the_cpu_says_so_where_the_job_was_given_gpus(monkeypatch, caplog):
+    """A CPU build of torch, or a driver it cannot use, under a launcher that gave the job
+    GPUs: one line says so. A CPU-only machine (no GPUs given, no NVIDIA driver) hears nothing,
+    whatever its torch build."""
+    for name in runtime.GPU_JOB_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    caplog.set_level(logging.INFO, logger="ddpgpt")
+    assert runtime.pick_device("auto", Ranks(0, 0, 1, 1)) == "cpu"
+    assert bool(caplog.messages) == os.path.exists(runtime.NVIDIA_DRIVER), caplog.messages
+    caplog.clear()
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "8")
+    assert runtime.pick_device("auto", Ranks(3, 3, 8, 8)) == "cpu"
+    assert caplog.messages[0].startswith(f"note: device='auto' is the CPU: torch "
+                                         f"{torch.__version__} sees no CUDA device")
+    assert "SLURM_GPUS_ON_NODE=8" in caplog.messages[0]
 
 
 @pytest.mark.parametrize("name, peak", [

@@ -3,6 +3,7 @@ whose data read blocks, the watchdog turned off, a healthy run; a process that h
 the numbers it works with."""
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -84,14 +85,19 @@ def test_a_stopped_rank_is_named_and_the_run_ends(env, corpus, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_rank_whose_data_read_blocks_is_named_in_the_data_path(env, corpus, tmp_path):
+def test_a_rank_whose_data_read_blocks_is_named_in_the_data_path_and_dumps_its_collectives(
+        env, corpus, tmp_path):
     """Rank 1's batch reader blocks in os.open on a FIFO (as on a dead mount); rank 0 waits
-    for it in the all-reduce. Both report, rank 0 says who is where, both exit at once."""
-    fifo, out = tmp_path / "fifo", tmp_path / "out"
+    for it in the all-reduce. Both report, rank 0 says who is where, both exit at once. With
+    the flight recorder on, as launch/srun.sh has it, each rank writes its last collectives
+    where torch's collective timeout, which the watchdog comes before, would have."""
+    fifo, out, recorded = tmp_path / "fifo", tmp_path / "out", tmp_path / "fr" / "rank_"
     os.mkfifo(fifo)
     start = time.monotonic()
     p = torchrun(2, "tests/launch_stalling_rank.py", f"--data_dir={corpus}", f"--out_dir={out}",
-                 *ARGS, env=dict(env, STALL_RANK="1", STALL_AFTER="10", STALL_FIFO=str(fifo)),
+                 *ARGS, env=dict(env, STALL_RANK="1", STALL_AFTER="10", STALL_FIFO=str(fifo),
+                                 TORCH_FR_BUFFER_SIZE="100",
+                                 TORCH_FR_DUMP_TEMP_FILE=str(recorded)),
                  check=False, timeout=120)
     took = time.monotonic() - start
     assert p.returncode != 0 and "exitcode  : 124" in p.stderr, p.stderr
@@ -105,6 +111,12 @@ def test_a_rank_whose_data_read_blocks_is_named_in_the_data_path(env, corpus, tm
     summary = json.loads((out / "hang" / "summary.txt").read_text())["summary"]
     assert len(summary) == 2 and any(re.fullmatch(data_wait, line) for line in summary)
     assert took < 60, took  # every rank reported: nobody waited for a missing report
+    for rank in (0, 1):
+        assert f"hang (rank {rank}): the flight recorder's last collectives of this rank are " \
+               f"in {recorded}{rank}" in p.stderr
+        with open(f"{recorded}{rank}", "rb") as f:
+            entries = pickle.load(f)["entries"]
+        assert "gloo:all_reduce" in {e["profiling_name"] for e in entries}, entries[-3:]
 
 
 @pytest.mark.slow
