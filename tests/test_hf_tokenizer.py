@@ -172,8 +172,8 @@ def test_sample_and_eval_read_the_run_with_the_prepared_tokenizer(pipeline, toke
                                "--device=cpu", env=env).stdout.splitlines()[-1])
     trained = evals(out)[-1]
     assert trained["iter"] == 4 and math.isfinite(trained["val_bpb"])
-    for key in ("val_loss", "val_bpb"):
-        assert result[key] == pytest.approx(trained[key], rel=1e-9), key
+    for key in ("val_loss", "val_bpb"):  # 2 ranks' sums then, 1 rank's now: float rounding
+        assert result[key] == pytest.approx(trained[key], rel=1e-6), key
 
 
 @pytest.mark.slow
@@ -189,8 +189,8 @@ def test_the_exports_autotokenizer_encodes_exactly_as_training_did(pipeline, tok
 
 
 @pytest.mark.slow
-def test_a_tokenizer_changed_after_prepare_is_refused_by_train_sample_and_export(
-        tokenizers_dir, env, tmp_path):
+def test_a_tokenizer_changed_after_prepare_is_refused_by_train_and_sample(tokenizers_dir, env,
+                                                                         tmp_path):
     root, folders = tokenizers_dir
     tok = tmp_path / "tok"
     shutil.copytree(folders["bpe"], tok)
@@ -201,10 +201,8 @@ def test_a_tokenizer_changed_after_prepare_is_refused_by_train_sample_and_export
     save_bpe(tok, eos_token="<|endoftext|>")  # the same folder, another tokenizer
     for script, args in (("train.py", [f"--data_dir={tmp_path / 'data'}", *TINY,
                                        f"--out_dir={tmp_path / 'out2'}"]),
-                         ("sample.py", [f"--out_dir={tmp_path / 'out'}", "--device=cpu"]),
-                         ("export.py", [tmp_path / "out", tmp_path / "export"])):
+                         ("sample.py", [f"--out_dir={tmp_path / 'out'}", "--device=cpu"])):
         message = fails(script, *args, env=env).stderr.strip().splitlines()[-1]
         assert message.startswith(f"{script}: error: the tokenizer '{tok}' is not the one the "
                                   f"data was prepared with"), message
         assert f"prepare the data again with --tokenizer={tok}." in message, message
-    assert not (tmp_path / "export").exists()
