@@ -44,7 +44,7 @@ def load(name):
     fingerprint = fingerprint_of(hf)
     backend.encode_special_tokens = True  # after the fingerprint, which is of the files alone
     eot = end_of_document(hf, name)
-    to_bytes = token_bytes(hf, vocab)
+    to_bytes = {}  # made on the first call: only bits per byte need it
 
     def encode(text):
         return backend.encode(text, add_special_tokens=False).ids
@@ -60,6 +60,8 @@ def load(name):
         return backend.decode(ids, skip_special_tokens=False)
 
     def decode_bytes(ids):
+        if not to_bytes:
+            to_bytes.update(token_bytes(hf, vocab))
         return b"".join(to_bytes.get(i, b"") for i in ids)
 
     any_str = _any_str(encode, TypeError)  # how the tokenizers library refuses a lone surrogate
