@@ -129,6 +129,15 @@ def test_bits_per_byte_count_the_bytes_each_token_stands_for(tokenizers_dir, mon
             assert lengths[ids].sum() == len(text.encode("utf-8")) + 1 + prefix, (kind, text)
 
 
+def test_a_lone_surrogate_is_encoded_as_the_replacement_character(tokenizers_dir, monkeypatch):
+    """As with tiktoken and the byte tokenizer (JSON's "\\ud800" makes one), alone or in a batch,
+    which the tokenizers library refuses whole."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tok = get_tokenizer(tokenizers_dir[1]["bpe"])
+    assert tok.encode("a \ud800 b") == tok.encode("a \ufffd b")
+    assert tok.encode_batch(["x", "a \ud800 b"]) == [tok.encode("x"), tok.encode("a \ufffd b")]
+
+
 @pytest.mark.parametrize("case", ["neither eos nor pad", "not a tokenizer", "hub name offline"])
 def test_a_tokenizer_prepare_cannot_use_is_one_clear_error(case, tokenizers_dir, env, tmp_path):
     root, folders = tokenizers_dir
