@@ -136,8 +136,8 @@ def run(small, device, workdir):
                          **measure(impl, corpus, out_dir, env, settings)})
             shutil.rmtree(out_dir, ignore_errors=impl == CEILING)  # which writes none
         os.remove(corpus)
-    return {"settings": {**settings, "hf_tokenizer": "GPT-2's, as a Hugging Face fast "
-                                                    "tokenizer (hf.save_gpt2_tokenizer)",
+    return {"settings": {**settings, "hf_tokenizer": "the folder hf.save_gpt2_tokenizer "
+                                                    "writes, as export.py does",
                          "processes": os.cpu_count(), "tokenizer": "gpt2",
                          "vocabulary": vocab_note},
             "results": rows, "targets": targets(rows)}
