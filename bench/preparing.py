@@ -3,11 +3,7 @@ references: one that tokenizes one document per call inside datasets.map (prepar
 nanoGPT's way) and llm.c's pipeline of one document per pool task, writing shards through a
 preallocated buffer (prepare_llmc_reference.py). All read the same JSON-lines file and use the
 GPT-2 tokenizer on the same number of processes; prepare.py and llm.c's both write shards.
-
-The same GPT-2 vocabulary as a Hugging Face fast tokenizer (hf.save_gpt2_tokenizer): prepare.py
-with it (its worker processes, a batch per chunk on one thread each), against the tokenizer's
-own batch encoding on its threads in one process, encoding alone (prepare_hf_ceiling.py): which
-of the two ways to spread the work over the cores prepare.py should take."""
+preparing_hf.py measures a Hugging Face tokenizer with the same functions."""
 import json
 import os
 import shutil
@@ -25,8 +21,8 @@ SMALL = {"copies": [1, 2], "documents": 100,  # the first 100 documents of the s
          "shard_tokens": 200_000}
 VOCAB = os.path.join(common.ROOT, "tests", "fixtures", "r50k_base.tiktoken")  # the tests' copy
 TIME_CAP_S = 1800  # only stops a hung run
-IMPLS = ("ddpgpt", "reference", "llmc", "ddpgpt-hf", "hf-threads")  # as text/prepare.md names
-CEILING = "hf-threads"  # encoding alone: its own clock, nothing written
+IMPLS = ("ddpgpt", "reference", "llmc")  # as text/prepare.md names them
+CEILING = "hf-threads"  # preparing_hf.py's: encoding alone, its own clock, nothing written
 TABLES = {"table": [
     ("corpus", "pystdlib x{copies}"), ("documents", "{documents:,}"),
     ("size", "{corpus_bytes:size}"), ("pipeline", "{impl}"), ("tokens", "{tokens:,}"),
@@ -73,13 +69,12 @@ def gpt2_as_hf(workdir, env):
 def command(impl, corpus, out_dir, settings):
     cores = str(os.cpu_count())
     if impl in ("ddpgpt", "ddpgpt-hf"):
-        vocabulary = "gpt2" if impl == "ddpgpt" else settings["hf_tokenizer"]
+        vocabulary = "gpt2" if impl == "ddpgpt" else settings["hf"]
         return [sys.executable, "prepare.py", f"--dataset={corpus}", f"--out_dir={out_dir}",
                 f"--tokenizer={vocabulary}", f"--num_proc={cores}",
                 f"--shard_tokens={settings['shard_tokens']}"]
     if impl == CEILING:
-        return [sys.executable, "-m", "bench.prepare_hf_ceiling", corpus,
-                settings["hf_tokenizer"]]
+        return [sys.executable, "-m", "bench.prepare_hf_ceiling", corpus, settings["hf"]]
     if impl == "reference":
         return [sys.executable, "-m", "bench.prepare_reference", corpus, out_dir, cores]
     return [sys.executable, "-m", "bench.prepare_llmc_reference", corpus, out_dir, cores,
@@ -119,28 +114,31 @@ def measure(impl, corpus, out_dir, env, settings):
 
 
 def run(small, device, workdir):
-    settings = SMALL if small else FULL
+    rows, settings = measure_all(SMALL if small else FULL, IMPLS, workdir)
+    return {"settings": settings, "results": rows, "targets": targets(rows)}
+
+
+def measure_all(settings, impls, workdir):
+    """(a row per corpus size and impl, the settings as the page shows them); preparing_hf.py's
+    too."""
     extra, vocab_note = tiktoken_env(workdir)
     env = common.child_env(HF_DATASETS_CACHE=os.path.join(workdir, "hf"),
                            HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", **extra)
-    settings = {**settings, "hf_tokenizer": gpt2_as_hf(workdir, env)}
+    folder = gpt2_as_hf(workdir, env) if CEILING in impls else None
     documents, rows = stdlib_documents(settings["documents"]), []
     for copies in settings["copies"]:
         corpus = os.path.join(workdir, f"pystdlib-x{copies}.jsonl")
         corpus_bytes = write_corpus(corpus, documents, copies)
-        for impl in IMPLS:
+        for impl in impls:
             print(f"bench prepare: pystdlib x{copies}, {impl}", file=sys.stderr)
             out_dir = os.path.join(workdir, f"{impl}-x{copies}")
             rows.append({"copies": copies, "documents": len(documents) * copies,
                          "corpus_bytes": corpus_bytes,
-                         **measure(impl, corpus, out_dir, env, settings)})
+                         **measure(impl, corpus, out_dir, env, {**settings, "hf": folder})})
             shutil.rmtree(out_dir, ignore_errors=impl == CEILING)  # which writes none
         os.remove(corpus)
-    return {"settings": {**settings, "hf_tokenizer": "the folder hf.save_gpt2_tokenizer "
-                                                    "writes, as export.py does",
-                         "processes": os.cpu_count(), "tokenizer": "gpt2",
-                         "vocabulary": vocab_note},
-            "results": rows, "targets": targets(rows)}
+    return rows, {**settings, "processes": os.cpu_count(), "tokenizer": "gpt2",
+                  "vocabulary": vocab_note}
 
 
 def targets(rows):
@@ -149,12 +147,7 @@ def targets(rows):
             speed_target(rows, "llmc", lambda ratio: ratio >= 2,
                          "prepare.py at least 2x the tokens/s of llm.c's pipeline (a pool task "
                          "per document, imap chunksize 16), at every corpus size"),
-            memory_target(rows),
-            speed_target(rows, CEILING, lambda ratio: ratio >= 0.9,
-                         "prepare.py with a Hugging Face fast tokenizer at least 0.9x the "
-                         "tokens/s of the same tokenizer's own batch encoding on its threads "
-                         "(encoding alone), at every corpus size", impl="ddpgpt-hf"),
-            memory_target(rows, "ddpgpt-hf")]
+            memory_target(rows)]
 
 
 def speed_target(rows, ref, met_at, target, impl="ddpgpt"):
@@ -180,7 +173,7 @@ def memory_target(rows, impl="ddpgpt"):
         met = met and change <= 0.10
         parts.append(f"{what} {report.size(large[key])} vs {report.size(small[key])} "
                      f"({change:+.0%})")
-    which = "" if impl == "ddpgpt" else " with a Hugging Face fast tokenizer"
+    which = "" if impl == "ddpgpt" else " with a Hugging Face fast tokenizer"  # preparing_hf's
     return {"target": f"prepare.py's peak memory{which} (RSS and private, all its processes) at "
                       f"pystdlib x{large['copies']} within 10% of x{small['copies']}",
             "measured": "; ".join(parts), "met": met}

@@ -89,7 +89,7 @@ def documents(out_dir, meta):
     for split in tokenfile.SPLITS:
         tokens = np.fromfile(out_dir / f"{split}.bin", dtype=meta["dtype"]).tolist()
         ends = [i for i, t in enumerate(tokens) if t == meta["eot_token"]]
-        docs += [tuple(tokens[a + 1 if a else 0:b + 1]) for a, b in zip([-1, *ends], ends)]
+        docs += [tuple(tokens[a + 1:b + 1]) for a, b in zip([-1, *ends], ends)]
     return docs
 
 
