@@ -10,11 +10,11 @@ As tokenizer.py's others do, a text is encoded as ordinary text: no BOS or EOS a
 tokenizer's eos token, else its pad token (the rule of the Lightning prepare script our users
 came from), else it cannot be used.
 
-meta.json records the name (a folder as its absolute path) and fingerprint(): every later
+meta.json records the name (a folder as its absolute path) and fingerprint_of(): every later
 script loads the tokenizer by that name and refuses one whose fingerprint differs, so that no
 script reads the ids with another vocabulary than prepare.py wrote them with.
 
-transformers is imported here only, when such a tokenizer is asked for: it takes seconds.
+transformers is imported only when such a tokenizer is asked for: it takes seconds.
 """
 import hashlib
 import os
