@@ -10,8 +10,8 @@ Qwen3ForCausalLM for the modern block, no remote code), and
 it computes the same function as the checkpoint (float32 logits within 1e-4). It holds
 config.json, generation_config.json, model.safetensors, a README.md that says what was exported
 and the tokenizer files, with which AutoTokenizer encodes and decodes as ddpgpt does: GPT-2's
-(converted from tiktoken's), the byte tokenizer's and nanoGPT's characters' (hf.py,
-save_tokenizer); other tiktoken encodings get none. Only the tokenizer's ids are exported:
+(converted from tiktoken's), the byte tokenizer's, nanoGPT's characters' and a Hugging Face
+tokenizer's own (hf.py, save_tokenizer); other tiktoken encodings get none. Only the tokenizer's ids are exported:
 train.py pads the vocabulary for speed, and the padding rows belong to no token. DEST must not
 exist; it is written under a temporary name and renamed when complete.
 
@@ -36,6 +36,13 @@ LM_EVAL = ("lm_eval --model hf --model_args pretrained={} --tasks hellaswag --de
 
 
 def tokenizer_note(tok, dest):
+    if tok.fingerprint:
+        return (f"The Hugging Face tokenizer `{tok.name}` that the data was prepared with, its "
+                f"own files: `AutoTokenizer.from_pretrained({dest!r})` encodes as training did "
+                f"with `add_special_tokens=False` (no BOS or EOS added) and "
+                f"`split_special_tokens=True` (the strings of special tokens in a text are "
+                f"text); id {tok.eot} ended every document in training and ends generation "
+                f"(generation_config.json).")
     if tok.name in GPT2_NAMES:
         return (f"GPT-2's, converted from tiktoken's by transformers: `AutoTokenizer."
                 f"from_pretrained({dest!r})` encodes as tiktoken does. Like Hugging Face's GPT-2 "

@@ -102,19 +102,26 @@ def split_chunk(texts, first, n_docs, n_val, key, next_doc):
 _tokenizer = None  # each worker's own
 
 
-def init_worker(tokenizer_name):
+def init_worker(tokenizer):
+    """The main process's tokenizer, which the forked worker has as it is: no load per worker
+    (a Hugging Face tokenizer's takes seconds)."""
     global _tokenizer
-    _tokenizer = get_tokenizer(tokenizer_name)
+    _tokenizer = tokenizer
+    # a Hugging Face tokenizer's batches on one thread: the workers are the parallelism, one
+    # per core, which costs the same CPU per token as its threads (bench/preparing.py)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 def encode_chunk(task):
     """{split: (its documents' tokens, each document's length, each one's index)}."""
     texts, splits, indices = task
     out = {split: ([], [], []) for split in tokenfile.SPLITS}
-    for text, split, index in zip(texts, splits, indices):
+    encoded = _tokenizer.encode_batch(texts) if _tokenizer.encode_batch else \
+        map(_tokenizer.encode, texts)
+    for tokens, split, index in zip(encoded, splits, indices):
         ids, lengths, where = out[split]
         before = len(ids)
-        ids.extend(_tokenizer.encode(text))
+        ids.extend(tokens)
         ids.append(_tokenizer.eot)
         lengths.append(len(ids) - before)
         where.append(index)
@@ -225,11 +232,13 @@ class SplitWriter:
 
 # ---- resuming: prepare.progress.json, rewritten after each published shard ----
 
-def output_settings(cfg, llmc_name, docs):
+def output_settings(cfg, llmc_name, docs, tokenizer):
     """What decides the bytes of the output: a run resumes only with the same, corpus
-    included (the same files, of the same sizes and times: corpus.files_identity)."""
+    included (the same files, of the same sizes and times: corpus.files_identity), and the
+    same tokenizer (a Hugging Face one's files may change under the same name)."""
     return {"corpus": docs.identity, "dataset": cfg.dataset, "hub_config": cfg.hub_config or None,
-            "text_column": cfg.text_column, "tokenizer": cfg.tokenizer,
+            "text_column": cfg.text_column, "tokenizer": tokenizer.name,
+            **tokenizer_fingerprint(tokenizer),
             "val_fraction": cfg.val_fraction, "val_docs": cfg.val_docs or None, "seed": cfg.seed,
             "shard_tokens": cfg.shard_tokens, "format": cfg.format, "llmc_name": llmc_name,
             "streaming": cfg.streaming}
@@ -281,14 +290,19 @@ def save_progress(out_dir, settings, counts, writers):
         "splits": {split: w.shards for split, w in writers.items()}})
 
 
-def write_tokens(writers, texts, counts, n_val, cfg, on_publish):
+def tokenizer_fingerprint(tokenizer):
+    """meta.json's record of a Hugging Face tokenizer's fingerprint; the others have none."""
+    return {"tokenizer_fingerprint": tokenizer.fingerprint} if tokenizer.fingerprint else {}
+
+
+def write_tokens(writers, texts, counts, n_val, cfg, tokenizer, on_publish):
     """Pass 2: tokenize the documents not written yet, appending them to their split."""
     next_doc = {split: w.shards[-1]["next_doc"] if w.shards else 0
                 for split, w in writers.items()}
     done = sum(s["documents"] for w in writers.values() for s in w.shards)
     work = chunks(texts, counts["documents"], n_val, permutation.hash_key(cfg.seed), next_doc)
     with workers.ordered_map(encode_chunk, work, cfg.num_proc, init_worker,
-                             (cfg.tokenizer,)) as results, \
+                             (tokenizer,)) as results, \
             tqdm(total=counts["documents"], initial=done, desc="tokenizing",
                  unit=" docs") as bar:
         for result in results:
@@ -337,7 +351,7 @@ def prepare(cfg):
                         f"outside it, or a folder inside it (which prepare.py skips when it "
                         f"reads the corpus).")
     llmc_name = docs.name.replace("_", "-")  # llm.c's names are <name>_<split>_<index>.bin
-    settings = output_settings(cfg, llmc_name, docs)
+    settings = output_settings(cfg, llmc_name, docs, tokenizer)
     with lock.locked(out_dir, "prepare.py"):  # a second prepare would destroy this one's output
         stale = fileio.remove_stale_temporaries(out_dir)
         if stale:
@@ -364,11 +378,12 @@ def write_outputs(out_dir, writers, tokenizer, docs, counts, n_val, cfg, setting
     progress file that resumes after them."""
     try:
         write_tokens(writers, filter(corpus.is_document, docs.documents()), counts, n_val,
-                     cfg, lambda: save_progress(out_dir, settings, counts, writers))
+                     cfg, tokenizer, lambda: save_progress(out_dir, settings, counts, writers))
         splits = {split: w.finish() for split, w in writers.items()}
         tokenfile.write_meta(
             out_dir, tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size,
-            eot_token=tokenizer.eot, splits=splits, source=cfg.dataset,
+            eot_token=tokenizer.eot, **tokenizer_fingerprint(tokenizer), splits=splits,
+            source=cfg.dataset,
             source_detail=docs.description, text_column=cfg.text_column, seed=cfg.seed,
             val_selection=f"non-empty document d (from 0, in corpus order) is in val iff "
                           f"permutation.permute(d, {counts['documents']}, "

@@ -2,10 +2,12 @@
 references: one that tokenizes one document per call inside datasets.map (prepare_reference.py,
 nanoGPT's way) and llm.c's pipeline of one document per pool task, writing shards through a
 preallocated buffer (prepare_llmc_reference.py). All read the same JSON-lines file and use the
-GPT-2 tokenizer on the same number of processes; prepare.py and llm.c's both write shards."""
+GPT-2 tokenizer on the same number of processes; prepare.py and llm.c's both write shards.
+preparing_hf.py measures a Hugging Face tokenizer with the same functions."""
 import json
 import os
 import shutil
+import subprocess
 import sys
 
 from ddpgpt import corpus, tokenfile, tokenizer
@@ -20,6 +22,7 @@ SMALL = {"copies": [1, 2], "documents": 100,  # the first 100 documents of the s
 VOCAB = os.path.join(common.ROOT, "tests", "fixtures", "r50k_base.tiktoken")  # the tests' copy
 TIME_CAP_S = 1800  # only stops a hung run
 IMPLS = ("ddpgpt", "reference", "llmc")  # as text/prepare.md names them
+CEILING = "hf-threads"  # preparing_hf.py's: encoding alone, its own clock, nothing written
 TABLES = {"table": [
     ("corpus", "pystdlib x{copies}"), ("documents", "{documents:,}"),
     ("size", "{corpus_bytes:size}"), ("pipeline", "{impl}"), ("tokens", "{tokens:,}"),
@@ -54,12 +57,24 @@ def write_corpus(path, documents, copies):
     return os.path.getsize(path)
 
 
+def gpt2_as_hf(workdir, env):
+    """A folder of GPT-2's vocabulary as a Hugging Face fast tokenizer, as export.py writes it."""
+    folder = os.path.join(workdir, "gpt2-hf")
+    subprocess.run([sys.executable, "-c", "import sys; from ddpgpt import hf; "
+                    "hf.save_gpt2_tokenizer(sys.argv[1], 1024)", folder],
+                   env=env, cwd=common.ROOT, check=True)
+    return folder
+
+
 def command(impl, corpus, out_dir, settings):
     cores = str(os.cpu_count())
-    if impl == "ddpgpt":
+    if impl in ("ddpgpt", "ddpgpt-hf"):
+        vocabulary = "gpt2" if impl == "ddpgpt" else settings["hf"]
         return [sys.executable, "prepare.py", f"--dataset={corpus}", f"--out_dir={out_dir}",
-                "--tokenizer=gpt2", f"--num_proc={cores}",
+                f"--tokenizer={vocabulary}", f"--num_proc={cores}",
                 f"--shard_tokens={settings['shard_tokens']}"]
+    if impl == CEILING:
+        return [sys.executable, "-m", "bench.prepare_hf_ceiling", corpus, settings["hf"]]
     if impl == "reference":
         return [sys.executable, "-m", "bench.prepare_reference", corpus, out_dir, cores]
     return [sys.executable, "-m", "bench.prepare_llmc_reference", corpus, out_dir, cores,
@@ -70,7 +85,7 @@ def written(impl, out_dir):
     """(tokens, files) of what a pipeline wrote, read back from its output: prepare.py's
     meta.json; the references' train.bin and val.bin, or llm.c's shards, through tokenfile,
     which checks each shard against its header."""
-    if impl == "ddpgpt":
+    if impl in ("ddpgpt", "ddpgpt-hf"):
         splits = tokenfile.read_meta(out_dir)["splits"].values()
         return sum(s["tokens"] for s in splits), sum(len(s["shards"]) for s in splits)
     splits = [tokenfile.open_split(out_dir, split, 1)
@@ -82,37 +97,48 @@ def measure(impl, corpus, out_dir, env, settings):
     finished = common.check(common.run_watched(command(impl, corpus, out_dir, settings), env,
                                                TIME_CAP_S), f"the {impl} pipeline")
     # the references print their phases as their last line
-    phases = {} if impl == "ddpgpt" else json.loads(finished.output.strip().splitlines()[-1])
-    tokens, files = written(impl, out_dir)
+    phases = {} if impl.startswith("ddpgpt") else \
+        json.loads(finished.output.strip().splitlines()[-1])
+    if impl == CEILING:
+        tokens, files = phases["tokens"], 0
+        seconds, cpu_s = phases["tokenize_s"], phases.pop("tokenize_cpu_s")
+    else:
+        (tokens, files), seconds, cpu_s = written(impl, out_dir), finished.wall_s, finished.cpu_s
     if phases and phases.pop("tokens") != tokens:
         raise RuntimeError(f"the {impl} pipeline counted other tokens than it wrote")
-    return {"impl": impl, "tokens": tokens, "files": files, "wall_s": finished.wall_s,
-            "tok_per_s": tokens / finished.wall_s, "cpu_s": finished.cpu_s,
-            "tok_per_cpu_s": tokens / finished.cpu_s, "peak_rss": finished.peak_rss,
+    return {"impl": impl, "tokens": tokens, "files": files, "wall_s": seconds,
+            "tok_per_s": tokens / seconds, "cpu_s": cpu_s,
+            "tok_per_cpu_s": tokens / cpu_s, "peak_rss": finished.peak_rss,
             "peak_private": finished.peak_private, "phases": phases,
             "load_1m": common.load_1m()}
 
 
 def run(small, device, workdir):
-    settings = SMALL if small else FULL
+    rows, settings = measure_all(SMALL if small else FULL, IMPLS, workdir)
+    return {"settings": settings, "results": rows, "targets": targets(rows)}
+
+
+def measure_all(settings, impls, workdir):
+    """(a row per corpus size and impl, the settings as the page shows them); preparing_hf.py's
+    too."""
     extra, vocab_note = tiktoken_env(workdir)
     env = common.child_env(HF_DATASETS_CACHE=os.path.join(workdir, "hf"),
                            HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", **extra)
+    folder = gpt2_as_hf(workdir, env) if CEILING in impls else None
     documents, rows = stdlib_documents(settings["documents"]), []
     for copies in settings["copies"]:
         corpus = os.path.join(workdir, f"pystdlib-x{copies}.jsonl")
         corpus_bytes = write_corpus(corpus, documents, copies)
-        for impl in IMPLS:
+        for impl in impls:
             print(f"bench prepare: pystdlib x{copies}, {impl}", file=sys.stderr)
             out_dir = os.path.join(workdir, f"{impl}-x{copies}")
             rows.append({"copies": copies, "documents": len(documents) * copies,
                          "corpus_bytes": corpus_bytes,
-                         **measure(impl, corpus, out_dir, env, settings)})
-            shutil.rmtree(out_dir)
+                         **measure(impl, corpus, out_dir, env, {**settings, "hf": folder})})
+            shutil.rmtree(out_dir, ignore_errors=impl == CEILING)  # which writes none
         os.remove(corpus)
-    return {"settings": {**settings, "processes": os.cpu_count(), "tokenizer": "gpt2",
-                         "vocabulary": vocab_note},
-            "results": rows, "targets": targets(rows)}
+    return rows, {**settings, "processes": os.cpu_count(), "tokenizer": "gpt2",
+                  "vocabulary": vocab_note}
 
 
 def targets(rows):
@@ -124,10 +150,11 @@ def targets(rows):
             memory_target(rows)]
 
 
-def speed_target(rows, ref, met_at, target):
-    """prepare.py's tokens/s against `ref`'s at each corpus size; met_at(ratio) judges one."""
+def speed_target(rows, ref, met_at, target, impl="ddpgpt"):
+    """prepare.py's tokens/s (impl's) against `ref`'s at each corpus size; met_at(ratio)
+    judges one."""
     parts, met = [], True
-    for ours in (r for r in rows if r["impl"] == "ddpgpt"):
+    for ours in (r for r in rows if r["impl"] == impl):
         theirs = next(r for r in rows if r["impl"] == ref and r["copies"] == ours["copies"])
         ratio = ours["tok_per_s"] / theirs["tok_per_s"]
         met = met and met_at(ratio)
@@ -136,9 +163,9 @@ def speed_target(rows, ref, met_at, target):
     return {"target": target, "measured": "; ".join(parts), "met": met}
 
 
-def memory_target(rows):
+def memory_target(rows, impl="ddpgpt"):
     """prepare.py's peak memory at the largest corpus within 10% of the smallest."""
-    ours = sorted((r for r in rows if r["impl"] == "ddpgpt"), key=lambda r: r["copies"])
+    ours = sorted((r for r in rows if r["impl"] == impl), key=lambda r: r["copies"])
     small, large = ours[0], ours[-1]
     parts, met = [], True
     for key, what in (("peak_rss", "peak RSS"), ("peak_private", "peak private")):
@@ -146,7 +173,8 @@ def memory_target(rows):
         met = met and change <= 0.10
         parts.append(f"{what} {report.size(large[key])} vs {report.size(small[key])} "
                      f"({change:+.0%})")
-    return {"target": f"prepare.py's peak memory (RSS and private, all its processes) at "
+    which = "" if impl == "ddpgpt" else " with a Hugging Face fast tokenizer"  # preparing_hf's
+    return {"target": f"prepare.py's peak memory{which} (RSS and private, all its processes) at "
                       f"pystdlib x{large['copies']} within 10% of x{small['copies']}",
             "measured": "; ".join(parts), "met": met}
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ddpgpt import data, hellaswag
 from ddpgpt.errors import UserError
-from ddpgpt.tokenizer import byte_lengths, tokenizer_of
+from ddpgpt.tokenizer import TokenizerChanged, byte_lengths, tokenizer_of
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,12 @@ class Evaluation(NamedTuple):
 def for_training(cfg, splits, meta, vocab_size):
     """train.py's Evaluation. Bits per byte and HellaSwag need the data's tokenizer (GPT-2's for
     nanoGPT's raw files, as sample.py assumes), with no more ids than the model has: without it
-    the evaluations have no bits per byte, and hellaswag_interval is an error."""
+    the evaluations have no bits per byte, and hellaswag_interval is an error. One that is not
+    the one the data was prepared with is an error in any case."""
     try:
         tok = tokenizer_of(meta, vocab_size)
+    except TokenizerChanged:  # the data's own tokenizer, changed: its ids are not the data's
+        raise
     except UserError as e:
         if cfg.hellaswag_interval:
             raise UserError(f"hellaswag_interval={cfg.hellaswag_interval} needs the data's "

@@ -320,10 +320,13 @@ def save_gpt2_tokenizer(folder, max_length):
 
 def save_tokenizer(tok, folder, max_length):
     """Tokenizer files with which AutoTokenizer.from_pretrained(folder) encodes and decodes as
-    tok (tokenizer.py) does, where transformers can express it: GPT-2's, the byte tokenizer and
-    nanoGPT's characters. True when they were written; False for other tiktoken encodings,
-    which get none."""
-    if tok.name in GPT2_NAMES:
+    tok (tokenizer.py) does, where transformers can express it: GPT-2's, the byte tokenizer,
+    nanoGPT's characters and a Hugging Face tokenizer's own files. True when they were written;
+    False for other tiktoken encodings, which get none."""
+    if tok.fingerprint:
+        from ddpgpt import hftokenizer
+        hftokenizer.save(tok, folder, max_length)
+    elif tok.name in GPT2_NAMES:
         save_gpt2_tokenizer(folder, max_length)
     elif tok.name in ("byte", "char"):
         (save_byte_tokenizer if tok.name == "byte" else save_char_tokenizer)(

@@ -316,7 +316,8 @@ class PrepareConfig:
     streaming: bool = key(False, "stream a hub dataset (or local .parquet files) instead of "
                                  "storing it, for corpora larger than the disk")
     out_dir: str = key("", "'': data/<the dataset's name, or its file or folder stem>")
-    tokenizer: str = key("gpt2", "a tiktoken encoding, or 'byte'")
+    tokenizer: str = key("gpt2", "a tiktoken encoding, 'byte', or a Hugging Face tokenizer: a "
+                                 "hub name (owner/name) or a folder that AutoTokenizer reads")
     val_fraction: float = key(0.0005, "share of the documents for validation, rounded, at "
                                       "least one document", at_least=0, below=1)
     val_docs: int = key(0, "number of documents for validation; 0 (left out): val_fraction decides",

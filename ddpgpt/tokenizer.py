@@ -1,5 +1,6 @@
-"""Tokenizers by name: any tiktoken encoding ('gpt2' by default), or 'byte'; and 'char',
-nanoGPT's character-level vocabulary, which comes with its data (for_data). The tokenizer of a
+"""Tokenizers by name: any tiktoken encoding ('gpt2' by default), 'byte', or a Hugging Face
+tokenizer, a hub name (owner/name) or a folder (hftokenizer.py); and 'char', nanoGPT's
+character-level vocabulary, which comes with its data (for_data). The tokenizer of a
 model's data: tokenizer_of(), from the data's meta, a checkpoint's (data_meta()) or none.
 
 'byte' is UTF-8 bytes as ids 0..255 plus an end-of-text id 256: it needs no download,
@@ -9,12 +10,12 @@ The tokenizers by name encode every Python str ('char' encodes its own character
 any others in a UserError). A str can hold lone surrogates (U+D800..U+DFFF),
 which UTF-8 cannot encode: JSON's "\\ud800" escapes make them, and so does a command-line
 argument that is not UTF-8. Each becomes U+FFFD, the replacement character: tiktoken's
-encode_ordinary does that itself, and _any_str does it for ours.
+encode_ordinary does that itself, and _any_str does it for ours and Hugging Face's.
 """
 import hashlib
 import os
 import shutil
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -30,14 +31,18 @@ class Tokenizer(NamedTuple):
     encode: Callable[[str], list]  # ordinary text: special-token strings are plain text
     decode: Callable[[list], str]
     decode_bytes: Callable[[list], bytes]  # the raw bytes, also of a split UTF-8 character
+    fingerprint: str = ""  # a Hugging Face tokenizer's (hftokenizer.fingerprint_of); meta.json
+    # records it, and a later load of the same name must find the same
+    encode_batch: Optional[Callable[[list], list]] = None  # many texts at once, where faster
 
 
-def _any_str(encode):
-    """encode, with lone surrogates replaced by U+FFFD; text without them costs nothing more."""
+def _any_str(encode, refusal=UnicodeEncodeError):
+    """encode, with lone surrogates replaced by U+FFFD; text without them costs nothing more.
+    refusal: what encode raises for them."""
     def encode_any(text):
         try:
             return encode(text)
-        except UnicodeEncodeError:
+        except refusal:
             # a valid surrogate pair passes through UTF-16 whole; a lone one is replaced
             return encode(text.encode("utf-16", "surrogatepass").decode("utf-16", "replace"))
 
@@ -75,8 +80,9 @@ def _tiktoken_tokenizer(name):
         enc = tiktoken.get_encoding(_SAME_AS.get(name, name))
     except ValueError as e:
         raise UserError(
-            f"unknown tokenizer {name!r}: use 'byte' or a tiktoken encoding "
-            f"({', '.join(tiktoken.list_encoding_names())})") from e
+            f"unknown tokenizer {name!r}: use 'byte', a tiktoken encoding "
+            f"({', '.join(tiktoken.list_encoding_names())}), a Hugging Face hub name "
+            f"(owner/name) or a folder that transformers.AutoTokenizer reads") from e
     except Exception as e:
         raise UserError(f"tiktoken could not load the {name!r} vocabulary ({type(e).__name__}: "
                         f"{e}). {offline_advice(_SAME_AS.get(name, name))}") from e
@@ -118,14 +124,30 @@ def _char_tokenizer(stoi, itos):
 
 def for_data(meta):
     """The tokenizer of data described by meta (tokenfile.read_meta): its character table, or
-    the tokenizer it names."""
+    the tokenizer it names, which must be the one the data was prepared with."""
     if meta["tokenizer"] == "char":
         return _char_tokenizer(meta["stoi"], meta["itos"])
-    return get_tokenizer(meta["tokenizer"])
+    tok = get_tokenizer(meta["tokenizer"])
+    recorded = meta.get("tokenizer_fingerprint", "")
+    if tok.fingerprint != recorded:
+        from ddpgpt import hftokenizer
+        raise TokenizerChanged(hftokenizer.changed(tok.name, recorded, tok.fingerprint))
+    return tok
+
+
+class TokenizerChanged(UserError):
+    """Data whose tokenizer is not the one it was prepared with: an error wherever it is met,
+    also where a missing tokenizer would only leave bits per byte out."""
 
 
 def get_tokenizer(name):
-    return _byte_tokenizer() if name == "byte" else _tiktoken_tokenizer(name)
+    if name == "byte":
+        return _byte_tokenizer()
+    import tiktoken
+    from ddpgpt import hftokenizer  # without transformers, which it imports only when used
+    if name not in tiktoken.list_encoding_names() and hftokenizer.is_hf_name(name):
+        return hftokenizer.load(name)
+    return _tiktoken_tokenizer(name)
 
 
 def data_meta(state):

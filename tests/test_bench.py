@@ -81,6 +81,17 @@ def prepare_verdicts(result):
             all(large[key] / small[key] - 1 <= 0.10 for key in ("peak_rss", "peak_private"))]
 
 
+def prepare_hf_verdicts(result):
+    """prepare.py with a Hugging Face tokenizer at least 0.9x the tokenizer's own batch
+    encoding at every corpus size; its peak RSS and private memory flat within 10%."""
+    rows = {(r["impl"], r["copies"]): r for r in result["results"]}
+    copies = result["settings"]["copies"]
+    small, large = rows["ddpgpt-hf", min(copies)], rows["ddpgpt-hf", max(copies)]
+    return [all(rows["ddpgpt-hf", c]["tok_per_s"] >= 0.9 * rows["hf-threads", c]["tok_per_s"]
+                for c in copies),
+            all(large[key] / small[key] - 1 <= 0.10 for key in ("peak_rss", "peak_private"))]
+
+
 def gpu_verdicts(result):
     """train.py within 3% of the minimal loop; 45% MFU where the peak is known; modern+muon's
     step within 10% of train.py's; no recompile after the first step where compiled; a resume
@@ -168,8 +179,8 @@ def documents_verdicts(result):
 
 
 VERDICTS = {"data": data_verdicts, "mix": mix_verdicts, "training": training_verdicts,
-            "prepare": prepare_verdicts, "gpu": gpu_verdicts, "eval": eval_verdicts,
-            "documents": documents_verdicts, "fsdp": fsdp_verdicts,
+            "prepare": prepare_verdicts, "prepare_hf": prepare_hf_verdicts, "gpu": gpu_verdicts,
+            "eval": eval_verdicts, "documents": documents_verdicts, "fsdp": fsdp_verdicts,
             "recipe": recipe_verdicts}
 
 
@@ -281,6 +292,24 @@ def test_prepare(env, tmp_path):
 
 
 @pytest.mark.slow
+def test_prepare_hf(env, tmp_path):
+    result, _ = bench_part("prepare_hf", env, tmp_path)
+    rows = {(r["copies"], r["impl"]): r for r in result["results"]}
+    copies = result["settings"]["copies"]
+    assert set(rows) == {(c, impl) for c in copies for impl in ("ddpgpt", "ddpgpt-hf",
+                                                                 "hf-threads")}
+    for c in copies:
+        # GPT-2's vocabulary, tiktoken's and Hugging Face's: the same tokens, the same shards
+        assert rows[c, "ddpgpt"]["tokens"] == rows[c, "ddpgpt-hf"]["tokens"] == \
+            rows[c, "hf-threads"]["tokens"] == c * rows[copies[0], "ddpgpt"]["tokens"] > 0
+        assert rows[c, "ddpgpt"]["files"] == rows[c, "ddpgpt-hf"]["files"] >= 2
+        assert rows[c, "hf-threads"]["files"] == 0
+        for r in (rows[c, impl] for impl in ("ddpgpt", "ddpgpt-hf", "hf-threads")):
+            assert r["tok_per_s"] > 0 and r["peak_rss"] > 0
+            assert 0 < r["cpu_s"] <= r["wall_s"] * result["machine"]["cores"] + 0.5
+
+
+@pytest.mark.slow
 def test_documents(env, tmp_path):
     result, page = bench_part("documents", env, tmp_path)
     runs = {(r["corpus"], r["mode"], r["seed"]): r for r in result["results"]}
@@ -372,8 +401,8 @@ def test_every_part_is_all_but_gpu_without_a_gpu():
     # so that a CPU run of every part never replaces a GPU run's results with "not run"
     cli = load_bench_cli()
     every = list(cli.PARTS) if torch.cuda.is_available() else ["data", "mix", "training",
-                                                                "prepare", "eval", "documents",
-                                                                "fsdp", "recipe"]
+                                                                "prepare", "prepare_hf", "eval",
+                                                                "documents", "fsdp", "recipe"]
     assert cli.parse_args([]).parts == every
     assert cli.parse_args(["--small"]).parts == list(cli.PARTS)
     assert cli.parse_args(["gpu"]).parts == ["gpu"]

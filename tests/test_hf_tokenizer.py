@@ -1,0 +1,217 @@
+"""prepare.py --tokenizer=<a Hugging Face tokenizer>, as a user runs it, with tokenizers the tests
+make and save as folders AutoTokenizer reads: the token files hold AutoTokenizer's ids, each
+document ended by eos (else pad), uint32 past 65,535 ids; prepare -> train (2 ranks) -> sample
+-> eval -> export reads them with the same tokenizer, and the export's AutoTokenizer encodes
+as training did. Bad tokenizers are one clear error each."""
+import json
+import math
+import os
+import shutil
+import sysconfig
+from collections import Counter
+
+import numpy as np
+import pytest
+import sentencepiece
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from ddpgpt import tokenfile
+from ddpgpt.tokenizer import byte_lengths, get_tokenizer
+from conftest import TINY, evals, fails, prepare_fails, python, torchrun
+
+TEXTS = [*(open(os.path.join(sysconfig.get_paths()["stdlib"], f"{name}.py")).read()
+           for name in ("textwrap", "shutil", "json/decoder")),
+         "ünïcödé — 日本語 🎉\r\nand a line that says <eos> and <pad> as text", "x"]
+
+
+def save_bpe(folder, **special):
+    """A byte-level BPE of 400 ids trained on TEXTS, its special tokens (eos_token='<eos>',
+    ...) as given."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(TEXTS, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=list(special.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=backend, **special).save_pretrained(folder)
+    return str(folder)
+
+
+def save_big_word_level(folder):
+    """A word-level tokenizer of 70,000 ids, the words of TEXTS past id 65,535: uint32 files."""
+    words = sorted({w for text in TEXTS for w in text.split()})
+    vocab = {"<unk>": 0, "<|end|>": 1, **{f"filler{i}": i for i in range(2, 65_600)}}
+    vocab.update({w: 65_600 + i for i, w in enumerate(words)})
+    vocab.update({f"filler{i}": i for i in range(len(vocab), 70_000)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|end|>",
+                            unk_token="<unk>").save_pretrained(folder)
+    return str(folder)
+
+
+def save_sentencepiece(folder):
+    """A sentencepiece unigram model (tokenizer.model), as Llama's tokenizers come."""
+    os.makedirs(folder)
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(line for text in TEXTS for line in text.splitlines()),
+        model_prefix=os.path.join(folder, "tokenizer"), vocab_size=600, byte_fallback=True,
+        minloglevel=2)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "LlamaTokenizer", "eos_token": "</s>",
+                   "bos_token": "<s>", "unk_token": "<unk>"}, f)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tokenizers_dir(tmp_path_factory):
+    """{kind: a folder}, and the corpus: TEXTS as a JSON lines file."""
+    root = tmp_path_factory.mktemp("hf_tokenizers")
+    with open(root / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in TEXTS)
+    return root, {"bpe": save_bpe(root / "bpe", eos_token="<eos>"),
+                  "pad only": save_bpe(root / "pad", pad_token="<pad>"),
+                  "neither": save_bpe(root / "neither", unk_token="<unk>"),
+                  "70,000 ids": save_big_word_level(root / "big"),
+                  "sentencepiece": save_sentencepiece(root / "sp")}
+
+
+def prepare(env, root, tokenizer, out_dir):
+    python("prepare.py", f"--dataset={root / 'docs.jsonl'}", f"--tokenizer={tokenizer}",
+           "--val_docs=1", f"--out_dir={out_dir}", "--num_proc=2", env=env)
+    return json.loads((out_dir / tokenfile.META_NAME).read_text())
+
+
+def documents(out_dir, meta):
+    """Each document's ids, end-of-text included, from the token files."""
+    docs = []
+    for split in tokenfile.SPLITS:
+        tokens = np.fromfile(out_dir / f"{split}.bin", dtype=meta["dtype"]).tolist()
+        ends = [i for i, t in enumerate(tokens) if t == meta["eot_token"]]
+        docs += [tuple(tokens[a + 1:b + 1]) for a, b in zip([-1, *ends], ends)]
+    return docs
+
+
+def encoded(hf, eot):
+    """What training's ids must be: AutoTokenizer's, special strings as text, eot after each."""
+    return Counter(tuple(hf(text, add_special_tokens=False, split_special_tokens=True)
+                         ["input_ids"] + [eot]) for text in TEXTS)
+
+
+@pytest.mark.parametrize("kind,eot,dtype", [("bpe", "<eos>", "uint16"),
+                                            ("pad only", "<pad>", "uint16"),
+                                            ("70,000 ids", "<|end|>", "uint32"),
+                                            ("sentencepiece", "</s>", "uint16")])
+def test_prepare_writes_autotokenizers_ids_ended_by_eos_else_pad(kind, eot, dtype,
+                                                                   tokenizers_dir, env,
+                                                                   tmp_path):
+    root, folders = tokenizers_dir
+    meta = prepare(env, root, folders[kind], tmp_path / "data")
+    hf = AutoTokenizer.from_pretrained(folders[kind])
+    assert (meta["tokenizer"], meta["dtype"], meta["eot_token"], meta["vocab_size"]) == \
+        (folders[kind], dtype, hf.convert_tokens_to_ids(eot), max(hf.get_vocab().values()) + 1)
+    assert Counter(documents(tmp_path / "data", meta)) == encoded(hf, meta["eot_token"])
+
+
+def test_bits_per_byte_count_the_bytes_each_token_stands_for(tokenizers_dir, monkeypatch):
+    """byte_lengths of a document's ids add up to its UTF-8 bytes (end-of-text one more), for a
+    byte-level BPE and for sentencepiece's '▁' and <0xNN> tokens alike (sentencepiece puts a
+    '▁' before a text: one more)."""
+    _, folders = tokenizers_dir
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for kind in ("bpe", "sentencepiece"):
+        tok = get_tokenizer(folders[kind])
+        lengths = byte_lengths(tok, tok.vocab_size)
+        for text in TEXTS[2:]:
+            ids = tok.encode(text) + [tok.eot]
+            prefix = kind == "sentencepiece"
+            assert lengths[ids].sum() == len(text.encode("utf-8")) + 1 + prefix, (kind, text)
+
+
+def test_a_lone_surrogate_is_encoded_as_the_replacement_character(tokenizers_dir, monkeypatch):
+    """As with tiktoken and the byte tokenizer (JSON's "\\ud800" makes one), alone or in a batch,
+    which the tokenizers library refuses whole."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tok = get_tokenizer(tokenizers_dir[1]["bpe"])
+    assert tok.encode("a \ud800 b") == tok.encode("a \ufffd b")
+    assert tok.encode_batch(["x", "a \ud800 b"]) == [tok.encode("x"), tok.encode("a \ufffd b")]
+
+
+@pytest.mark.parametrize("case", ["neither eos nor pad", "not a tokenizer", "hub name offline"])
+def test_a_tokenizer_prepare_cannot_use_is_one_clear_error(case, tokenizers_dir, env, tmp_path):
+    root, folders = tokenizers_dir
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("not a tokenizer")
+    tokenizer, named = {
+        "neither eos nor pad": (folders["neither"], "has neither an eos token nor a pad token"),
+        "not a tokenizer": (tmp_path / "notes", "is not a tokenizer that transformers."
+                                                "AutoTokenizer reads"),
+        "hub name offline": ("nobody-xyz/no-such-tokenizer", "HF_HUB_OFFLINE=1")}[case]
+    message = prepare_fails(tmp_path, f"--dataset={root / 'docs.jsonl'}",
+                            f"--tokenizer={tokenizer}", "--val_docs=1", "--num_proc=1", env=env)
+    assert str(tokenizer) in message and named in message, message
+
+
+# ---- the whole way: prepare -> train on 2 ranks -> sample -> eval -> export ----
+
+@pytest.fixture(scope="module")
+def pipeline(tokenizers_dir, tmp_path_factory, session_env):
+    """(data_dir, out_dir, export) of a BPE tokenizer's data, a run of 4 steps on 2 ranks, and
+    its export."""
+    root, folders = tokenizers_dir
+    work = tmp_path_factory.mktemp("hf_pipeline")
+    prepare(session_env, root, folders["bpe"], work / "data")
+    torchrun(2, "train.py", f"--data_dir={work / 'data'}", f"--out_dir={work / 'out'}", *TINY,
+             "--max_iters=4", "--eval_interval=4", "--gradient_accumulation_steps=2",
+             env=session_env)
+    python("export.py", work / "out", work / "export", env=session_env)
+    return work / "data", work / "out", work / "export"
+
+
+@pytest.mark.slow
+def test_sample_and_eval_read_the_run_with_the_prepared_tokenizer(pipeline, tokenizers_dir,
+                                                                  env):
+    _, out, _ = pipeline
+    bpe = tokenizers_dir[1]["bpe"]
+    p = python("sample.py", f"--out_dir={out}", "--start=def ", "--num_samples=1",
+               "--max_new_tokens=8", "--device=cpu", env=env)
+    assert p.stdout.startswith("def ") and f"tokenizer '{bpe}'" in p.stderr, p.stderr
+    result = json.loads(python("eval.py", f"--out_dir={out}", "--hellaswag=False",
+                               "--device=cpu", env=env).stdout.splitlines()[-1])
+    trained = evals(out)[-1]
+    assert trained["iter"] == 4 and math.isfinite(trained["val_bpb"])
+    for key in ("val_loss", "val_bpb"):  # 2 ranks' sums then, 1 rank's now: float rounding
+        assert result[key] == pytest.approx(trained[key], rel=1e-6), key
+
+
+@pytest.mark.slow
+def test_the_exports_autotokenizer_encodes_exactly_as_training_did(pipeline, tokenizers_dir):
+    data, _, export = pipeline
+    meta = json.loads((data / tokenfile.META_NAME).read_text())
+    hf = AutoTokenizer.from_pretrained(export)
+    assert Counter(documents(data, meta)) == encoded(hf, meta["eot_token"])
+    assert hf.model_max_length == 32 and hf.eos_token_id == meta["eot_token"]
+    generation = json.loads((export / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == meta["eot_token"]
+    assert "split_special_tokens=True" in (export / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_tokenizer_changed_after_prepare_is_refused_by_train_and_sample(tokenizers_dir, env,
+                                                                         tmp_path):
+    root, folders = tokenizers_dir
+    tok = tmp_path / "tok"
+    shutil.copytree(folders["bpe"], tok)
+    prepare(env, root, tok, tmp_path / "data")
+    python("train.py", f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}", *TINY,
+           "--max_iters=1", "--eval_interval=1", "--gradient_accumulation_steps=1", env=env)
+    shutil.rmtree(tok)
+    save_bpe(tok, eos_token="<|endoftext|>")  # the same folder, another tokenizer
+    for script, args in (("train.py", [f"--data_dir={tmp_path / 'data'}", *TINY,
+                                       f"--out_dir={tmp_path / 'out2'}"]),
+                         ("sample.py", [f"--out_dir={tmp_path / 'out'}", "--device=cpu"])):
+        message = fails(script, *args, env=env).stderr.strip().splitlines()[-1]
+        assert message.startswith(f"{script}: error: the tokenizer '{tok}' is not the one the "
+                                  f"data was prepared with"), message
+        assert f"prepare the data again with --tokenizer={tok}." in message, message
