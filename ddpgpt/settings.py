@@ -116,7 +116,7 @@ class TrainConfig:
                             **ROPE_THETA_RANGE)
     # the optimizer and its schedule
     optimizer: Literal["adamw", "muon"] = key(
-        "adamw", "adamw: AdamW for every parameter; muon: torch.optim.Muon for the matrices "
+        "adamw", "adamw: AdamW for every parameter; muon: Muon for the matrices "
                  "that muon_params names, AdamW (learning_rate) for the rest")
     learning_rate: float = key(6e-4, "the peak learning rate (AdamW's)", at_least=0)
     max_iters: int = key(600000, "optimizer steps in all", at_least=0)
