@@ -118,6 +118,11 @@ class MuonAdamW:
         self.muon, self.adamw = muon, adamw
 
     @property
+    def parts(self):
+        """Its two torch optimizers by name, the names its state_dict keeps them under."""
+        return {"muon": self.muon, "adamw": self.adamw}
+
+    @property
     def param_groups(self):
         return self.muon.param_groups + self.adamw.param_groups
 
@@ -130,11 +135,11 @@ class MuonAdamW:
         self.adamw.zero_grad(set_to_none)
 
     def state_dict(self):
-        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+        return {name: part.state_dict() for name, part in self.parts.items()}
 
     def load_state_dict(self, state):
-        self.muon.load_state_dict(state["muon"])
-        self.adamw.load_state_dict(state["adamw"])
+        for name, part in self.parts.items():
+            part.load_state_dict(state[name])
 
 
 def set_lr(optimizer, cfg, it):

@@ -1,7 +1,8 @@
 """Muon over the ranks (ddpgpt/muon.py): the owners of the matrices, one process equal to
 torch.optim.Muon bit for bit, and under torchrun (gloo) ddp on 2 ranks as on 1 process, fsdp as
-ddp, and fsdp's exact resume."""
+ddp, and fsdp's exact resume, and its checkpoint folder resumed on one process."""
 import copy
+import shutil
 
 import pytest
 import torch
@@ -97,17 +98,42 @@ def relative_difference(a, b):
 
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory, session_env):
-    """Out_dirs of the same 8 steps: 'one' process, 'ddp' on 2 ranks, saving at 4 and 8."""
+    """Out_dirs of the same 8 steps: 'one' process, 'ddp' and 'fsdp' on 2 ranks, saving at 4
+    and 8."""
     root = tmp_path_factory.mktemp("muon")
     python("train.py", f"--data_dir={corpus}", *ARGS, f"--out_dir={root / 'one'}",
            env=session_env)
-    for kind in ("ddp",):
+    for kind in ("ddp", "fsdp"):
         torchrun(2, "train.py", f"--data_dir={corpus}", *ARGS, f"--out_dir={root / kind}",
                  f"--parallel={kind}", env=session_env)
-    return {kind: str(root / kind) for kind in ("one", "ddp")}
+    return {kind: str(root / kind) for kind in ("one", "ddp", "fsdp")}
 
 
 @pytest.mark.slow
-def test_ddp_on_2_ranks_trains_as_one_process(runs):
-    assert sorted(steps(runs["one"])) == sorted(steps(runs["ddp"])) == list(range(8))
+def test_ddp_on_2_ranks_trains_as_one_process_and_fsdp_as_ddp(runs):
+    assert sorted(steps(runs["one"])) == sorted(steps(runs["fsdp"])) == list(range(8))
     assert relative_difference(runs["one"], runs["ddp"]) <= RTOL
+    assert relative_difference(runs["ddp"], runs["fsdp"]) <= RTOL
+
+
+@pytest.mark.slow
+def test_fsdp_resumes_bit_for_bit_and_its_folder_on_one_process(runs, corpus, tmp_path, env):
+    out, one = tmp_path / "halves", tmp_path / "one"
+    args = [f"--data_dir={corpus}", *ARGS, f"--out_dir={out}", "--parallel=fsdp"]
+    torchrun(2, "train.py", *args, "--max_iters=4", env=env)  # the last --max_iters counts
+    shutil.copytree(checkpoint.path_for(out, 4, folder=True),
+                    checkpoint.path_for(one, 4, folder=True))
+    torchrun(2, "train.py", *args, "--init_from=resume", env=env)
+    a, b = steps(runs["fsdp"]), steps(out)
+    assert [(a[i]["loss"], a[i]["batch_fp"]) for i in range(8)] == \
+        [(b[i]["loss"], b[i]["batch_fp"]) for i in range(8)]
+    state = checkpoint.read(checkpoint.path_for(out, 8, folder=True))[0]
+    shapes = {i: tuple(p.shape) for i, p in enumerate(
+        p for n, p in GPT(GPTConfig(**state["model_args"])).named_parameters()
+        if n.startswith("transformer.h.") and p.dim() == 2)}
+    momentum = state["optimizer"]["muon"]["state"]
+    assert {i: tuple(v["momentum_buffer"].shape) for i, v in momentum.items()} == shapes
+    # Muon's sharded momentum read whole: one process goes on as the one-process run
+    python("train.py", f"--data_dir={corpus}", *ARGS, f"--out_dir={one}", "--init_from=resume",
+           env=env)
+    assert relative_difference(runs["one"], one) <= RTOL
