@@ -78,10 +78,12 @@ class DistributedMuon(torch.optim.Muon):
             self._init_group(group, params, grads, bufs)  # torch's checks and zero momentum
             for p, grad, buf in zip(params, grads, bufs):
                 matrices.append((group, p, nesterov(local(grad), local(buf), group)))
+        if not matrices:  # no gradients (the same on every rank): nothing to share
+            return loss
         world = dist.get_world_size() if dist.is_initialized() else 1
         owner = owners([tuple(p.shape) for _, p, _ in matrices], world)
         groups, updates = [g for g, _, _ in matrices], [u for _, _, u in matrices]
-        if matrices and parallel.is_dtensor(matrices[0][1]):
+        if parallel.is_dtensor(matrices[0][1]):
             ortho = orthogonalised_shards(updates, [p.shape for _, p, _ in matrices], groups,
                                           owner, world)
         else:
