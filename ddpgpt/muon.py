@@ -27,10 +27,14 @@ matrix's owner (float32: 4 bytes a Muon parameter over all ranks together), the 
 orthogonalises the whole matrix and sends each rank its rows of the result back (bfloat16: 2
 bytes a parameter); each rank applies them to its rows. Gather-to-owner and scatter rather
 than an all_gather, which under fsdp would bring every whole matrix to every rank: N times the
-bytes, and the memory fsdp is there to save.
+bytes, and the memory fsdp is there to save. The momentum is a DTensor like the weights, so a
+checkpoint folder holds it sharded, as AdamW's moments (sharded.py), and it resumes at any
+world size and under ddp.
 """
 import torch
 import torch.distributed as dist
+# torch's own Newton-Schulz and learning-rate adjustment (private, of the torch that
+# requirements.txt pins), so that the update is torch.optim.Muon's: a test checks bit for bit
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from ddpgpt import parallel
