@@ -7,9 +7,10 @@
 
 Both hold the same contents (contents()): nanoGPT's key layout (model, optimizer, model_args,
 iter_num, best_val_loss, config) plus the rest of the training state (state.py: scaler,
-samples_consumed, data_meta, data_identity). A folder keeps the optimizer's param_groups and
-every non-tensor key in values.pt. Either kind resumes either way, on any world size: a folder under
-ddp is read whole, a file under fsdp is sharded as it loads. A nanoGPT ckpt.pt in out_dir is
+samples_consumed, data_meta, data_identity). A folder keeps the optimizer's param_groups (of
+each of its parts: optim.MuonAdamW's) and every non-tensor key in values.pt. Either kind
+resumes either way, on any world size: a folder under ddp is read whole, a file under fsdp is
+sharded as it loads. A nanoGPT ckpt.pt in out_dir is
 found too, as the oldest. Loading never runs code from a checkpoint (weights_only=True, and
 sharded.py's reader for a folder's index).
 
@@ -104,10 +105,12 @@ def save_folder(out_dir, state, aliases, keep, group, master):
     path = path_for(out_dir, state["iter_num"], folder=True)
     tmp = f"{path}.tmp"  # one name for every rank; the out_dir's lock keeps other runs out
     values = {k: v for k, v in state.items() if k not in TENSORS}
-    values["optimizer"] = {"param_groups": state["optimizer"]["param_groups"]}
+    optimizer = sharded.state_parts(state["optimizer"])
+    values["optimizer"] = sharded.joined({part: {"param_groups": s["param_groups"]}
+                                          for part, s in optimizer.items()})
     values["aliases"] = aliases
     tensors = {"model": {k: v for k, v in state["model"].items() if k not in aliases},
-               "optimizer": state["optimizer"]["state"]}
+               "optimizer": sharded.joined({part: s["state"] for part, s in optimizer.items()})}
     try:
         sharded.write(tmp, tensors, group)  # returns once every rank's part is on disk
         if master:
@@ -241,8 +244,10 @@ def read_folder(path, whole):
     values = dict(values)
     tensors = sharded.read_whole(path, whole, values.pop("aliases", {}))
     if "optimizer" in tensors:
-        tensors["optimizer"] = {"state": tensors["optimizer"],
-                                "param_groups": values["optimizer"]["param_groups"]}
+        state = tensors["optimizer"]
+        tensors["optimizer"] = sharded.joined({
+            part: {"state": state.get(part, {}), "param_groups": saved["param_groups"]}
+            for part, saved in sharded.state_parts(values["optimizer"]).items()})
     return {**values, **tensors}, None
 
 
@@ -266,8 +271,8 @@ def restore(model, optimizer, resume):
         return
     from ddpgpt import sharded
     if "folder" in resume:
-        sharded.read_parts(resume["folder"], model, optimizer,
-                           resume["optimizer"]["param_groups"], aliases(model))
+        sharded.read_parts(resume["folder"], model, optimizer, resume["optimizer"],
+                           aliases(model))
     else:
         optimizer.load_state_dict(sharded.shard_like(resume["optimizer"], optimizer))
 

@@ -3,13 +3,13 @@
 optimizer='adamw': AdamW as nanoGPT sets it up: weight decay on the matrices (matmul weights,
 embeddings) only, and the fused kernel on CUDA.
 
-optimizer='muon': torch.optim.Muon for the matrices that muon_params names (by default every
-matrix in the blocks: attention and MLP), and AdamW as above for everything else: the
-embeddings, the head, norms and biases, which Muon is not made for. Muon's update is its
-Nesterov momentum made orthogonal (five Newton-Schulz iterations, in bfloat16) and scaled by
-sqrt(max(1, rows / columns)) (torch's adjust_lr_fn='original', Keller Jordan's). Under DDP
-every rank computes it from the same all-reduced gradients, so every rank applies the same
-update; gradient accumulation and clipping are the same as for AdamW. The two optimizers are
+optimizer='muon': Muon for the matrices that muon_params names (by default every matrix in
+the blocks: attention and MLP), and AdamW as above for everything else: the embeddings, the
+head, norms and biases, which Muon is not made for. Muon's update is its Nesterov momentum made
+orthogonal (five Newton-Schulz iterations, in bfloat16) and scaled by sqrt(max(1, rows /
+columns)) (torch's adjust_lr_fn='original', Keller Jordan's): torch.optim.Muon's, computed once
+per matrix over the ranks, by its owner, under ddp and fsdp alike (muon.py); gradient
+accumulation and clipping are the same as for AdamW. The two optimizers are
 stepped as one (MuonAdamW), so that train.py, float16's GradScaler and a checkpoint see one.
 
 The schedule is a linear warm-up, then cosine decay to min_lr, or (wsd) warm-up, a stable
@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import torch
 
 from ddpgpt.errors import UserError
+from ddpgpt.muon import DistributedMuon
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,8 @@ def make(cfg, model, device_type):
     if cfg.optimizer == "adamw":
         return make_optimizer(model, *adamw_settings)
     matrices = muon_parameters(model, cfg.muon_params)
-    muon = torch.optim.Muon(matrices, lr=cfg.muon_lr, momentum=cfg.muon_momentum,
-                            weight_decay=cfg.muon_weight_decay)
+    muon = DistributedMuon(matrices, lr=cfg.muon_lr, momentum=cfg.muon_momentum,
+                           weight_decay=cfg.muon_weight_decay)
     taken = {id(p) for p in matrices}
     rest = [p for p in model.parameters() if id(p) not in taken]
     return MuonAdamW(muon, adamw(rest, *adamw_settings))
@@ -117,6 +118,11 @@ class MuonAdamW:
         self.muon, self.adamw = muon, adamw
 
     @property
+    def parts(self):
+        """Its two torch optimizers by name, the names its state_dict keeps them under."""
+        return {"muon": self.muon, "adamw": self.adamw}
+
+    @property
     def param_groups(self):
         return self.muon.param_groups + self.adamw.param_groups
 
@@ -129,11 +135,11 @@ class MuonAdamW:
         self.adamw.zero_grad(set_to_none)
 
     def state_dict(self):
-        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+        return {name: part.state_dict() for name, part in self.parts.items()}
 
     def load_state_dict(self, state):
-        self.muon.load_state_dict(state["muon"])
-        self.adamw.load_state_dict(state["adamw"])
+        for name, part in self.parts.items():
+            part.load_state_dict(state[name])
 
 
 def set_lr(optimizer, cfg, it):

@@ -120,7 +120,7 @@ class TrainConfig:
                             **ROPE_THETA_RANGE)
     # the optimizer and its schedule
     optimizer: Literal["adamw", "muon"] = key(
-        "adamw", "adamw: AdamW for every parameter; muon: torch.optim.Muon for the matrices "
+        "adamw", "adamw: AdamW for every parameter; muon: Muon for the matrices "
                  "that muon_params names, AdamW (learning_rate) for the rest")
     learning_rate: float = key(6e-4, "the peak learning rate (AdamW's)", at_least=0)
     max_iters: int = key(600000, "optimizer steps in all", at_least=0)
@@ -213,22 +213,10 @@ class TrainConfig:
                             "(the AdamW part's) above 0.")
 
     def check_parallel(self):
-        """The keys that only fsdp reads, and the optimizer it cannot train with (float16:
-        parallel.check, where the device says what dtype='auto' is)."""
+        """The keys that only fsdp reads (what it cannot train in, float16: parallel.check,
+        where the device says what dtype='auto' is)."""
         for name in ("reshard_after_forward", "reduce_every_micro_step"):
             check_only_for(self, name, "parallel", "fsdp")
-        if self.parallel == "fsdp" and self.optimizer == "muon":
-            # Muon's update is a function of the whole matrix (its orthogonalization), and
-            # torch.optim.Muon computes it from the tensor it is given: under FSDP2 that is
-            # this rank's rows of each matrix, whose orthogonalized update is not the rows of
-            # the matrix's. Doing it right means gathering each matrix on one rank (the work
-            # shared out round-robin) and scattering the update back, which torch 2.13's Muon
-            # does not do and we will not write by hand here.
-            raise UserError("optimizer='muon' with parallel='fsdp': Muon's update is computed "
-                            "from whole matrices, and under fsdp each rank holds only a shard "
-                            "of each, so it would compute the wrong update. Use "
-                            "optimizer='muon' with parallel='ddp' (every rank holds whole "
-                            "matrices), or optimizer='adamw' with parallel='fsdp'.")
 
     @property
     def global_batch(self):

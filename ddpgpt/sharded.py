@@ -6,7 +6,9 @@ part (whatever the world size that wrote them: DCP reshards), or one process all
   __<rank>_0.distcp    what rank <rank> wrote: its shard of each weight (model.<name>, under
                        the model's own names, nanoGPT's) and of the optimizer's state
                        (optimizer.<i>.<what>: i is the parameter's index in the optimizer, as
-                       in the optimizer['state'] of a single-file checkpoint)
+                       in the optimizer['state'] of a single-file checkpoint; of an optimizer
+                       made of two, optim.MuonAdamW, optimizer.<part>.<i>.<what>, part 'muon'
+                       or 'adamw')
 
 checkpoint.py puts these files in a folder with the checkpoint's other values and publishes it
 (checkpoint.py's docstring has the layout). A tensor under two names (the tied embedding) is
@@ -112,9 +114,35 @@ def problem(folder):
     return None
 
 
+def parts(optimizer):
+    """{part: torch optimizer} of an optimizer made of several (optim.MuonAdamW's parts), or
+    {None: optimizer}: what a checkpoint keeps of each is a torch optimizer's state_dict."""
+    return getattr(optimizer, "parts", None) or {None: optimizer}
+
+
+def state_parts(optimizer_state):
+    """parts() of an optimizer's state_dict (or of its param_groups alone, as a folder's
+    values.pt keeps them): {part: a torch optimizer's}."""
+    return {None: optimizer_state} if "param_groups" in optimizer_state else optimizer_state
+
+
+def joined(by_part):
+    """The inverse of state_parts: a {part: ...} as the optimizer's state_dict nests it."""
+    return by_part[None] if None in by_part else by_part
+
+
+def optimizer_key(key):
+    """(part, index, what) of a tensor of the optimizer's state in the index: part None for
+    optimizer.<i>.<what>, else optimizer.<part>.<i>.<what>."""
+    rest = key.split(".", 3)[1:]
+    return (None, int(rest[0]), ".".join(rest[1:])) if rest[0].isdigit() else \
+        (rest[0], int(rest[1]), rest[2])
+
+
 def read_whole(folder, what, aliases):
-    """{'model': the weights, 'optimizer': {i: its state}} as whole tensors on the CPU, of the
-    parts named in `what`, read by this process alone."""
+    """{'model': the weights, 'optimizer': {part: {i: its state}}} (part: None but for an
+    optimizer made of several) as whole tensors on the CPU, of the parts named in `what`, read
+    by this process alone."""
     index = read_index(folder)
     prefixes = tuple(f"{part}." for part in what)
     flat = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
@@ -122,43 +150,54 @@ def read_whole(folder, what, aliases):
     dcp.load(flat, storage_reader=_Reader(folder), no_dist=True)
     out = {part: {} for part in what}
     for key, tensor in flat.items():
-        part, rest = key.split(".", 1)
-        if part == "model":
-            out["model"][rest] = tensor
+        if key.startswith("model."):
+            out["model"][key.removeprefix("model.")] = tensor
         else:
-            i, name = rest.split(".", 1)
-            out["optimizer"].setdefault(int(i), {})[name] = tensor
+            part, i, name = optimizer_key(key)
+            out["optimizer"].setdefault(part, {}).setdefault(i, {})[name] = tensor
     if "model" in out:
         out["model"].update({alias: out["model"][name] for alias, name in aliases.items()})
     return out
 
 
-def read_parts(folder, model, optimizer, param_groups, aliases):
+def read_parts(folder, model, optimizer, saved, aliases):
     """Load this rank's shards of a sharded checkpoint into the sharded model and its optimizer,
     at any world size: every rank calls it. The optimizer takes the checkpoint's param_groups
-    (learning rate and betas as saved), as torch's load_state_dict does."""
+    (saved: the optimizer's values, {'param_groups'} or {part: {'param_groups'}}: learning
+    rate and betas as saved), as torch's load_state_dict does."""
     index = read_index(folder)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = {part: [p for group in o.param_groups for p in group["params"]]
+              for part, o in parts(optimizer).items()}
     weights = model.state_dict()  # DTensors that are views of the weights: loaded in place
     state = {}
     for key, meta in index.state_dict_metadata.items():
         if key.startswith("optimizer."):
-            i, name = key.split(".", 2)[1:]
-            p = params[int(i)]
-            state.setdefault(int(i), {})[name] = torch.zeros_like(p) \
+            part, i, name = optimizer_key(key)
+            p = params[part][i]
+            state.setdefault(part, {}).setdefault(i, {})[name] = torch.zeros_like(p) \
                 if tuple(meta.size) == tuple(p.shape) else torch.empty(meta.size,
                                                                        dtype=meta.properties.dtype)
     tensors = {"model": {k: v for k, v in weights.items() if k not in aliases},
-               "optimizer": state}
+               "optimizer": joined(state) if state else {}}
     dcp.load(tensors, storage_reader=_Reader(folder))
-    if state:  # a checkpoint saved before the first optimizer step has none
-        optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    groups = state_parts(saved)
+    for part, o in parts(optimizer).items():
+        if part in state:  # a checkpoint saved before the first optimizer step has none
+            o.load_state_dict({"state": state[part],
+                               "param_groups": groups[part]["param_groups"]})
 
 
 def shard_like(optimizer_state, optimizer):
     """A whole optimizer state ({'state': {i: {...}}, 'param_groups'}, as a single-file
-    checkpoint holds it) sharded as the optimizer's parameters are, for its load_state_dict:
-    each rank keeps its shard of each tensor shaped like its parameter."""
+    checkpoint holds it, or {part: such} of optim.MuonAdamW) sharded as the optimizer's
+    parameters are, for its load_state_dict: each rank keeps its shard of each tensor shaped
+    like its parameter."""
+    ours = parts(optimizer)
+    return joined({part: shard_part(saved, ours[part])
+                   for part, saved in state_parts(optimizer_state).items()})
+
+
+def shard_part(optimizer_state, optimizer):
     params = [p for group in optimizer.param_groups for p in group["params"]]
     state = {i: {name: distribute_tensor(t.to(params[i].device), params[i].device_mesh,
                                          params[i].placements, src_data_rank=None)

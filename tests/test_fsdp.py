@@ -349,8 +349,6 @@ def test_evaluation_when_the_ranks_have_different_numbers_of_batches(corpus, tmp
     (["--parallel=fsdp", "--dtype=float16"], "parallel='fsdp' does not train in float16 "
                                              "(dtype='float16')"),
     (["--parallel=zero3"], "parallel='zero3' is not one of 'ddp', 'fsdp'"),
-    (["--parallel=fsdp", "--optimizer=muon"], "optimizer='muon' with parallel='fsdp': Muon's "
-                                              "update is computed from whole matrices"),
 ])
 def test_bad_combinations_are_clear_errors(env, args, message):
     assert message in fails("train.py", *args, env=env).stderr

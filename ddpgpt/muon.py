@@ -1,0 +1,192 @@
+"""Muon over the ranks: each matrix's update (its Nesterov momentum orthogonalised by
+Newton-Schulz) is computed once per step, by one rank, its owner, on the whole matrix, and
+reaches every rank that holds part of that matrix.
+
+The owners (owners()): a function of the Muon matrices' shapes, in the optimizer's order, and
+the world size alone, so every rank computes the same assignment without talking. Newton-Schulz
+on an r x c matrix costs about r * c * min(r, c) multiply-adds; the matrices are taken from the
+costliest down (the earlier one first among equals) and each goes to the rank with the least
+cost so far (the lower rank among equals): greedy longest-processing-time, whose most loaded
+rank has at most total / N plus the largest single matrix's cost.
+
+Under ddp every rank holds the whole, all-reduced gradient. Every rank updates the momentum of
+every matrix (elementwise and cheap), so the optimizer state is whole and the same on every
+rank, and checkpoints are torch.optim.Muon's, under the same key ('momentum_buffer'): one
+written by torch.optim.Muon resumes, and the other way round. Each owner orthogonalises its
+matrices, and one all_gather per step shares the results: each rank's updates, flattened into
+one bucket of bfloat16 (what torch's Newton-Schulz returns) padded to the largest rank's, so a
+rank receives (N - 1) x that bucket: 2 bytes a Muon parameter at most, plus the padding
+(bytes_per_step()). Then every rank applies each update with torch.optim.Muon's learning rate
+adjustment and decoupled weight decay. On one process it is torch.optim.Muon, bit for bit.
+
+Under fsdp each rank holds Shard(0) of each matrix, its weights, gradient and momentum: rank k
+holds rows [k * ceil(r / N), (k + 1) * ceil(r / N)) (torch.chunk's rows, which DTensor's
+Shard(0) keeps). The momentum is updated on the local rows. Two all_to_all_single per step
+then do the rest: each rank sends its rows of the Nesterov update of each matrix to that
+matrix's owner (float32: 4 bytes a Muon parameter over all ranks together), the owner
+orthogonalises the whole matrix and sends each rank its rows of the result back (bfloat16: 2
+bytes a parameter); each rank applies them to its rows. Gather-to-owner and scatter rather
+than an all_gather, which under fsdp would bring every whole matrix to every rank: N times the
+bytes, and the memory fsdp is there to save. The momentum is a DTensor like the weights, so a
+checkpoint folder holds it sharded, as AdamW's moments (sharded.py), and it resumes at any
+world size and under ddp.
+"""
+import torch
+import torch.distributed as dist
+# torch's own Newton-Schulz and learning-rate adjustment (private, of the torch that
+# requirements.txt pins), so that the update is torch.optim.Muon's: a test checks bit for bit
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+from ddpgpt import parallel
+
+# what torch's Newton-Schulz returns, so what the updates travel in (a rank that owns no
+# matrix has no result to read it from)
+UPDATE_DTYPE = torch.bfloat16
+
+
+def owners(shapes, world_size):
+    """The owner rank of each matrix (shapes: (rows, columns) in the optimizer's order),
+    balanced by Newton-Schulz cost (the module's docstring)."""
+    cost = [rows * cols * min(rows, cols) for rows, cols in shapes]
+    load, owner = [0] * world_size, [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: -cost[i]):
+        rank = min(range(world_size), key=load.__getitem__)
+        owner[i] = rank
+        load[rank] += cost[i]
+    return owner
+
+
+def bytes_per_step(shapes, world_size):
+    """What one rank receives in a ddp step's all_gather: N - 1 buckets of the largest."""
+    owner = owners(shapes, world_size)
+    bucket = max(sum(r * c for (r, c), o in zip(shapes, owner) if o == rank)
+                 for rank in range(world_size))
+    return (world_size - 1) * bucket * UPDATE_DTYPE.itemsize
+
+
+class DistributedMuon(torch.optim.Muon):
+    """torch.optim.Muon whose Newton-Schulz runs once per matrix over the ranks (the module's
+    docstring), for parameters that are whole (ddp, one process) or Shard(0) DTensors (fsdp).
+    Its settings, param_groups and state are torch.optim.Muon's. A class: torch's optimizer
+    API is one."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        matrices = []  # (group, parameter, its Nesterov update) of those with a gradient
+        for group in self.param_groups:
+            params, grads, bufs = [], [], []
+            self._init_group(group, params, grads, bufs)  # torch's checks and zero momentum
+            for p, grad, buf in zip(params, grads, bufs):
+                matrices.append((group, p, nesterov(local(grad), local(buf), group)))
+        if not matrices:  # no gradients (the same on every rank): nothing to share
+            return loss
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        owner = owners([tuple(p.shape) for _, p, _ in matrices], world)
+        groups, updates = [g for g, _, _ in matrices], [u for _, _, u in matrices]
+        if parallel.is_dtensor(matrices[0][1]):
+            ortho = orthogonalised_shards(updates, [p.shape for _, p, _ in matrices], groups,
+                                          owner, world)
+        else:
+            ortho = orthogonalised_whole(updates, groups, owner, world)
+        for (group, p, _), o in zip(matrices, ortho):
+            lr = group["lr"]
+            weight = local(p)
+            weight.mul_(1 - lr * group["weight_decay"])
+            weight.add_(o, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+        return loss
+
+
+def local(t):
+    """This rank's part of t: its local shard of a DTensor, else t."""
+    return t.to_local() if parallel.is_dtensor(t) else t
+
+
+def nesterov(grad, buf, group):
+    """The momentum buffer updated in place, and the update to orthogonalise, as torch's."""
+    momentum = group["momentum"]
+    buf.lerp_(grad, 1 - momentum)
+    return grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+
+def newton_schulz(update, group):
+    return _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"],
+                                       group["eps"])
+
+
+def orthogonalised_whole(updates, groups, owner, world):
+    """ddp: each update (whole, the same on every rank) orthogonalised by its owner, shared
+    by one all_gather of per-rank buckets."""
+    rank = dist.get_rank() if world > 1 else 0
+    mine = [newton_schulz(u, g).flatten() for u, g, o in zip(updates, groups, owner)
+            if o == rank]
+    if world == 1:
+        return [m.view_as(u) for m, u in zip(mine, updates)]
+    sizes = [sum(u.numel() for u, o in zip(updates, owner) if o == r) for r in range(world)]
+    bucket = torch.zeros(max(sizes), dtype=UPDATE_DTYPE, device=updates[0].device)
+    if mine:
+        bucket[:sizes[rank]].copy_(torch.cat(mine))
+    buckets = [torch.empty_like(bucket) for _ in range(world)]
+    dist.all_gather(buckets, bucket)
+    offsets, out = [0] * world, []
+    for u, o in zip(updates, owner):
+        out.append(buckets[o][offsets[o]:offsets[o] + u.numel()].view_as(u))
+        offsets[o] += u.numel()
+    return out
+
+
+def orthogonalised_shards(updates, shapes, groups, owner, world):
+    """fsdp: each rank's rows of each update orthogonalised as a whole matrix by its owner:
+    the rows gathered to the owner by one all_to_all_single, the results' rows sent back by
+    another. updates: this rank's rows; shapes: the whole matrices'."""
+    rank = dist.get_rank()
+    rows = [[shard_rows(shape[0], r, world) for r in range(world)] for shape in shapes]
+    for u, shape, r in zip(updates, shapes, rows):
+        assert u.shape == (r[rank], shape[1]), "not torch.chunk's rows of Shard(0)"
+    # to the owners: rank r's rows of every matrix that rank o owns, in the optimizer's order
+    device = updates[0].device
+    sent = exchange([[u.flatten() for u, o in zip(updates, owner) if o == to]
+                     for to in range(world)],
+                    [sum(r[frm] * s[1] for r, s, o in zip(rows, shapes, owner) if o == rank)
+                     for frm in range(world)], updates[0].dtype, device)
+    whole = {}
+    for frm in range(world):  # each sender's rows, in the order it sent them
+        at = 0
+        for i, (r, s, o) in enumerate(zip(rows, shapes, owner)):
+            if o == rank:
+                whole.setdefault(i, []).append(sent[frm][at:at + r[frm] * s[1]].view(r[frm],
+                                                                                     s[1]))
+                at += r[frm] * s[1]
+    ortho = {i: newton_schulz(torch.cat(parts), groups[i]) for i, parts in whole.items()}
+    # back: each rank its rows of every result of this owner
+    starts = [[sum(r[:k]) for k in range(world)] for r in rows]
+    back = exchange([[ortho[i][starts[i][to]:starts[i][to] + rows[i][to]].flatten()
+                      for i in sorted(ortho)] for to in range(world)],
+                    [sum(r[rank] * s[1] for r, s, o in zip(rows, shapes, owner) if o == frm)
+                     for frm in range(world)], UPDATE_DTYPE, device)
+    out, at = [], [0] * world
+    for r, s, o in zip(rows, shapes, owner):
+        out.append(back[o][at[o]:at[o] + r[rank] * s[1]].view(r[rank], s[1]))
+        at[o] += r[rank] * s[1]
+    return out
+
+
+def shard_rows(rows, rank, world):
+    """How many of a matrix's rows Shard(0) puts on rank: torch.chunk's."""
+    chunk = -(-rows // world)
+    return max(0, min(rows, (rank + 1) * chunk) - rank * chunk)
+
+
+def exchange(to_each, from_each, dtype, device):
+    """One all_to_all_single: to_each[r], a list of flat tensors, goes to rank r; what each
+    rank r sends here (from_each[r] elements of dtype) comes back, one tensor per rank."""
+    send = [torch.cat(ts).to(dtype) if ts else torch.empty(0, dtype=dtype, device=device)
+            for ts in to_each]
+    received = torch.empty(sum(from_each), dtype=dtype, device=device)
+    dist.all_to_all_single(received, torch.cat(send),
+                           output_split_sizes=from_each,
+                           input_split_sizes=[t.numel() for t in send])
+    return list(received.split(from_each))
