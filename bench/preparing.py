@@ -180,8 +180,15 @@ def memory_target(rows, impl="ddpgpt"):
 
 
 def plot(result):
+    return plot_titled(result,
+                       f"Prepare, GPT-2 tokenizer, {result['settings']['processes']} processes")
+
+
+def plot_titled(result, title):
+    """The rows' speed and memory against the corpus size, a line per impl; preparing_hf.py's
+    too."""
     return report.line_plot(
-        result, f"Prepare, GPT-2 tokenizer, {result['settings']['processes']} processes",
+        result, title,
         ("corpus_bytes", "corpus, MB of JSON lines", 1e6, "linear"),
         [("tok_per_s", "million tokens/s", 1e6, "linear"),
          ("tok_per_cpu_s", "million tokens per CPU second", 1e6, "linear"),

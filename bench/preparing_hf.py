@@ -4,8 +4,7 @@ tokens as with tiktoken. Its worker processes, each encoding a chunk of document
 on one thread, against the tokenizer's own batch encoding on its threads in one process,
 encoding alone (prepare_hf_ceiling.py): which way of spreading the work over the cores
 prepare.py should take. prepare.py with tiktoken beside them. preparing.py's functions."""
-from bench import preparing, report
-from bench.common import MiB
+from bench import preparing
 
 TITLE = "Prepare with a Hugging Face tokenizer"
 # pystdlib's first documents, x1 and x3: the memory's flatness in the corpus size, and what a
@@ -31,12 +30,6 @@ def targets(rows):
 
 
 def plot(result):
-    return report.line_plot(
+    return preparing.plot_titled(
         result, f"Prepare, GPT-2's vocabulary, tiktoken and Hugging Face's, "
-                f"{result['settings']['processes']} cores",
-        ("corpus_bytes", "corpus, MB of JSON lines", 1e6, "linear"),
-        [("tok_per_s", "million tokens/s", 1e6, "linear"),
-         ("tok_per_cpu_s", "million tokens per CPU second", 1e6, "linear"),
-         ("peak_rss", "peak RSS, MiB (all processes)", MiB, "linear"),
-         ("peak_private", "peak private memory, MiB (all processes)", MiB, "linear")],
-        series=("impl",))
+                f"{result['settings']['processes']} cores")

@@ -26,9 +26,7 @@ def end_at_once_while_importing(script):
     the process with before_steps' line instead of a KeyboardInterrupt traceback from each
     rank. One that the parent ignores (a background job's SIGINT) stays ignored."""
     def stop(signum, frame):
-        say_once(before_steps(script, signum))
-        say_torchrun_reports_next()
-        os._exit(128 + signum)
+        end_before_steps(script, signum)
 
     for s in EXIT_AT_ONCE:
         if signal.getsignal(s) is not signal.SIG_IGN:
@@ -77,6 +75,13 @@ def before_steps(script, signum):
     return line
 
 
+def end_before_steps(script, signum):
+    """End the process at once for a stop signal before the first step, with its line."""
+    say_once(before_steps(script, signum))
+    say_torchrun_reports_next()
+    os._exit(128 + signum)
+
+
 def exit_at_once(script):
     """A stop signal before the first step raises Interrupted in the main thread (on_signal),
     which errors.run reports; but a main thread that waits in a C call, init_process_group
@@ -94,9 +99,7 @@ def exit_at_once(script):
             if signum is not None:
                 time.sleep(GRACE_S)
                 if _before_steps is not None:
-                    say_once(before_steps(script, signum))
-                    say_torchrun_reports_next()
-                    os._exit(128 + signum)
+                    end_before_steps(script, signum)
         os.close(read_end)
 
     threading.Thread(target=watch, name="stop-signals", daemon=True).start()
