@@ -13,7 +13,7 @@ import numpy as np
 
 from ddpgpt import data, docindex, tokenfile
 from ddpgpt.errors import UserError
-from ddpgpt.tokenizer import same_vocabulary
+from ddpgpt.tokenizer import check_ids_fit, same_vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +98,15 @@ def open_splits(sources, block_size, vocab_size, splits=tokenfile.SPLITS, mode="
 
 def open_split(folder, split, block_size, vocab_size=None, mode="epoch"):
     """One source's split (tokenfile.open_split), with its document index as open_splits says:
-    the one place that decides which splits open theirs."""
-    token_split = tokenfile.open_split(folder, split, block_size, vocab_size)
+    the one place that decides which splits open theirs. With a vocab_size, the model's, its
+    ids must fit the model."""
+    token_split = tokenfile.open_split(folder, split, block_size)
+    meta = tokenfile.read_meta(folder)
+    if vocab_size is not None and meta is not None:
+        check_ids_fit(meta["vocab_size"], f"{folder} ({meta.get('tokenizer')!r} tokens)",
+                      vocab_size, "the model", f"use a model with vocab_size >= "
+                      f"{meta['vocab_size']} (0 takes the data's), or data prepared with the "
+                      f"tokenizer the model's weights were trained with.")
     if split == "train" and mode == "documents":
         return with_index(token_split, folder, split)
     if split != "val":

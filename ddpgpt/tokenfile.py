@@ -362,7 +362,7 @@ def file_tokens(paths, dtype, header_bytes, listed, hint):
     return counts
 
 
-def open_split(data_dir, split, block_size, vocab_size=None):
+def open_split(data_dir, split, block_size):
     """Check one split on disk (against meta.json where there is one) and return its
     TokenSplit, without its document index (sources.open_split adds it). The checks cost the
     same for any file size: sizes, headers, and a fingerprint of 64 chunks."""
@@ -391,11 +391,6 @@ def open_split(data_dir, split, block_size, vocab_size=None):
             f"fingerprint in {META_NAME}: the content changed after prepare.py wrote it (a "
             f"different file of the same size?). Run `{hint}` again.")
     check_block_size(token_split, block_size)
-    if vocab_size is not None and meta is not None and meta["vocab_size"] > vocab_size:
-        raise UserError(
-            f"{data_dir} was tokenized with {meta.get('tokenizer')!r}, whose {meta['vocab_size']} "
-            f"ids do not fit the model's vocab_size={vocab_size}: use a model with vocab_size "
-            f">= {meta['vocab_size']} or data prepared with a smaller vocabulary.")
     return token_split
 
 

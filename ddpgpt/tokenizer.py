@@ -169,10 +169,19 @@ def tokenizer_of(meta, vocab_size):
     """The tokenizer of data described by meta (GPT-2's where there is none, as nanoGPT's raw
     files are), which must not have more ids than the model can embed."""
     tok = for_data(meta) if meta else get_tokenizer("gpt2")
-    if tok.vocab_size > vocab_size:
-        raise UserError(f"the model has {vocab_size} token ids, fewer than {tok.name!r}'s "
-                        f"{tok.vocab_size}: put its data's meta.json in the data_dir it names.")
+    check_ids_fit(tok.vocab_size, f"the tokenizer {tok.name!r}", vocab_size, "the model",
+                  "put its data's meta.json in the data_dir it names.")
     return tok
+
+
+def check_ids_fit(n_ids, tokens, vocab_size, model, fix):
+    """A model embeds the ids 0 .. vocab_size - 1: data or a tokenizer (`tokens`) with more
+    cannot be read by it. The one check of it, wherever data or a tokenizer meets a model
+    (data opened for a model: sources.open_split; a tokenizer chosen for one: tokenizer_of,
+    weights.load)."""
+    if n_ids > vocab_size:
+        raise UserError(f"{tokens} has {n_ids} token ids, more than the {vocab_size} that "
+                        f"{model} embeds: {fix}")
 
 
 def byte_lengths(tok, n_ids):

@@ -24,7 +24,8 @@ from ddpgpt.errors import UserError
 from ddpgpt.model import GPTConfig
 from ddpgpt.settings import INIT_FROM, NAMES
 from ddpgpt.state import Saved
-from ddpgpt.tokenizer import GPT2_NAMES, Tokenizer, data_meta, get_tokenizer, tokenizer_of
+from ddpgpt.tokenizer import (GPT2_NAMES, Tokenizer, check_ids_fit, data_meta, get_tokenizer,
+                              tokenizer_of)
 
 log = logging.getLogger(__name__)
 
@@ -171,12 +172,11 @@ def check_pretrained_data(cfg, meta, weights_args, source):
     """The data must be in the weights' tokens. OpenAI's read GPT-2's, and so does a folder of
     GPT-2's vocabulary size or more (a folder names no tokenizer; sample.py and eval.py read
     such weights with GPT-2's); a smaller folder's must at least have an embedding for every
-    token id of the data."""
+    token id of the data, which opening the data checks (sources.open_split)."""
     tokens = (meta or {}).get("tokenizer")
-    gpt2_ids = cfg.init_from in NAMES or weights_args["vocab_size"] >= GPT2_VOCAB_SIZE
-    if gpt2_ids and tokens not in (None, *GPT2_NAMES) or \
-            meta is not None and meta["vocab_size"] > weights_args["vocab_size"]:
-        ids = f"{weights_args['vocab_size']} token ids" + (", GPT-2's" if gpt2_ids else "")
+    if (cfg.init_from in NAMES or weights_args["vocab_size"] >= GPT2_VOCAB_SIZE) and \
+            tokens not in (None, *GPT2_NAMES):
+        ids = f"{weights_args['vocab_size']} token ids, GPT-2's"
         raise UserError(
             f"{cfg.data_dir} holds {tokens!r} tokens ({meta['vocab_size']} ids), which "
             f"{source} ({ids}) cannot read: prepare the data "
@@ -274,10 +274,8 @@ def load(init_from, out_dir, hint):
     weights, args = hf.load(init_from)
     named = os.path.isdir(init_from) and hf.folder_tokenizer(init_from)
     tok = get_tokenizer(named or "gpt2")
-    if args["vocab_size"] < tok.vocab_size:
-        raise UserError(
-            f"{init_from} has {args['vocab_size']} token ids, fewer than the {tok.vocab_size} "
-            f"of GPT-2's tokenizer, with which Hugging Face weights are read: use the "
-            f"checkpoint they were exported from, with --out_dir.")
+    check_ids_fit(tok.vocab_size, "GPT-2's tokenizer, with which Hugging Face weights are read,",
+                  args["vocab_size"], init_from, "use the checkpoint they were exported from, "
+                  "with --out_dir.")
     where = "its tokenizer.json" if named else "Hugging Face weights"
     return Loaded(args, weights, tok, f"{init_from}, tokenizer {tok.name!r} ({where})", None)

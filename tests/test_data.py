@@ -255,7 +255,8 @@ def test_split_shorter_than_one_block(env, tmp_path):
 def test_vocabulary_larger_than_the_model(env, tmp_path):
     folder = small_folder(tmp_path, vocab=70000)
     err = train_error(env, folder, tmp_path, "--vocab_size=512")
-    assert "70000 ids do not fit the model's vocab_size=512" in err
+    assert f"{folder} ('test' tokens) has 70000 token ids, more than the 512 that the model " \
+           f"embeds: use a model with vocab_size >= 70000" in err
 
 
 @pytest.mark.slow

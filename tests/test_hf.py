@@ -272,7 +272,7 @@ def bad_folders(tmp_path_factory):
 
 @pytest.mark.parametrize("init_from, args, message", [
     ("llama", [], "holds a 'llama' model (config.json's model_type), not a GPT-2"),
-    ("bytes", [], "holds 'gpt2' tokens (50257 ids), which the weights of"),
+    ("bytes", [], "('gpt2' tokens) has 50257 token ids, more than the 257 that the model embeds"),
     ("small", ["--n_layer=3"], "n_layer=3 (2 there): the architecture comes from the weights of"),
     ("small", ["--block_size=128"], "block_size=128 is more than the 64 positions of the weights"),
     ("gtp2", [], "init_from='gtp2' is none of scratch, resume, auto, GPT-2's weights by name"),
@@ -284,6 +284,16 @@ def test_bad_weights(init_from, args, message, bad_folders, hf_folder, gpt2_data
     p = fails("train.py", f"--init_from={init_from}", f"--data_dir={gpt2_data}",
               f"--out_dir={tmp_path}", "--device=cpu", *args, env=env)
     assert message in p.stderr.strip().splitlines()[-1], p.stderr
+
+
+def test_weights_of_fewer_ids_than_gpt2s_are_not_sampled_with_gpt2s_tokens(bad_folders, env):
+    """A folder with no tokenizer.json is read with GPT-2's tokenizer, whose ids must fit."""
+    folder = bad_folders["bytes"]
+    p = fails("sample.py", f"--init_from={folder}", "--num_samples=1", env=env)
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"sample.py: error: GPT-2's tokenizer, with which Hugging Face weights are read, has "
+        f"50257 token ids, more than the 257 that {folder} embeds: use the checkpoint they were "
+        f"exported from, with --out_dir.")
 
 
 @pytest.mark.slow

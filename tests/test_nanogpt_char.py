@@ -71,6 +71,21 @@ def test_a_nanogpt_checkpoint_finds_meta_pkl_as_nanogpt_does(char_run, env, tmp_
     assert set(p.stdout.split(SEP)[0]) <= set(CHARS)
 
 
+def test_a_nanogpt_checkpoint_without_its_meta_pkl_is_not_read_with_gpt2s_tokens(char_run, env,
+                                                                              tmp_path):
+    """Without data/<dataset>/meta.pkl the tokenizer is GPT-2's, as nanoGPT's; its 50257 ids
+    do not fit the character-level model's 128."""
+    _, _, out = char_run
+    (path,) = [os.path.join(out, f) for f in os.listdir(out) if f.startswith("ckpt_")]
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    state["data_meta"], state["config"] = None, {"dataset": "shakespeare_char"}
+    torch.save(state, tmp_path / "ckpt.pt")
+    p = fails("sample.py", f"--out_dir={tmp_path}", "--num_samples=1", env=env, cwd=tmp_path)
+    assert p.stderr.strip().splitlines()[-1] == (
+        "sample.py: error: the tokenizer 'gpt2' has 50257 token ids, more than the 128 that the "
+        "model embeds: put its data's meta.json in the data_dir it names.")
+
+
 def test_a_prompt_with_other_characters_names_them(char_run, env):
     _, _, out = char_run
     err = fails("sample.py", f"--out_dir={out}", "--start=Café ROMEO™", env=env).stderr
