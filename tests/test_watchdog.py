@@ -146,8 +146,8 @@ def test_a_slow_evaluation_is_named_as_one_and_the_lock_released(env, corpus, tm
     out = tmp_path / "out"
     p = python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
                "--gradient_accumulation_steps=1", "--max_iters=4", "--eval_iters=1000000",
-               "--startup_timeout_s=15", env=env, check=False)
-    ended_hung_in(p, out, "evaluation", 0, limit_s=15, key="startup_timeout_s")
+               "--startup_timeout_s=30", env=env, check=False)
+    ended_hung_in(p, out, "evaluation", 0, limit_s=30, key="startup_timeout_s")
 
 
 def test_a_hung_save_is_named_as_one_with_the_advice_about_its_limit(env, corpus, tmp_path):
