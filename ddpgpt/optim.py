@@ -6,11 +6,12 @@ embeddings) only, and the fused kernel on CUDA.
 optimizer='muon': Muon for the matrices that muon_params names (by default every matrix in
 the blocks: attention and MLP), and AdamW as above for everything else: the embeddings, the
 head, norms and biases, which Muon is not made for. Muon's update is its Nesterov momentum made
-orthogonal (five Newton-Schulz iterations, in bfloat16) and scaled by sqrt(max(1, rows /
-columns)) (torch's adjust_lr_fn='original', Keller Jordan's): torch.optim.Muon's, computed once
-per matrix over the ranks, by its owner, under ddp and fsdp alike (muon.py); gradient
-accumulation and clipping are the same as for AdamW. The two optimizers are
-stepped as one (MuonAdamW), so that train.py, float16's GradScaler and a checkpoint see one.
+orthogonal (five Newton-Schulz iterations, in muon_ns_dtype: bfloat16 as torch's, or float32
+where the device would emulate bfloat16) and scaled by sqrt(max(1, rows / columns)) (torch's
+adjust_lr_fn='original', Keller Jordan's): torch.optim.Muon's, computed once per matrix over
+the ranks, by its owner, under ddp and fsdp alike (muon.py); gradient accumulation and
+clipping are the same as for AdamW. The two optimizers are stepped as one (MuonAdamW), so
+that train.py, float16's GradScaler and a checkpoint see one.
 
 The schedule is a linear warm-up, then cosine decay to min_lr, or (wsd) warm-up, a stable
 phase and a cooldown. It is learning_rate's (AdamW's); Muon's follows it in proportion, from
@@ -25,7 +26,7 @@ from types import SimpleNamespace
 import torch
 
 from ddpgpt.errors import UserError
-from ddpgpt.muon import DistributedMuon
+from ddpgpt.muon import DistributedMuon, ns_dtype
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,8 @@ def make(cfg, model, device_type):
         return make_optimizer(model, *adamw_settings)
     matrices = muon_parameters(model, cfg.muon_params)
     muon = DistributedMuon(matrices, lr=cfg.muon_lr, momentum=cfg.muon_momentum,
-                           weight_decay=cfg.muon_weight_decay)
+                           weight_decay=cfg.muon_weight_decay,
+                           ns_dtype=ns_dtype(cfg.muon_ns_dtype, device_type))
     taken = {id(p) for p in matrices}
     rest = [p for p in model.parameters() if id(p) not in taken]
     return MuonAdamW(muon, adamw(rest, *adamw_settings))
