@@ -1,14 +1,19 @@
-"""Muon over the ranks (ddpgpt/muon.py): the owners of the matrices, one process equal to
-torch.optim.Muon bit for bit, and under torchrun (gloo) ddp on 2 ranks as on 1 process, fsdp as
-ddp, and fsdp's exact resume, and its checkpoint folder resumed on one process."""
+"""Muon over the ranks (ddpgpt/muon.py): the owners of the matrices, Newton-Schulz's dtype, one
+process equal to torch.optim.Muon bit for bit, and under torchrun (gloo) ddp on 2 ranks as on 1
+process, fsdp as ddp, fsdp's exact resume, its checkpoint folder resumed on one process and
+under ddp, ddp's file under fsdp on 4 ranks, and a rank killed mid-run under fsdp."""
 import copy
 import os
 import shutil
+import subprocess
 
+import psutil
 import pytest
 import torch
 
-from conftest import TINY, python, steps, torchrun
+from bench.common import torchrun as torchrun_command
+from conftest import ROOT, TINY, python, steps, torchrun
+from test_fsdp import rows_of, wait_for
 from ddpgpt import checkpoint, muon, optim
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import TrainConfig
@@ -140,15 +145,11 @@ def test_ddp_on_2_ranks_trains_as_one_process_and_fsdp_as_ddp(runs):
 
 @pytest.mark.slow
 def test_fsdp_resumes_bit_for_bit_and_its_folder_on_one_process(runs, corpus, tmp_path, env):
-    out, one = tmp_path / "halves", tmp_path / "one"
-    args = [f"--data_dir={corpus}", *ARGS, f"--out_dir={out}", "--parallel=fsdp"]
-    torchrun(2, "train.py", *args, "--max_iters=4", env=env)  # the last --max_iters counts
-    shutil.copytree(checkpoint.path_for(out, 4, folder=True),
-                    checkpoint.path_for(one, 4, folder=True))
-    torchrun(2, "train.py", *args, "--init_from=resume", env=env)
+    out = resumed(checkpoint.path_for(runs["fsdp"], 4, folder=True), tmp_path / "fsdp", 2,
+                  "fsdp", corpus, env)
     a, b = steps(runs["fsdp"]), steps(out)
-    assert [(a[i]["loss"], a[i]["batch_fp"]) for i in range(8)] == \
-        [(b[i]["loss"], b[i]["batch_fp"]) for i in range(8)]
+    assert [(a[i]["loss"], a[i]["batch_fp"]) for i in range(4, 8)] == \
+        [(b[i]["loss"], b[i]["batch_fp"]) for i in range(4, 8)]
     state = checkpoint.read(checkpoint.path_for(out, 8, folder=True))[0]
     shapes = {i: tuple(p.shape) for i, p in enumerate(
         p for n, p in GPT(GPTConfig(**state["model_args"])).named_parameters()
@@ -156,6 +157,62 @@ def test_fsdp_resumes_bit_for_bit_and_its_folder_on_one_process(runs, corpus, tm
     momentum = state["optimizer"]["muon"]["state"]
     assert {i: tuple(v["momentum_buffer"].shape) for i, v in momentum.items()} == shapes
     # Muon's sharded momentum read whole: one process goes on as the one-process run
-    python("train.py", f"--data_dir={corpus}", *ARGS, f"--out_dir={one}", "--init_from=resume",
-           env=env)
+    one = resumed(checkpoint.path_for(runs["fsdp"], 4, folder=True), tmp_path / "one", 1,
+                  "ddp", corpus, env)
     assert relative_difference(runs["one"], one) <= RTOL
+
+
+def resumed(source, out, nproc, kind, corpus, env):
+    """out_dir of a run that resumes from a copy of source (a checkpoint at iter 4) to 8, on
+    nproc ranks under kind."""
+    os.makedirs(out)
+    copy = shutil.copytree if os.path.isdir(source) else shutil.copy
+    copy(source, os.path.join(out, os.path.basename(source)))
+    args = [f"--data_dir={corpus}", *ARGS, f"--out_dir={out}", f"--parallel={kind}",
+            "--init_from=resume"]
+    p = torchrun(nproc, "train.py", *args, env=env) if nproc > 1 else \
+        python("train.py", *args, env=env)
+    assert f"resuming from {os.path.join(out, os.path.basename(source))} (iter 4)" in p.stdout
+    return str(out)
+
+
+@pytest.mark.slow
+def test_ddp_checkpoints_resume_under_fsdp_on_4_ranks_and_fsdp_folders_under_ddp(
+        runs, corpus, tmp_path, env):
+    """Muon's momentum: whole in ddp's file (2 ranks), each of 4 ranks takes its rows under
+    fsdp; sharded in fsdp's folder (2 ranks), each ddp rank reads it whole."""
+    under_fsdp = resumed(checkpoint.path_for(runs["ddp"], 4), tmp_path / "fsdp", 4, "fsdp",
+                         corpus, env)
+    under_ddp = resumed(checkpoint.path_for(runs["fsdp"], 4, folder=True), tmp_path / "ddp", 2,
+                        "ddp", corpus, env)
+    assert relative_difference(runs["ddp"], under_fsdp) <= RTOL
+    assert relative_difference(runs["fsdp"], under_ddp) <= RTOL
+
+
+@pytest.mark.slow
+def test_fsdp_recovers_from_a_rank_killed_mid_run_bit_for_bit(runs, corpus, tmp_path, env):
+    """kill -9 of rank 1 after the save at 4: torchrun restarts both ranks, which resume from
+    Muon's sharded momentum and repeat the uninterrupted run. Rank 0's reads take 200 ms more
+    (slow_rank.py), so that the run is still going when the kill comes."""
+    out = str(tmp_path / "killed")
+    with open(tmp_path / "log", "w+") as log:
+        proc = subprocess.Popen(
+            [*torchrun_command(2), "--max-restarts=1", os.path.join(ROOT, "tests", "slow_rank.py"),
+             f"--data_dir={corpus}", *ARGS, f"--out_dir={out}", "--parallel=fsdp",
+             "--init_from=auto"],
+            cwd=ROOT, env=dict(env, SLOW_RANK="0", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+            stdout=log, stderr=subprocess.STDOUT)
+        wait_for(lambda: checkpoint.list_checkpoints(out) and
+                 any(r.get("iter", -1) >= 5 for r in rows_of(out)), proc)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "slow_rank.py" in " ".join(p.cmdline())]
+        assert len(workers) == 2
+        workers[1].kill()
+        proc.wait(timeout=300)
+        log.seek(0)
+        said = log.read()
+    assert proc.returncode == 0, said
+    assert f"resuming from {checkpoint.path_for(out, 4, folder=True)} (iter 4)" in said
+    a, b = steps(runs["fsdp"]), steps(out)
+    assert [(a[i]["loss"], a[i]["batch_fp"]) for i in range(8)] == \
+        [(b[i]["loss"], b[i]["batch_fp"]) for i in range(8)]
