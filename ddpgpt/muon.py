@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.optim._muon import _adjust_lr
 
 from ddpgpt import parallel
+from ddpgpt.errors import UserError
 
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -96,6 +97,9 @@ class DistributedMuon(torch.optim.Muon):
     def __init__(self, params, ns_dtype=torch.bfloat16, **settings):
         super().__init__(params, **settings)
         self.ns_dtype = ns_dtype
+        for group in self.param_groups:
+            for p in group["params"]:
+                check_layout(p)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -125,6 +129,24 @@ class DistributedMuon(torch.optim.Muon):
             weight.mul_(1 - lr * group["weight_decay"])
             weight.add_(o, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
+
+
+def check_layout(p):
+    """A DTensor matrix must be what the step exchanges rows of: Shard(0) over all the ranks,
+    one mesh dimension (fully_shard's default, train.py's parallel=fsdp). A model sharded
+    otherwise in one's own loop would have its rows sent to the wrong ranks."""
+    if not parallel.is_dtensor(p):
+        return
+    world = dist.get_world_size()
+    if len(p.placements) != 1 or not p.placements[0].is_shard(0) or \
+            p.device_mesh.size() != world:
+        raise UserError(
+            f"DistributedMuon takes whole matrices, or DTensors sharded by rows over all the "
+            f"ranks (Shard(0) on a 1-D mesh of every rank, {world} here, as fully_shard shards "
+            f"by default and parallel=fsdp does), and a {tuple(p.shape)} matrix here is "
+            f"{p.placements} over a mesh of shape {tuple(p.device_mesh.shape)}. Shard Muon's "
+            f"matrices along dim 0 over one mesh dimension of every rank (fully_shard without "
+            f"shard_placement_fn, and no HSDP mesh), or give Muon whole matrices (ddp).")
 
 
 def local(t):
@@ -182,23 +204,41 @@ def orthogonalised_shards(updates, shapes, groups, owner, world, dtype):
     rank = dist.get_rank()
     rows = [[shard_rows(shape[0], r, world) for r in range(world)] for shape in shapes]
     for u, shape, r in zip(updates, shapes, rows):
-        assert u.shape == (r[rank], shape[1]), "not torch.chunk's rows of Shard(0)"
-    # to the owners: rank r's rows of every matrix that rank o owns, in the optimizer's order
-    device = updates[0].device
+        if u.shape != (r[rank], shape[1]):
+            raise RuntimeError(
+                f"rank {rank} holds {tuple(u.shape)} of a {tuple(shape)} matrix sharded "
+                f"Shard(0) over {world} ranks, where torch.chunk's split of its rows, which "
+                f"shard_rows() expects DTensor to keep, gives ({r[rank]}, {shape[1]}): this "
+                f"torch splits rows otherwise, so the exchange would send rows to the wrong "
+                f"ranks; shard_rows() must follow it.")
+    whole = gathered_to_owners(updates, rows, shapes, owner, rank)
+    ortho = {i: newton_schulz(m, groups[i], dtype) for i, m in whole.items()}
+    return scattered_from_owners(ortho, rows, shapes, owner, rank, dtype, updates[0].device)
+
+
+def gathered_to_owners(updates, rows, shapes, owner, rank):
+    """{i: matrix i whole} for the matrices this rank owns: every rank sends each owner its
+    rows of the owner's matrices, in the optimizer's order, and the owner stacks them in rank
+    order. rows[i][r]: how many of matrix i's rows rank r holds."""
+    world = len(rows[0])
     sent = exchange([[u.flatten() for u, o in zip(updates, owner) if o == to]
                      for to in range(world)],
                     [sum(r[frm] * s[1] for r, s, o in zip(rows, shapes, owner) if o == rank)
-                     for frm in range(world)], updates[0].dtype, device)
-    whole = {}
+                     for frm in range(world)], updates[0].dtype, updates[0].device)
+    parts = {i: [] for i, o in enumerate(owner) if o == rank}
     for frm in range(world):  # each sender's rows, in the order it sent them
         at = 0
-        for i, (r, s, o) in enumerate(zip(rows, shapes, owner)):
-            if o == rank:
-                whole.setdefault(i, []).append(sent[frm][at:at + r[frm] * s[1]].view(r[frm],
-                                                                                     s[1]))
-                at += r[frm] * s[1]
-    ortho = {i: newton_schulz(torch.cat(parts), groups[i], dtype) for i, parts in whole.items()}
-    # back: each rank its rows of every result of this owner
+        for i in parts:
+            n = rows[i][frm] * shapes[i][1]
+            parts[i].append(sent[frm][at:at + n].view(rows[i][frm], shapes[i][1]))
+            at += n
+    return {i: torch.cat(p) for i, p in parts.items()}
+
+
+def scattered_from_owners(ortho, rows, shapes, owner, rank, dtype, device):
+    """This rank's rows of every matrix's result, in the optimizer's order: each owner sends
+    each rank its rows of the results it computed (ortho: {i: result}), in dtype."""
+    world = len(rows[0])
     starts = [[sum(r[:k]) for k in range(world)] for r in rows]
     back = exchange([[ortho[i][starts[i][to]:starts[i][to] + rows[i][to]].flatten()
                       for i in sorted(ortho)] for to in range(world)],

@@ -15,6 +15,7 @@ from bench.common import torchrun as torchrun_command
 from conftest import ROOT, TINY, python, steps, torchrun
 from test_fsdp import rows_of, wait_for
 from ddpgpt import checkpoint, muon, optim
+from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import TrainConfig
 
@@ -110,6 +111,25 @@ def test_newton_schulz_runs_in_the_dtype_of_muon_ns_dtype_and_auto_where_it_is_n
         ortho = muon.newton_schulz(update, group, dtype)
         assert ortho.dtype == dtype and ortho.shape == update.shape
         assert (ortho.double() - exact).abs().max() <= within
+
+
+def test_matrices_sharded_other_than_by_rows_over_every_rank_are_refused():
+    """In one's own loop a model can be sharded otherwise than parallel=fsdp does it (a real
+    one-process gloo group here)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
+                                         world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        rows = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)]))
+        muon.DistributedMuon([rows])
+        columns = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 4), mesh, [Shard(1)]))
+        with pytest.raises(UserError, match=r"sharded by rows over all the ranks .* a \(8, 4\) "
+                                            r"matrix here is \(Shard\(dim=1\),\) over a mesh"):
+            muon.DistributedMuon([rows, columns])
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 ARGS = [*TINY, "--arch=modern", "--optimizer=muon", "--muon_ns_dtype=float32",
