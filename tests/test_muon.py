@@ -5,15 +5,12 @@ under ddp, ddp's file under fsdp on 4 ranks, and a rank killed mid-run under fsd
 import copy
 import os
 import shutil
-import subprocess
 
-import psutil
 import pytest
 import torch
 
-from bench.common import torchrun as torchrun_command
 from conftest import ROOT, TINY, python, steps, torchrun
-from test_fsdp import rows_of, wait_for
+from test_fsdp import killing_rank_1, rows_of
 from ddpgpt import checkpoint, muon, optim
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
@@ -215,23 +212,12 @@ def test_fsdp_recovers_from_a_rank_killed_mid_run_bit_for_bit(runs, corpus, tmp_
     Muon's sharded momentum and repeat the uninterrupted run. Rank 0's reads take 200 ms more
     (slow_rank.py), so that the run is still going when the kill comes."""
     out = str(tmp_path / "killed")
-    with open(tmp_path / "log", "w+") as log:
-        proc = subprocess.Popen(
-            [*torchrun_command(2), "--max-restarts=1", os.path.join(ROOT, "tests", "slow_rank.py"),
-             f"--data_dir={corpus}", *ARGS, f"--out_dir={out}", "--parallel=fsdp",
-             "--init_from=auto"],
-            cwd=ROOT, env=dict(env, SLOW_RANK="0", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
-            stdout=log, stderr=subprocess.STDOUT)
-        wait_for(lambda: checkpoint.list_checkpoints(out) and
-                 any(r.get("iter", -1) >= 5 for r in rows_of(out)), proc)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "slow_rank.py" in " ".join(p.cmdline())]
-        assert len(workers) == 2
-        workers[1].kill()
-        proc.wait(timeout=300)
-        log.seek(0)
-        said = log.read()
-    assert proc.returncode == 0, said
+    said = killing_rank_1(
+        os.path.join(ROOT, "tests", "slow_rank.py"),
+        [f"--data_dir={corpus}", *ARGS, f"--out_dir={out}", "--parallel=fsdp",
+         "--init_from=auto"], dict(env, SLOW_RANK="0"),
+        lambda: checkpoint.list_checkpoints(out) and
+        any(r.get("iter", -1) >= 5 for r in rows_of(out)), tmp_path / "log")
     assert f"resuming from {checkpoint.path_for(out, 4, folder=True)} (iter 4)" in said
     a, b = steps(runs["fsdp"]), steps(out)
     assert [(a[i]["loss"], a[i]["batch_fp"]) for i in range(8)] == \
