@@ -17,8 +17,10 @@ The schedule is a linear warm-up, then cosine decay to min_lr, or (wsd) warm-up,
 phase and a cooldown. It is learning_rate's (AdamW's); Muon's follows it in proportion, from
 muon_lr at the peak (set_lr).
 """
+import collections.abc
 import fnmatch
 import inspect
+import itertools
 import logging
 import math
 from types import SimpleNamespace
@@ -113,11 +115,14 @@ def tied_names(model):
 class MuonAdamW:
     """Muon and AdamW, stepped, zeroed, saved and loaded as one optimizer: what train.py,
     torch.amp.GradScaler (which unscales the gradients of every group in param_groups, and
-    calls step() unless they overflowed) and a checkpoint need of one. A class, as torch has
-    no optimizer made of two."""
+    calls step() unless they overflowed), Lightning (an optimizer is what has param_groups,
+    defaults, state, step(closure) and state dicts to it) and a checkpoint need of one. A
+    class, as torch has no optimizer made of two."""
 
     def __init__(self, muon, adamw):
         self.muon, self.adamw = muon, adamw
+        self.state = States(self.parts.values())
+        self.defaults = {}  # each part has its own; Lightning asks that there be the attribute
 
     @property
     def parts(self):
@@ -128,9 +133,15 @@ class MuonAdamW:
     def param_groups(self):
         return self.muon.param_groups + self.adamw.param_groups
 
-    def step(self):
+    def step(self, closure=None):
+        """closure (Lightning's: the forward and backward) runs once, for both parts."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         self.muon.step()
         self.adamw.step()
+        return loss
 
     def zero_grad(self, set_to_none=True):
         self.muon.zero_grad(set_to_none)
@@ -142,6 +153,36 @@ class MuonAdamW:
     def load_state_dict(self, state):
         for name, part in self.parts.items():
             part.load_state_dict(state[name])
+
+
+class States(collections.abc.MutableMapping):
+    """The per-parameter states of several optimizers, whose parameters are disjoint, as one
+    mapping: each parameter's state is read and written in its own optimizer's (Lightning
+    moves every state to the device through it)."""
+
+    def __init__(self, optimizers):
+        self.optimizers = list(optimizers)
+
+    def owner(self, p):
+        for o in self.optimizers:
+            if any(p is q for g in o.param_groups for q in g["params"]):
+                return o
+        raise KeyError(p)  # a tensor none of them steps: not in the mapping
+
+    def __getitem__(self, p):
+        return self.owner(p).state[p]
+
+    def __setitem__(self, p, value):
+        self.owner(p).state[p] = value
+
+    def __delitem__(self, p):
+        del self.owner(p).state[p]
+
+    def __iter__(self):
+        return itertools.chain.from_iterable(o.state for o in self.optimizers)
+
+    def __len__(self):
+        return sum(len(o.state) for o in self.optimizers)
 
 
 def set_lr(optimizer, cfg, it):
