@@ -40,7 +40,8 @@ WORK_SLACK, BYTES_SLACK, LOSS_RTOL = 1.1, 1.1, 1e-5
 TABLES = {
     "work": [("matrices", "{model}"), ("ranks", "{ranks}"),
              ("most loaded rank, GFLOP/step", "{most:.3f}"), ("total / N", "{share:.3f}"),
-             ("ratio", "{ratio:.3f}"), ("largest matrix", "{largest:.3f}")],
+             ("ratio", "{ratio:.3f}"), ("largest matrix", "{largest:.3f}"),
+             ("ddp's all_gather, received per rank (bfloat16)", "{gathered:size}")],
     "results": [("parallel", "{parallel}"), ("ranks", "{ranks}"),
                 ("step ms (median)", "{step_ms:,.1f}"),
                 ("optimizer step ms (median)", "{optimizer_ms:,.1f}"),
@@ -88,7 +89,7 @@ def count_work(name, n):
     load = [sum(f for f, o in zip(flop, owner) if o == r) for r in range(n)]
     return {"model": name, "ranks": n, "matrices": len(shapes), "most": max(load) / 1e9,
             "share": sum(flop) / n / 1e9, "ratio": max(load) / (sum(flop) / n),
-            "largest": max(flop) / 1e9}
+            "largest": max(flop) / 1e9, "gathered": muon.bytes_per_step(shapes, n)}
 
 
 # ---- step times and bytes ----
