@@ -28,9 +28,9 @@ matrix's owner (float32: 4 bytes a Muon parameter over all ranks together), the 
 orthogonalises the whole matrix and sends each rank its rows of the result back (in
 Newton-Schulz's dtype: 2 bytes a parameter in bfloat16); each rank applies them to its rows.
 Gather-to-owner and scatter rather than an all_gather, which under fsdp would bring every
-whole matrix to every rank: N times the bytes, and the memory fsdp is there to save. The momentum is a DTensor like the weights, so a
-checkpoint folder holds it sharded, as AdamW's moments (sharded.py), and it resumes at any
-world size and under ddp.
+whole matrix to every rank: N times the bytes, and the memory fsdp is there to save. The
+momentum is a DTensor like the weights, so a checkpoint folder holds it sharded, as AdamW's
+moments (sharded.py), and it resumes at any world size and under ddp.
 """
 import torch
 import torch.distributed as dist
