@@ -91,23 +91,34 @@ def run(small, device, workdir):
 # ---- memory ----
 
 def measure_memory(kind, n, settings, workdir):
-    out = os.path.join(workdir, f"memory-{kind}-{n}")
     print(f"bench fsdp: memory, {kind}, {n} ranks", file=sys.stderr)
+    ranks = run_ranks(n, [*settings["memory_model"], *CPU, f"--parallel={kind}",
+                          "--max_iters=1"], os.path.join(workdir, f"memory-{kind}-{n}"))
+    most = holding_most(ranks)
+    total = most["weights"] + most["grads"] + most["optimizer"]
+    return {"parallel": kind, "ranks": n, **{k: most[k] for k in (
+        "params", "weights", "grads", "optimizer", "largest_whole")}, "total": total,
+        "per_param": total / most["params"], "peak_rss": max(r["peak_rss"] for r in ranks)}
+
+
+def run_ranks(n, args, out):
+    """bench/fsdp_rank.py on n ranks with train.py's settings args: each rank's numbers."""
     common.check(common.run_watched(
-        [*common.torchrun(n), "-m", "bench.fsdp_rank", out, *settings["memory_model"], *CPU,
-         f"--parallel={kind}"], common.child_env(OMP_NUM_THREADS="1"), TIME_CAP_S),
-        f"bench.fsdp_rank ({kind}, {n} ranks)")
+        [*common.torchrun(n), "-m", "bench.fsdp_rank", out, *args],
+        common.child_env(OMP_NUM_THREADS="1"), TIME_CAP_S),
+        f"bench.fsdp_rank ({n} ranks, {' '.join(args)})")
     ranks = []
     for path in sorted(glob.glob(f"{out}.rank*.json")):
         with open(path) as f:
             ranks.append(json.load(f))
     assert len(ranks) == n, ranks
-    # the rank that holds the most: with an uneven split of a tensor, rank 0 holds more
-    most = max(ranks, key=lambda r: r["weights"] + r["grads"] + r["optimizer"])
-    total = most["weights"] + most["grads"] + most["optimizer"]
-    return {"parallel": kind, "ranks": n, **{k: most[k] for k in (
-        "params", "weights", "grads", "optimizer", "largest_whole")}, "total": total,
-        "per_param": total / most["params"], "peak_rss": max(r["peak_rss"] for r in ranks)}
+    return ranks
+
+
+def holding_most(ranks):
+    """The rank that holds the most bytes: with an uneven split of a tensor, rank 0 holds
+    more."""
+    return max(ranks, key=lambda r: r["weights"] + r["grads"] + r["optimizer"])
 
 
 def bytes_per_param(results):

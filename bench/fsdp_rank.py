@@ -1,19 +1,22 @@
-"""One rank of the fsdp benchmark's memory measurement; bench/fsdp.py launches it under torchrun:
+"""One rank of the fsdp and muon benchmarks' measurements; bench/fsdp.py and bench/muon.py
+launch it under torchrun:
 
   torchrun --standalone --nproc_per_node=N -m bench.fsdp_rank OUT [train.py's --key=value ...]
 
 Builds the model of those settings and shares it out as train.py does (parallel.wrap, with the
-run's parallel key), makes its optimizer (optim.make_optimizer), and takes one optimizer step
-as train.py takes it on random tokens, one micro-step per rank (so that the gradients are
-reduced in its backward): forward and backward, the gradient norm clipped over the ranks
-(parallel.clip_grad_norm), the AdamW step. Then it counts the bytes of the tensors this rank
-holds: its weights, its gradients (counted before they are freed), its optimizer state, and
-the largest of them it holds whole rather than a shard of; and its peak RSS. Writes
-OUT.rank<r>.json.
+run's parallel key), makes its optimizer (optim.make: AdamW, or Muon and AdamW), and takes
+max_iters optimizer steps as train.py takes them on random tokens, one micro-step per rank (so
+that the gradients are reduced in its backward): forward and backward, the gradient norm
+clipped over the ranks (parallel.clip_grad_norm), the optimizer's step. After the first it
+counts the bytes of the tensors this rank holds: its weights, its gradients (counted before
+they are freed), its optimizer state, and the largest of them it holds whole rather than a
+shard of; and at the end its peak RSS. Each step and its optimizer step are timed (a CPU's
+clock: the part runs on CPUs). Writes OUT.rank<r>.json.
 """
 import json
 import resource
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -44,7 +47,9 @@ def count(tensors):
     return total, largest
 
 
-def main(out, argv):
+def build(argv):
+    """train.py's model for its settings argv, shared out as train.py does, and its optimizer:
+    (cfg, ranks, device, precision, model, the model to call, optimizer)."""
     cfg = configurator.parse(TrainConfig, argv, "train.py")
     ranks = runtime.ranks()
     device = runtime.pick_device(cfg.device, ranks)
@@ -53,25 +58,43 @@ def main(out, argv):
     model = GPT(GPTConfig(**weights.model_args(cfg, None)))
     precision = runtime.precision(cfg.dtype, device)
     model, _, train_model = parallel.wrap(model, cfg, ranks, device, precision)
-    optimizer = optim.make_optimizer(model, cfg.weight_decay, cfg.learning_rate,
-                                     (cfg.beta1, cfg.beta2), runtime.device_type(device))
-    x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.block_size), device=device)
-    parallel.sync_gradients(train_model, True)
-    with precision.autocast:
-        _, loss = train_model(x, torch.roll(x, -1, 1))
-    loss.backward()
-    parallel.clip_grad_norm(model, cfg.grad_clip)
+    optimizer = optim.make(cfg, model, runtime.device_type(device))
+    return cfg, ranks, device, precision, model, train_model, optimizer
+
+
+def state_tensors(optimizer):
+    """The tensors of optimizer's state: AdamW's, or Muon's and AdamW's (optim.MuonAdamW)."""
+    parts = optimizer.parts.values() if isinstance(optimizer, optim.MuonAdamW) else [optimizer]
+    return [v for part in parts for s in part.state.values() for v in s.values()
+            if isinstance(v, torch.Tensor)]
+
+
+def main(out, argv):
+    cfg, ranks, device, precision, model, train_model, optimizer = build(argv)
     params = list(model.parameters())
-    grads = count(p.grad for p in params)
-    optimizer.step()
-    state = count(v for s in optimizer.state.values() for v in s.values()
-                  if isinstance(v, torch.Tensor))
-    weights_ = count(params)
-    optimizer.zero_grad(set_to_none=True)
+    step_ms, optimizer_ms = [], []
+    for _ in range(cfg.max_iters):
+        t0 = time.perf_counter()
+        x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.block_size), device=device)
+        parallel.sync_gradients(train_model, True)
+        with precision.autocast:
+            _, loss = train_model(x, torch.roll(x, -1, 1))
+        loss.backward()
+        parallel.clip_grad_norm(model, cfg.grad_clip)  # its all-reduce lines the ranks up
+        if not step_ms:  # the first step's, before they are freed
+            grads = count(p.grad for p in params)
+        t1 = time.perf_counter()
+        optimizer.step()
+        optimizer_ms.append((time.perf_counter() - t1) * 1000)
+        step_ms.append((time.perf_counter() - t0) * 1000)
+        if len(step_ms) == 1:
+            state, weights_ = count(state_tensors(optimizer)), count(params)
+        optimizer.zero_grad(set_to_none=True)
     result = {"rank": ranks.rank, "params": sum(p.numel() for p in params),
               "weights": weights_[0], "grads": grads[0], "optimizer": state[0],
               "largest_whole": max(weights_[1], grads[1], state[1]),
-              "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+              "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "step_ms": step_ms, "optimizer_ms": optimizer_ms}
     with open(f"{out}.rank{ranks.rank}.json", "w") as f:
         json.dump(result, f)
     if ranks.world_size > 1:

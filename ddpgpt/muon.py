@@ -14,34 +14,55 @@ every matrix (elementwise and cheap), so the optimizer state is whole and the sa
 rank, and checkpoints are torch.optim.Muon's, under the same key ('momentum_buffer'): one
 written by torch.optim.Muon resumes, and the other way round. Each owner orthogonalises its
 matrices, and one all_gather per step shares the results: each rank's updates, flattened into
-one bucket of bfloat16 (what torch's Newton-Schulz returns) padded to the largest rank's, so a
-rank receives (N - 1) x that bucket: 2 bytes a Muon parameter at most, plus the padding
-(bytes_per_step()). Then every rank applies each update with torch.optim.Muon's learning rate
-adjustment and decoupled weight decay. On one process it is torch.optim.Muon, bit for bit.
+one bucket of Newton-Schulz's dtype (muon_ns_dtype: bfloat16, torch's, or float32) padded to
+the largest rank's, so a rank receives (N - 1) x that bucket: 2 bytes a Muon parameter at most
+in bfloat16 (4 in float32), plus the padding (bytes_per_step()). Then every rank applies each
+update with torch.optim.Muon's learning rate adjustment and decoupled weight decay. On one
+process, in bfloat16, it is torch.optim.Muon, bit for bit.
 
 Under fsdp each rank holds Shard(0) of each matrix, its weights, gradient and momentum: rank k
 holds rows [k * ceil(r / N), (k + 1) * ceil(r / N)) (torch.chunk's rows, which DTensor's
 Shard(0) keeps). The momentum is updated on the local rows. Two all_to_all_single per step
 then do the rest: each rank sends its rows of the Nesterov update of each matrix to that
 matrix's owner (float32: 4 bytes a Muon parameter over all ranks together), the owner
-orthogonalises the whole matrix and sends each rank its rows of the result back (bfloat16: 2
-bytes a parameter); each rank applies them to its rows. Gather-to-owner and scatter rather
-than an all_gather, which under fsdp would bring every whole matrix to every rank: N times the
-bytes, and the memory fsdp is there to save. The momentum is a DTensor like the weights, so a
-checkpoint folder holds it sharded, as AdamW's moments (sharded.py), and it resumes at any
-world size and under ddp.
+orthogonalises the whole matrix and sends each rank its rows of the result back (in
+Newton-Schulz's dtype: 2 bytes a parameter in bfloat16); each rank applies them to its rows.
+Gather-to-owner and scatter rather than an all_gather, which under fsdp would bring every
+whole matrix to every rank: N times the bytes, and the memory fsdp is there to save. The
+momentum is a DTensor like the weights, so a checkpoint folder holds it sharded, as AdamW's
+moments (sharded.py), and it resumes at any world size and under ddp.
 """
 import torch
 import torch.distributed as dist
-# torch's own Newton-Schulz and learning-rate adjustment (private, of the torch that
-# requirements.txt pins), so that the update is torch.optim.Muon's: a test checks bit for bit
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+# torch's learning-rate adjustment (private, of the torch that requirements.txt pins), so that
+# the update is torch.optim.Muon's: a test checks bit for bit
+from torch.optim._muon import _adjust_lr
 
 from ddpgpt import parallel
+from ddpgpt.errors import UserError
 
-# what torch's Newton-Schulz returns, so what the updates travel in (a rank that owns no
-# matrix has no result to read it from)
-UPDATE_DTYPE = torch.bfloat16
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def ns_dtype(setting, device_type):
+    """The dtype of Newton-Schulz's matmuls for muon_ns_dtype (auto, or a name in NS_DTYPES).
+    auto: bfloat16 where the device multiplies it natively, float32 where it would be emulated
+    (a CPU without AVX512-BF16 or AMX turns each bfloat16 matmul into float32 work plus
+    conversions: slower than float32, and less exact). CUDA: torch's own test, without
+    emulation (compute capability 8.0 and up). A CPU: torch.cpu.get_capabilities(), cpuinfo's
+    flags of this CPU on any OS, rather than /proc/cpuinfo (Linux only) or
+    torch.backends.cpu.get_cpu_capability(), which says AVX512 for CPUs that have it without
+    BF16. Others (ARM CPUs, mps) take float32, which is exact everywhere, until measured."""
+    if setting != "auto":
+        return NS_DTYPES[setting]
+    if device_type == "cuda":
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+    elif device_type == "cpu":
+        caps = torch.cpu.get_capabilities()
+        native = bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+    else:
+        native = False
+    return torch.bfloat16 if native else torch.float32
 
 
 def owners(shapes, world_size):
@@ -56,19 +77,29 @@ def owners(shapes, world_size):
     return owner
 
 
-def bytes_per_step(shapes, world_size):
-    """What one rank receives in a ddp step's all_gather: N - 1 buckets of the largest."""
+def bytes_per_step(shapes, world_size, dtype=torch.bfloat16):
+    """What one rank receives in a ddp step's all_gather: N - 1 buckets of the largest, of
+    updates in dtype, Newton-Schulz's."""
     owner = owners(shapes, world_size)
     bucket = max(sum(r * c for (r, c), o in zip(shapes, owner) if o == rank)
                  for rank in range(world_size))
-    return (world_size - 1) * bucket * UPDATE_DTYPE.itemsize
+    return (world_size - 1) * bucket * dtype.itemsize
 
 
 class DistributedMuon(torch.optim.Muon):
     """torch.optim.Muon whose Newton-Schulz runs once per matrix over the ranks (the module's
     docstring), for parameters that are whole (ddp, one process) or Shard(0) DTensors (fsdp).
-    Its settings, param_groups and state are torch.optim.Muon's. A class: torch's optimizer
-    API is one."""
+    Its settings, param_groups and state are torch.optim.Muon's, and ns_dtype, the dtype of
+    Newton-Schulz's matmuls, bfloat16 as torch's by default (ns_dtype()), is an attribute, not
+    a group's setting: a checkpoint does not hold it, so a resume takes the run's. A class:
+    torch's optimizer API is one."""
+
+    def __init__(self, params, ns_dtype=torch.bfloat16, **settings):
+        super().__init__(params, **settings)
+        self.ns_dtype = ns_dtype
+        for group in self.param_groups:
+            for p in group["params"]:
+                check_layout(p)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -89,15 +120,33 @@ class DistributedMuon(torch.optim.Muon):
         groups, updates = [g for g, _, _ in matrices], [u for _, _, u in matrices]
         if parallel.is_dtensor(matrices[0][1]):
             ortho = orthogonalised_shards(updates, [p.shape for _, p, _ in matrices], groups,
-                                          owner, world)
+                                          owner, world, self.ns_dtype)
         else:
-            ortho = orthogonalised_whole(updates, groups, owner, world)
+            ortho = orthogonalised_whole(updates, groups, owner, world, self.ns_dtype)
         for (group, p, _), o in zip(matrices, ortho):
             lr = group["lr"]
             weight = local(p)
             weight.mul_(1 - lr * group["weight_decay"])
             weight.add_(o, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
+
+
+def check_layout(p):
+    """A DTensor matrix must be what the step exchanges rows of: Shard(0) over all the ranks,
+    one mesh dimension (fully_shard's default, train.py's parallel=fsdp). A model sharded
+    otherwise in one's own loop would have its rows sent to the wrong ranks."""
+    if not parallel.is_dtensor(p):
+        return
+    world = dist.get_world_size()
+    if len(p.placements) != 1 or not p.placements[0].is_shard(0) or \
+            p.device_mesh.size() != world:
+        raise UserError(
+            f"DistributedMuon takes whole matrices, or DTensors sharded by rows over all the "
+            f"ranks (Shard(0) on a 1-D mesh of every rank, {world} here, as fully_shard shards "
+            f"by default and parallel=fsdp does), and a {tuple(p.shape)} matrix here is "
+            f"{p.placements} over a mesh of shape {tuple(p.device_mesh.shape)}. Shard Muon's "
+            f"matrices along dim 0 over one mesh dimension of every rank (fully_shard without "
+            f"shard_placement_fn, and no HSDP mesh), or give Muon whole matrices (ddp).")
 
 
 def local(t):
@@ -112,21 +161,31 @@ def nesterov(grad, buf, group):
     return grad.lerp(buf, momentum) if group["nesterov"] else buf
 
 
-def newton_schulz(update, group):
-    return _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"],
-                                       group["eps"])
+def newton_schulz(update, group, dtype):
+    """update made orthogonal: torch's _zeropower_via_newtonschulz with its dtype a setting
+    (torch's is bfloat16 alone), the same operations in the same order, so in bfloat16 it is
+    torch.optim.Muon's bit for bit (tested). The iterations run on the wide orientation, whose
+    Gram matrix is the smaller."""
+    a, b, c = group["ns_coefficients"]
+    tall = update.size(0) > update.size(1)
+    x = update.to(dtype).T if tall else update.to(dtype)
+    x = x / x.norm().clamp(min=group["eps"])  # a spectral norm of 1 at most
+    for _ in range(group["ns_steps"]):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
 
 
-def orthogonalised_whole(updates, groups, owner, world):
-    """ddp: each update (whole, the same on every rank) orthogonalised by its owner, shared
-    by one all_gather of per-rank buckets."""
+def orthogonalised_whole(updates, groups, owner, world, dtype):
+    """ddp: each update (whole, the same on every rank) orthogonalised by its owner in dtype,
+    shared by one all_gather of per-rank buckets."""
     rank = dist.get_rank() if world > 1 else 0
-    mine = [newton_schulz(u, g).flatten() for u, g, o in zip(updates, groups, owner)
+    mine = [newton_schulz(u, g, dtype).flatten() for u, g, o in zip(updates, groups, owner)
             if o == rank]
     if world == 1:
         return [m.view_as(u) for m, u in zip(mine, updates)]
     sizes = [sum(u.numel() for u, o in zip(updates, owner) if o == r) for r in range(world)]
-    bucket = torch.zeros(max(sizes), dtype=UPDATE_DTYPE, device=updates[0].device)
+    bucket = torch.zeros(max(sizes), dtype=dtype, device=updates[0].device)
     if mine:
         bucket[:sizes[rank]].copy_(torch.cat(mine))
     buckets = [torch.empty_like(bucket) for _ in range(world)]
@@ -138,35 +197,53 @@ def orthogonalised_whole(updates, groups, owner, world):
     return out
 
 
-def orthogonalised_shards(updates, shapes, groups, owner, world):
+def orthogonalised_shards(updates, shapes, groups, owner, world, dtype):
     """fsdp: each rank's rows of each update orthogonalised as a whole matrix by its owner:
     the rows gathered to the owner by one all_to_all_single, the results' rows sent back by
     another. updates: this rank's rows; shapes: the whole matrices'."""
     rank = dist.get_rank()
     rows = [[shard_rows(shape[0], r, world) for r in range(world)] for shape in shapes]
     for u, shape, r in zip(updates, shapes, rows):
-        assert u.shape == (r[rank], shape[1]), "not torch.chunk's rows of Shard(0)"
-    # to the owners: rank r's rows of every matrix that rank o owns, in the optimizer's order
-    device = updates[0].device
+        if u.shape != (r[rank], shape[1]):
+            raise RuntimeError(
+                f"rank {rank} holds {tuple(u.shape)} of a {tuple(shape)} matrix sharded "
+                f"Shard(0) over {world} ranks, where torch.chunk's split of its rows, which "
+                f"shard_rows() expects DTensor to keep, gives ({r[rank]}, {shape[1]}): this "
+                f"torch splits rows otherwise, so the exchange would send rows to the wrong "
+                f"ranks; shard_rows() must follow it.")
+    whole = gathered_to_owners(updates, rows, shapes, owner, rank)
+    ortho = {i: newton_schulz(m, groups[i], dtype) for i, m in whole.items()}
+    return scattered_from_owners(ortho, rows, shapes, owner, rank, dtype, updates[0].device)
+
+
+def gathered_to_owners(updates, rows, shapes, owner, rank):
+    """{i: matrix i whole} for the matrices this rank owns: every rank sends each owner its
+    rows of the owner's matrices, in the optimizer's order, and the owner stacks them in rank
+    order. rows[i][r]: how many of matrix i's rows rank r holds."""
+    world = len(rows[0])
     sent = exchange([[u.flatten() for u, o in zip(updates, owner) if o == to]
                      for to in range(world)],
                     [sum(r[frm] * s[1] for r, s, o in zip(rows, shapes, owner) if o == rank)
-                     for frm in range(world)], updates[0].dtype, device)
-    whole = {}
+                     for frm in range(world)], updates[0].dtype, updates[0].device)
+    parts = {i: [] for i, o in enumerate(owner) if o == rank}
     for frm in range(world):  # each sender's rows, in the order it sent them
         at = 0
-        for i, (r, s, o) in enumerate(zip(rows, shapes, owner)):
-            if o == rank:
-                whole.setdefault(i, []).append(sent[frm][at:at + r[frm] * s[1]].view(r[frm],
-                                                                                     s[1]))
-                at += r[frm] * s[1]
-    ortho = {i: newton_schulz(torch.cat(parts), groups[i]) for i, parts in whole.items()}
-    # back: each rank its rows of every result of this owner
+        for i in parts:
+            n = rows[i][frm] * shapes[i][1]
+            parts[i].append(sent[frm][at:at + n].view(rows[i][frm], shapes[i][1]))
+            at += n
+    return {i: torch.cat(p) for i, p in parts.items()}
+
+
+def scattered_from_owners(ortho, rows, shapes, owner, rank, dtype, device):
+    """This rank's rows of every matrix's result, in the optimizer's order: each owner sends
+    each rank its rows of the results it computed (ortho: {i: result}), in dtype."""
+    world = len(rows[0])
     starts = [[sum(r[:k]) for k in range(world)] for r in rows]
     back = exchange([[ortho[i][starts[i][to]:starts[i][to] + rows[i][to]].flatten()
                       for i in sorted(ortho)] for to in range(world)],
                     [sum(r[rank] * s[1] for r, s, o in zip(rows, shapes, owner) if o == frm)
-                     for frm in range(world)], UPDATE_DTYPE, device)
+                     for frm in range(world)], dtype, device)
     out, at = [], [0] * world
     for r, s, o in zip(rows, shapes, owner):
         out.append(back[o][at[o]:at[o] + r[rank] * s[1]].view(r[rank], s[1]))

@@ -6,18 +6,21 @@ embeddings) only, and the fused kernel on CUDA.
 optimizer='muon': Muon for the matrices that muon_params names (by default every matrix in
 the blocks: attention and MLP), and AdamW as above for everything else: the embeddings, the
 head, norms and biases, which Muon is not made for. Muon's update is its Nesterov momentum made
-orthogonal (five Newton-Schulz iterations, in bfloat16) and scaled by sqrt(max(1, rows /
-columns)) (torch's adjust_lr_fn='original', Keller Jordan's): torch.optim.Muon's, computed once
-per matrix over the ranks, by its owner, under ddp and fsdp alike (muon.py); gradient
-accumulation and clipping are the same as for AdamW. The two optimizers are
-stepped as one (MuonAdamW), so that train.py, float16's GradScaler and a checkpoint see one.
+orthogonal (five Newton-Schulz iterations, in muon_ns_dtype: bfloat16 as torch's, or float32
+where the device would emulate bfloat16) and scaled by sqrt(max(1, rows / columns)) (torch's
+adjust_lr_fn='original', Keller Jordan's): torch.optim.Muon's, computed once per matrix over
+the ranks, by its owner, under ddp and fsdp alike (muon.py); gradient accumulation and
+clipping are the same as for AdamW. The two optimizers are stepped as one (MuonAdamW), so
+that train.py, float16's GradScaler and a checkpoint see one.
 
 The schedule is a linear warm-up, then cosine decay to min_lr, or (wsd) warm-up, a stable
 phase and a cooldown. It is learning_rate's (AdamW's); Muon's follows it in proportion, from
 muon_lr at the peak (set_lr).
 """
+import collections.abc
 import fnmatch
 import inspect
+import itertools
 import logging
 import math
 from types import SimpleNamespace
@@ -25,7 +28,7 @@ from types import SimpleNamespace
 import torch
 
 from ddpgpt.errors import UserError
-from ddpgpt.muon import DistributedMuon
+from ddpgpt.muon import DistributedMuon, ns_dtype
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +40,8 @@ def make(cfg, model, device_type):
         return make_optimizer(model, *adamw_settings)
     matrices = muon_parameters(model, cfg.muon_params)
     muon = DistributedMuon(matrices, lr=cfg.muon_lr, momentum=cfg.muon_momentum,
-                           weight_decay=cfg.muon_weight_decay)
+                           weight_decay=cfg.muon_weight_decay,
+                           ns_dtype=ns_dtype(cfg.muon_ns_dtype, device_type))
     taken = {id(p) for p in matrices}
     rest = [p for p in model.parameters() if id(p) not in taken]
     return MuonAdamW(muon, adamw(rest, *adamw_settings))
@@ -111,11 +115,14 @@ def tied_names(model):
 class MuonAdamW:
     """Muon and AdamW, stepped, zeroed, saved and loaded as one optimizer: what train.py,
     torch.amp.GradScaler (which unscales the gradients of every group in param_groups, and
-    calls step() unless they overflowed) and a checkpoint need of one. A class, as torch has
-    no optimizer made of two."""
+    calls step() unless they overflowed), Lightning (an optimizer is what has param_groups,
+    defaults, state, step(closure) and state dicts to it) and a checkpoint need of one. A
+    class, as torch has no optimizer made of two."""
 
     def __init__(self, muon, adamw):
         self.muon, self.adamw = muon, adamw
+        self.state = States(self.parts.values())
+        self.defaults = {}  # each part has its own; Lightning asks that there be the attribute
 
     @property
     def parts(self):
@@ -126,9 +133,15 @@ class MuonAdamW:
     def param_groups(self):
         return self.muon.param_groups + self.adamw.param_groups
 
-    def step(self):
+    def step(self, closure=None):
+        """closure (Lightning's: the forward and backward) runs once, for both parts."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         self.muon.step()
         self.adamw.step()
+        return loss
 
     def zero_grad(self, set_to_none=True):
         self.muon.zero_grad(set_to_none)
@@ -140,6 +153,36 @@ class MuonAdamW:
     def load_state_dict(self, state):
         for name, part in self.parts.items():
             part.load_state_dict(state[name])
+
+
+class States(collections.abc.MutableMapping):
+    """The per-parameter states of several optimizers, whose parameters are disjoint, as one
+    mapping: each parameter's state is read and written in its own optimizer's (Lightning
+    moves every state to the device through it)."""
+
+    def __init__(self, optimizers):
+        self.optimizers = list(optimizers)
+
+    def owner(self, p):
+        for o in self.optimizers:
+            if any(p is q for g in o.param_groups for q in g["params"]):
+                return o
+        raise KeyError(p)  # a tensor none of them steps: not in the mapping
+
+    def __getitem__(self, p):
+        return self.owner(p).state[p]
+
+    def __setitem__(self, p, value):
+        self.owner(p).state[p] = value
+
+    def __delitem__(self, p):
+        del self.owner(p).state[p]
+
+    def __iter__(self):
+        return itertools.chain.from_iterable(o.state for o in self.optimizers)
+
+    def __len__(self):
+        return sum(len(o.state) for o in self.optimizers)
 
 
 def set_lr(optimizer, cfg, it):

@@ -135,6 +135,10 @@ class TrainConfig:
     muon_params: str = key("transformer.h.*.c_*.weight",
                            "muon: the parameters Muon steps, comma-separated patterns of "
                            "names (fnmatch; each 2-D); by default every matrix in the blocks")
+    muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = key(
+        "auto", "muon: the dtype of Newton-Schulz's matmuls; auto: bfloat16 where the device "
+                "has it natively (CUDA from Ampere on, CPUs with AVX512-BF16 or AMX), else "
+                "float32; bfloat16 is torch.optim.Muon's")
     grad_clip: float = key(1.0, "clip the gradient norm to this (0: no clipping)", at_least=0)
     decay_lr: bool = key(True, "False: a constant learning rate")
     lr_schedule: Literal["cosine", "wsd"] = key(

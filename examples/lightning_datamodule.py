@@ -14,6 +14,10 @@ What Lightning needs, all in make_trainer() and BlockDataModule (docs/lightning.
     saves in its checkpoints, so a resumed run continues at the exact sample; and what the
     data is, so that a resume on other data is refused, as train.py refuses it.
 
+The optimizer is train.py's (optim.make) at constant learning rates: AdamW, or with
+--optimizer=muon Muon for the blocks' matrices and AdamW for the rest (optim.MuonAdamW, which
+Lightning steps as one optimizer).
+
 Rank 0 writes out_dir/metrics.jsonl, one row per step with `batch_fp`, the fingerprint of the
 samples all ranks read in that step, as train.py does: `python compare_runs.py` compares a
 Lightning run with a train.py run. With --tensorboard_log=True the rows' numbers go to
@@ -25,6 +29,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
+from typing import Literal
 
 import lightning as L
 import torch
@@ -39,7 +44,8 @@ from ddpgpt import configurator, data, errors, logs, metrics, optim, sources, to
 from ddpgpt.configurator import key
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
-from ddpgpt.settings import ROPE_THETA_RANGE, Arch, Sampling, check_bias, check_only_for
+from ddpgpt.settings import (ROPE_THETA_RANGE, Arch, Sampling, TrainConfig, check_bias,
+                             check_only_for)
 from ddpgpt.weights import model_args
 
 
@@ -71,6 +77,12 @@ class LightningConfig:
     vocab_size: int = key(0, "0: the data's vocabulary rounded up to a multiple of 64",
                           at_least=0)
     learning_rate: float = key(1e-3, "constant: train.py has the schedule", at_least=0)
+    optimizer: Literal["adamw", "muon"] = key("adamw", "as train.py's: adamw, or muon (Muon "
+                                                       "for the blocks' matrices, AdamW for the "
+                                                       "rest)")
+    muon_lr: float = key(0.02, "muon: Muon's learning rate, constant", above=0)
+    muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = key(
+        "auto", "muon: Newton-Schulz's dtype, as train.py's")
     tensorboard_log: bool = key(False, "log each step to TensorBoard too: Lightning's "
                                        "TensorBoardLogger, in out_dir/lightning_logs")
     seed: int = key(1337, "the data order and the initial weights", at_least=0)
@@ -84,6 +96,8 @@ class LightningConfig:
                 f"the newest in out_dir, or '' to train from scratch.")
         check_bias(self.arch, self.bias)
         check_only_for(self, "rope_theta", "arch", "modern")
+        for name in ("muon_lr", "muon_ns_dtype"):
+            check_only_for(self, name, "optimizer", "muon")
         if self.gradient_accumulation_steps % self.devices:
             raise UserError(
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps} is the global "
@@ -204,10 +218,10 @@ class BlockDataModule(L.LightningDataModule):
 class GPTModule(L.LightningModule):
     """model.GPT trained on (x, y, index) batches; rank 0 logs each step to metrics.jsonl."""
 
-    def __init__(self, args, learning_rate, out_dir, log_interval=10):
+    def __init__(self, args, train_cfg, out_dir, log_interval=10):
         super().__init__()
         self.model = GPT(GPTConfig(**args))
-        self.learning_rate, self.out_dir, self.log_interval = learning_rate, out_dir, log_interval
+        self.train_cfg, self.out_dir, self.log_interval = train_cfg, out_dir, log_interval
         self.step_losses, self.step_indices, self.metrics = [], [], None
 
     def training_step(self, batch, batch_idx):
@@ -250,9 +264,9 @@ class GPTModule(L.LightningModule):
             self.metrics = None
 
     def configure_optimizers(self):
-        # nanoGPT's weight decay and betas
-        return optim.make_optimizer(self.model, 0.1, self.learning_rate, (0.9, 0.95),
-                                    self.device.type)
+        # train.py's optimizer for these settings (train_cfg, a TrainConfig: nanoGPT's weight
+        # decay and betas, Muon's defaults), at constant learning rates
+        return optim.make(self.train_cfg, self.model, self.device.type)
 
 
 def make_trainer(cfg):
@@ -286,7 +300,9 @@ def build(cfg):
                                  cfg.num_workers, cfg.allow_data_change)
     torch.manual_seed(cfg.seed)
     args = model_args(cfg, tokenfile.read_meta(cfg.data_dir))
-    return datamodule, GPTModule(args, cfg.learning_rate, cfg.out_dir, cfg.log_interval)
+    train_cfg = TrainConfig(optimizer=cfg.optimizer, learning_rate=cfg.learning_rate,
+                            muon_lr=cfg.muon_lr, muon_ns_dtype=cfg.muon_ns_dtype)
+    return datamodule, GPTModule(args, train_cfg, cfg.out_dir, cfg.log_interval)
 
 
 def main(argv):

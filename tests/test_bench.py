@@ -173,6 +173,24 @@ def fsdp_verdicts(result):
         all(result["settings"]["same_checkpoints"].values())]
 
 
+def muon_verdicts(result):
+    """Each model's most loaded rank within 1.1 x the total Newton-Schulz work / N plus its
+    largest matrix's; the optimizer step's share of a ddp step at the most ranks not above
+    its share at one; fsdp's bytes per rank within 1.1 x ddp's / N plus the largest tensor it
+    holds whole; at each rank count, ddp within 1e-5 of one process and fsdp of ddp, on the
+    same batches."""
+    work, results = result["work"], result["results"]
+    ddp = [r for r in results if r["parallel"] == "ddp"]
+    sharded = next(r for r in results if r["parallel"] == "fsdp")
+    whole = next(r for r in ddp if r["ranks"] == sharded["ranks"])
+    return [all(w["most"] <= 1.1 * w["share"] + w["largest"] for w in work if w["model"] == m)
+            for m in dict.fromkeys(w["model"] for w in work)] + [
+        ddp[-1]["share"] <= ddp[0]["share"],
+        sharded["total"] <= 1.1 * whole["total"] / sharded["ranks"] + sharded["largest_whole"],
+        *(row["ddp_vs_one"] <= 1e-5 and row["fsdp_vs_ddp"] <= 1e-5 and row["same_batches"]
+          for row in result["losses"])]
+
+
 def documents_verdicts(result):
     """None: the part measures what documents mode does to the loss, and sets no target."""
     return []
@@ -181,7 +199,7 @@ def documents_verdicts(result):
 VERDICTS = {"data": data_verdicts, "mix": mix_verdicts, "training": training_verdicts,
             "prepare": prepare_verdicts, "prepare_hf": prepare_hf_verdicts, "gpu": gpu_verdicts,
             "eval": eval_verdicts, "documents": documents_verdicts, "fsdp": fsdp_verdicts,
-            "recipe": recipe_verdicts}
+            "muon": muon_verdicts, "recipe": recipe_verdicts}
 
 
 def bench_part(part, env, tmp_path, flag="--small", timeout=600):
@@ -402,7 +420,8 @@ def test_every_part_is_all_but_gpu_without_a_gpu():
     cli = load_bench_cli()
     every = list(cli.PARTS) if torch.cuda.is_available() else ["data", "mix", "training",
                                                                 "prepare", "prepare_hf", "eval",
-                                                                "documents", "fsdp", "recipe"]
+                                                                "documents", "fsdp", "muon",
+                                                                "recipe"]
     assert cli.parse_args([]).parts == every
     assert cli.parse_args(["--small"]).parts == list(cli.PARTS)
     assert cli.parse_args(["gpu"]).parts == ["gpu"]
@@ -534,6 +553,28 @@ def test_fsdp(env, tmp_path):
     assert [row["gpu"] for row in result["settings"]["largest"]] == ["8 x 24 GB", "8 x 40 GB",
                                                                     "8 x 80 GB"]
     assert "| 8 x 80 GB |" in page
+
+
+@pytest.mark.slow
+def test_muon(env, tmp_path):
+    result, page = bench_part("muon", env, tmp_path, timeout=1800)  # 6 launches of torchrun
+    work = {(w["model"], w["ranks"]): w for w in result["work"]}
+    for model in ("quick start (modern)", "GPT-2 124M"):
+        # one rank does all of the work; N ranks about 1/N each, counted from the owners
+        assert work[model, 1]["most"] == work[model, 1]["share"]
+        for n in (2, 4, 8):
+            assert work[model, n]["most"] == pytest.approx(work[model, 1]["most"] / n, rel=0.05)
+    assert work["GPT-2 124M", 1]["matrices"] == 48  # 4 in each of the 12 blocks
+    assert "| GPT-2 124M | 8 |" in page
+    rows = {(r["parallel"], r["ranks"]): r for r in result["results"]}
+    assert set(rows) == {("ddp", 1), ("ddp", 2), ("fsdp", 2)}
+    # ddp: every byte on every rank; fsdp: half of them, Muon's momentum too, but for
+    # AdamW's step counts, which every rank keeps whole
+    assert rows["ddp", 1]["total"] == rows["ddp", 2]["total"]
+    assert rows["fsdp", 2]["total"] == pytest.approx(rows["ddp", 2]["total"] / 2, rel=0.01)
+    assert all(0 < r["optimizer_ms"] < r["step_ms"] for r in rows.values())
+    assert [row["ranks"] for row in result["losses"]] == [2]
+    assert result["losses"][0]["same_batches"]
 
 
 @pytest.mark.parametrize("part", VERDICTS)

@@ -91,24 +91,32 @@ def test_fsdp_resumes_bit_for_bit_after_a_rank_is_killed(corpus, tmp_path, env):
             "--init_from=auto"]
     whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
     torchrun(2, "train.py", *train_args(corpus, whole, *args), env=env)
-    with open(tmp_path / "log", "w+") as log:
+    out = killing_rank_1(os.path.join(ROOT, "train.py"), train_args(corpus, killed, *args), env,
+                         lambda: any(r.get("iter", -1) >= 45 for r in rows_of(killed)),
+                         tmp_path / "log")
+    assert f"resuming from {checkpoint.path_for(killed, 40, folder=True)} (iter 40)" in out
+    same = python("compare_runs.py", whole, killed, "--losses", env=env, check=False)
+    assert same.returncode == 0 and "over 60 steps" in same.stdout, same.stdout
+
+
+def killing_rank_1(script, args, env, ready, log_path):
+    """What script args printed on 2 ranks under torchrun with one restart, rank 1 killed
+    (SIGKILL) once ready(): the restarted ranks must finish (exit 0)."""
+    with open(log_path, "w+") as log:
         proc = subprocess.Popen(
-            [*torchrun_command(2), "--max-restarts=1", os.path.join(ROOT, "train.py"),
-             *train_args(corpus, killed, *args)],
-            cwd=ROOT, env=dict(env, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), stdout=log,
+            [*torchrun_command(2), "--max-restarts=1", script, *args], cwd=ROOT,
+            env=dict(env, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), stdout=log,
             stderr=subprocess.STDOUT)
-        wait_for(lambda: any(r.get("iter", -1) >= 45 for r in rows_of(killed)), proc)
+        wait_for(ready, proc)
         workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "train.py" in " ".join(p.cmdline())]
+                   if os.path.basename(script) in " ".join(p.cmdline())]
         assert len(workers) == 2
         workers[1].kill()
         proc.wait(timeout=300)
         log.seek(0)
         out = log.read()
     assert proc.returncode == 0, out
-    assert f"resuming from {checkpoint.path_for(killed, 40, folder=True)} (iter 40)" in out
-    same = python("compare_runs.py", whole, killed, "--losses", env=env, check=False)
-    assert same.returncode == 0 and "over 60 steps" in same.stdout, same.stdout
+    return out
 
 
 def rows_of(out_dir):

@@ -143,6 +143,27 @@ def test_ranks_read_train_py_batches_and_a_resumed_checkpoint_continues_them(
 
 
 @pytest.mark.slow
+def test_muon_trains_as_train_py_at_constant_rates_and_resumes_its_state(env, corpus, tmp_path):
+    ref, run = tmp_path / "train_py", tmp_path / "lightning"
+    recipe = ["--arch=modern", "--optimizer=muon", "--muon_ns_dtype=float32",
+              "--gradient_accumulation_steps=4"]
+    python("train.py", f"--data_dir={corpus}", f"--out_dir={ref}", *TINY, *recipe,
+           "--max_iters=4", "--decay_lr=False", env=env)
+    args = [f"--data_dir={corpus}", *TINY_LIGHTNING, *recipe, "--num_workers=0"]
+    lightning(2, run, *args, "--max_steps=2", "--checkpoint_interval=2", env=env)
+    state = torch.load(run / "last.ckpt", map_location="cpu", weights_only=True)
+    assert state["optimizer_states"][0]["muon"]["state"], "Muon's momentum is in the checkpoint"
+    lightning(2, run, *args, "--max_steps=4", "--ckpt_path=last", env=env)
+    a, b = steps(ref), steps(run)
+    assert sorted(b) == list(range(4)) and all(a[i]["batch_fp"] == b[i]["batch_fp"] for i in b)
+    # Muon's and AdamW's updates as train.py's, on 2 ranks and across the resume
+    assert all(b[i]["loss"] == pytest.approx(a[i]["loss"], rel=1e-5) for i in b)
+    err = fails(EXAMPLE, f"--out_dir={tmp_path / 'adamw'}", "--muon_lr=0.05", env=env).stderr
+    assert ("muon_lr=0.05 is a setting of optimizer='muon', and this run is "
+            "optimizer='adamw': add --optimizer=muon, or leave muon_lr out.") in err, err
+
+
+@pytest.mark.slow
 def test_documents_mode_reads_train_py_batches(env, corpus, tmp_path):
     ref, run = tmp_path / "train_py", tmp_path / "lightning"
     python("train.py", f"--data_dir={corpus}", f"--out_dir={ref}", *TINY, "--max_iters=3",

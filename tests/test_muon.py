@@ -1,22 +1,25 @@
-"""Muon over the ranks (ddpgpt/muon.py): the owners of the matrices, one process equal to
-torch.optim.Muon bit for bit, and under torchrun (gloo) ddp on 2 ranks as on 1 process, fsdp as
-ddp, and fsdp's exact resume, and its checkpoint folder resumed on one process."""
+"""Muon over the ranks (ddpgpt/muon.py): the owners of the matrices, Newton-Schulz's dtype, one
+process equal to torch.optim.Muon bit for bit, and under torchrun (gloo) ddp on 2 ranks as on 1
+process, fsdp as ddp, fsdp's exact resume, its checkpoint folder resumed on one process and
+under ddp, ddp's file under fsdp on 4 ranks, and a rank killed mid-run under fsdp."""
 import copy
+import os
 import shutil
 
 import pytest
 import torch
 
-from conftest import TINY, python, steps, torchrun
+from conftest import ROOT, TINY, python, steps, torchrun
+from test_fsdp import killing_rank_1, rows_of
 from ddpgpt import checkpoint, muon, optim
+from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import TrainConfig
 
-# the ranks sum the gradients in other orders than one process does, and an update computed in
-# bfloat16 (torch's Newton-Schulz) can round a last-bit difference of its input to the next
-# bfloat16: 1.07e-5 measured over these 8 steps (torch.optim.Muon on every rank computes the
-# same updates: under ddp every rank's gradients are the owner's)
-RTOL = 1e-4
+# the ranks sum the gradients in other orders than one process does; in float32 Newton-Schulz
+# (muon_ns_dtype) that difference stays at float32's rounding, where bfloat16 could round a
+# last-bit difference of its input to the next bfloat16 (1.07e-5 measured over these 8 steps)
+RTOL = 1e-5
 # the quick start's blocks' matrices at n_embd=128 (GPT-2's block), and GPT-2 124M's
 QUICKSTART = [(384, 128), (128, 128), (512, 128), (128, 512)] * 4
 GPT2_124M = [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12
@@ -86,8 +89,49 @@ def test_on_one_process_it_is_torch_muon_bit_for_bit_and_takes_its_state():
     assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), torchs.parameters()))
 
 
-ARGS = [*TINY, "--arch=modern", "--optimizer=muon", "--gradient_accumulation_steps=4",
-        "--eval_interval=4", "--max_iters=8", "--grad_clip=0.1"]
+def test_newton_schulz_runs_in_the_dtype_of_muon_ns_dtype_and_auto_where_it_is_native():
+    cfg = TrainConfig(optimizer="muon", muon_ns_dtype="float32")
+    assert optim.make(cfg, small_model(), "cpu").muon.ns_dtype == torch.float32
+    assert muon.ns_dtype("bfloat16", "cpu") == torch.bfloat16
+    # auto on this CPU, checked against the kernel's own flags where Linux shows them
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            flags = {w for line in f if line.startswith("flags") for w in line.split()}
+        native = bool(flags & {"avx512_bf16", "amx_bf16"})
+        assert muon.ns_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
+    update = torch.randn(48, 16, generator=torch.Generator().manual_seed(0))
+    group = muon.DistributedMuon([torch.zeros(48, 16)]).param_groups[0]
+    exact = muon.newton_schulz(update, group, torch.float64)
+    # float32 within its rounding of float64's result (5e-7 measured), bfloat16 within its own
+    # (8e-3: 8 bits of mantissa)
+    for dtype, within in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
+        ortho = muon.newton_schulz(update, group, dtype)
+        assert ortho.dtype == dtype and ortho.shape == update.shape
+        assert (ortho.double() - exact).abs().max() <= within
+
+
+def test_matrices_sharded_other_than_by_rows_over_every_rank_are_refused():
+    """In one's own loop a model can be sharded otherwise than parallel=fsdp does it (a real
+    one-process gloo group here)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
+                                         world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        rows = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)]))
+        muon.DistributedMuon([rows])
+        columns = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 4), mesh, [Shard(1)]))
+        with pytest.raises(UserError, match=r"sharded by rows over all the ranks .* a \(8, 4\) "
+                                            r"matrix here is \(Shard\(dim=1\),\) over a mesh"):
+            muon.DistributedMuon([rows, columns])
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+ARGS = [*TINY, "--arch=modern", "--optimizer=muon", "--muon_ns_dtype=float32",
+        "--gradient_accumulation_steps=4", "--eval_interval=4", "--max_iters=8",
+        "--grad_clip=0.1"]
 
 
 def relative_difference(a, b):
@@ -118,15 +162,11 @@ def test_ddp_on_2_ranks_trains_as_one_process_and_fsdp_as_ddp(runs):
 
 @pytest.mark.slow
 def test_fsdp_resumes_bit_for_bit_and_its_folder_on_one_process(runs, corpus, tmp_path, env):
-    out, one = tmp_path / "halves", tmp_path / "one"
-    args = [f"--data_dir={corpus}", *ARGS, f"--out_dir={out}", "--parallel=fsdp"]
-    torchrun(2, "train.py", *args, "--max_iters=4", env=env)  # the last --max_iters counts
-    shutil.copytree(checkpoint.path_for(out, 4, folder=True),
-                    checkpoint.path_for(one, 4, folder=True))
-    torchrun(2, "train.py", *args, "--init_from=resume", env=env)
+    out = resumed(checkpoint.path_for(runs["fsdp"], 4, folder=True), tmp_path / "fsdp", 2,
+                  "fsdp", corpus, env)
     a, b = steps(runs["fsdp"]), steps(out)
-    assert [(a[i]["loss"], a[i]["batch_fp"]) for i in range(8)] == \
-        [(b[i]["loss"], b[i]["batch_fp"]) for i in range(8)]
+    assert [(a[i]["loss"], a[i]["batch_fp"]) for i in range(4, 8)] == \
+        [(b[i]["loss"], b[i]["batch_fp"]) for i in range(4, 8)]
     state = checkpoint.read(checkpoint.path_for(out, 8, folder=True))[0]
     shapes = {i: tuple(p.shape) for i, p in enumerate(
         p for n, p in GPT(GPTConfig(**state["model_args"])).named_parameters()
@@ -134,6 +174,51 @@ def test_fsdp_resumes_bit_for_bit_and_its_folder_on_one_process(runs, corpus, tm
     momentum = state["optimizer"]["muon"]["state"]
     assert {i: tuple(v["momentum_buffer"].shape) for i, v in momentum.items()} == shapes
     # Muon's sharded momentum read whole: one process goes on as the one-process run
-    python("train.py", f"--data_dir={corpus}", *ARGS, f"--out_dir={one}", "--init_from=resume",
-           env=env)
+    one = resumed(checkpoint.path_for(runs["fsdp"], 4, folder=True), tmp_path / "one", 1,
+                  "ddp", corpus, env)
     assert relative_difference(runs["one"], one) <= RTOL
+
+
+def resumed(source, out, nproc, kind, corpus, env):
+    """out_dir of a run that resumes from a copy of source (a checkpoint at iter 4) to 8, on
+    nproc ranks under kind."""
+    os.makedirs(out)
+    copy = shutil.copytree if os.path.isdir(source) else shutil.copy
+    copy(source, os.path.join(out, os.path.basename(source)))
+    args = [f"--data_dir={corpus}", *ARGS, f"--out_dir={out}", f"--parallel={kind}",
+            "--init_from=resume"]
+    p = torchrun(nproc, "train.py", *args, env=env) if nproc > 1 else \
+        python("train.py", *args, env=env)
+    assert f"resuming from {os.path.join(out, os.path.basename(source))} (iter 4)" in p.stdout
+    return str(out)
+
+
+@pytest.mark.slow
+def test_ddp_checkpoints_resume_under_fsdp_on_4_ranks_and_fsdp_folders_under_ddp(
+        runs, corpus, tmp_path, env):
+    """Muon's momentum: whole in ddp's file (2 ranks), each of 4 ranks takes its rows under
+    fsdp; sharded in fsdp's folder (2 ranks), each ddp rank reads it whole."""
+    under_fsdp = resumed(checkpoint.path_for(runs["ddp"], 4), tmp_path / "fsdp", 4, "fsdp",
+                         corpus, env)
+    under_ddp = resumed(checkpoint.path_for(runs["fsdp"], 4, folder=True), tmp_path / "ddp", 2,
+                        "ddp", corpus, env)
+    assert relative_difference(runs["ddp"], under_fsdp) <= RTOL
+    assert relative_difference(runs["fsdp"], under_ddp) <= RTOL
+
+
+@pytest.mark.slow
+def test_fsdp_recovers_from_a_rank_killed_mid_run_bit_for_bit(runs, corpus, tmp_path, env):
+    """kill -9 of rank 1 after the save at 4: torchrun restarts both ranks, which resume from
+    Muon's sharded momentum and repeat the uninterrupted run. Rank 0's reads take 200 ms more
+    (slow_rank.py), so that the run is still going when the kill comes."""
+    out = str(tmp_path / "killed")
+    said = killing_rank_1(
+        os.path.join(ROOT, "tests", "slow_rank.py"),
+        [f"--data_dir={corpus}", *ARGS, f"--out_dir={out}", "--parallel=fsdp",
+         "--init_from=auto"], dict(env, SLOW_RANK="0"),
+        lambda: checkpoint.list_checkpoints(out) and
+        any(r.get("iter", -1) >= 5 for r in rows_of(out)), tmp_path / "log")
+    assert f"resuming from {checkpoint.path_for(out, 4, folder=True)} (iter 4)" in said
+    a, b = steps(runs["fsdp"]), steps(out)
+    assert [(a[i]["loss"], a[i]["batch_fp"]) for i in range(8)] == \
+        [(b[i]["loss"], b[i]["batch_fp"]) for i in range(8)]
