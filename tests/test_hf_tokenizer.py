@@ -98,6 +98,22 @@ def prepare(env, root, tokenizer, out_dir):
     return json.loads((out_dir / tokenfile.META_NAME).read_text())
 
 
+@pytest.fixture(scope="module")
+def prepared(tokenizers_dir, tmp_path_factory, session_env):
+    """prepared(kind): (data_dir, meta) of the corpus prepared with that tokenizer, once per
+    module: the pipeline reads the data its prepare test checked."""
+    root, folders = tokenizers_dir
+    runs = {}
+
+    def prepared_with(kind):
+        if kind not in runs:
+            data = tmp_path_factory.mktemp("hf_data") / "data"
+            runs[kind] = data, prepare(session_env, root, folders[kind], data)
+        return runs[kind]
+
+    return prepared_with
+
+
 def documents(out_dir, meta):
     """Each document's ids, end-of-text included, from the token files."""
     docs = []
@@ -120,14 +136,13 @@ def encoded(hf, eot):
                                             ("65,537 ids", "<|end|>", "uint32"),
                                             ("sentencepiece", "</s>", "uint16")])
 def test_prepare_writes_autotokenizers_ids_ended_by_eos_else_pad(kind, eot, dtype,
-                                                                   tokenizers_dir, env,
-                                                                   tmp_path):
-    root, folders = tokenizers_dir
-    meta = prepare(env, root, folders[kind], tmp_path / "data")
+                                                                   tokenizers_dir, prepared):
+    folders = tokenizers_dir[1]
+    data, meta = prepared(kind)
     hf = AutoTokenizer.from_pretrained(folders[kind])
     assert (meta["tokenizer"], meta["dtype"], meta["eot_token"], meta["vocab_size"]) == \
         (folders[kind], dtype, hf.convert_tokens_to_ids(eot), max(hf.get_vocab().values()) + 1)
-    assert Counter(documents(tmp_path / "data", meta)) == encoded(hf, meta["eot_token"])
+    assert Counter(documents(data, meta)) == encoded(hf, meta["eot_token"])
 
 
 def test_bits_per_byte_count_the_bytes_each_token_stands_for(tokenizers_dir, monkeypatch):
@@ -175,17 +190,16 @@ def test_a_tokenizer_prepare_cannot_use_is_one_clear_error(case, tokenizers_dir,
 # ---- the whole way: prepare -> train on 2 ranks -> sample -> eval -> export ----
 
 @pytest.fixture(scope="module")
-def pipeline(tokenizers_dir, tmp_path_factory, session_env):
+def pipeline(prepared, tmp_path_factory, session_env):
     """(data_dir, out_dir, export) of a BPE tokenizer's data, a run of 4 steps on 2 ranks, and
     its export."""
-    root, folders = tokenizers_dir
+    data, _ = prepared("bpe")
     work = tmp_path_factory.mktemp("hf_pipeline")
-    prepare(session_env, root, folders["bpe"], work / "data")
-    torchrun(2, "train.py", f"--data_dir={work / 'data'}", f"--out_dir={work / 'out'}", *TINY,
+    torchrun(2, "train.py", f"--data_dir={data}", f"--out_dir={work / 'out'}", *TINY,
              "--max_iters=4", "--eval_interval=4", "--gradient_accumulation_steps=2",
              env=session_env)
     python("export.py", work / "out", work / "export", env=session_env)
-    return work / "data", work / "out", work / "export"
+    return data, work / "out", work / "export"
 
 
 def sample_and_eval(source, env, *eval_args):
@@ -250,20 +264,23 @@ def test_the_exports_autotokenizer_encodes_exactly_as_training_did(pipeline, tok
 
 
 @pytest.mark.slow
-def test_a_tokenizer_changed_after_prepare_is_refused_by_train_and_sample(tokenizers_dir, env,
+def test_a_tokenizer_changed_after_prepare_is_refused_by_train_and_sample(pipeline,
+                                                                         tokenizers_dir, env,
                                                                          tmp_path):
-    root, folders = tokenizers_dir
-    tok = tmp_path / "tok"
-    shutil.copytree(folders["bpe"], tok)
-    prepare(env, root, tok, tmp_path / "data")
-    python("train.py", f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}", *TINY,
-           "--max_iters=1", "--eval_interval=1", "--gradient_accumulation_steps=1", env=env)
-    shutil.rmtree(tok)
-    save_bpe(tok, eos_token="<|endoftext|>")  # the same folder, another tokenizer
-    for script, args in (("train.py", [f"--data_dir={tmp_path / 'data'}", *TINY,
-                                       f"--out_dir={tmp_path / 'out2'}"]),
-                         ("sample.py", [f"--out_dir={tmp_path / 'out'}", "--device=cpu"])):
-        message = fails(script, *args, env=env).stderr.strip().splitlines()[-1]
-        assert message.startswith(f"{script}: error: the tokenizer '{tok}' is not the one the "
-                                  f"data was prepared with"), message
-        assert f"prepare the data again with --tokenizer={tok}." in message, message
+    """The pipeline's tokenizer folder saved again as another tokenizer; the folder is put
+    back after, for the other tests that read it."""
+    data, out, _ = pipeline
+    tok = tokenizers_dir[1]["bpe"]
+    os.rename(tok, tmp_path / "kept")
+    try:
+        save_bpe(tok, eos_token="<|endoftext|>")  # the same folder, another tokenizer
+        for script, args in (("train.py", [f"--data_dir={data}", *TINY,
+                                           f"--out_dir={tmp_path / 'out'}"]),
+                             ("sample.py", [f"--out_dir={out}", "--device=cpu"])):
+            message = fails(script, *args, env=env).stderr.strip().splitlines()[-1]
+            assert message.startswith(f"{script}: error: the tokenizer '{tok}' is not the one "
+                                      f"the data was prepared with"), message
+            assert f"prepare the data again with --tokenizer={tok}." in message, message
+    finally:
+        shutil.rmtree(tok, ignore_errors=True)
+        os.rename(tmp_path / "kept", tok)
