@@ -30,7 +30,7 @@ import torch
 from ddpgpt.errors import UserError
 from ddpgpt.model import RMS_EPS, swiglu_hidden
 from ddpgpt.settings import FOLDER_HINT, NAMES
-from ddpgpt.tokenizer import GPT2_NAMES
+from ddpgpt.tokenizer import GPT2_NAMES, get_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -323,9 +323,8 @@ def save_tokenizer(tok, folder, max_length):
     tok (tokenizer.py) does, where transformers can express it: GPT-2's, the byte tokenizer,
     nanoGPT's characters and a Hugging Face tokenizer's own files. True when they were written;
     False for other tiktoken encodings, which get none."""
-    if tok.fingerprint:
-        from ddpgpt import hftokenizer
-        hftokenizer.save(tok, folder, max_length)
+    if tok.save:
+        tok.save(folder, max_length)
     elif tok.name in GPT2_NAMES:
         save_gpt2_tokenizer(folder, max_length)
     elif tok.name in ("byte", "char"):
@@ -363,16 +362,33 @@ def save_byte_tokenizer(folder, tok, max_length):
 
 
 def folder_tokenizer(folder):
-    """The tokenizer.py name of a folder's tokenizer.json where it is one that save_tokenizer
-    writes and GPT-2's ids would misread: 'byte' (export.py's of a byte-level model); None for
-    anything else, whose weights read GPT-2's tokens."""
+    """The tokenizer.py name of the tokenizer a folder's weights read, from its tokenizer.json:
+    'byte' for the byte tokenizer's (export.py's of a byte-level model); None for GPT-2's, or
+    where there is none, which read GPT-2's tokens (tiktoken's 'gpt2', the same ids); the
+    folder itself for any other, loaded as a Hugging Face tokenizer (hftokenizer.py): the
+    weights were trained on its ids, as export.py's of data a Hugging Face tokenizer prepared
+    were."""
     path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(path):
         return None
     from tokenizers import Tokenizer
     vocab = Tokenizer.from_file(path).get_vocab(with_added_tokens=True)
     byte = {char: b for b, char in byte_level_alphabet().items()}
-    return "byte" if vocab == {**byte, EOT: len(byte)} else None
+    if vocab == {**byte, EOT: len(byte)}:
+        return "byte"
+    return None if is_gpt2_vocabulary(vocab) else folder
+
+
+def is_gpt2_vocabulary(vocab):
+    """Is vocab ({token: id}, byte-level characters) GPT-2's? Compared with tiktoken's, token
+    by token, where its size and end-of-text say it may be: another tokenizer of GPT-2's size
+    read with GPT-2's ids would give the model other tokens than it was trained on."""
+    if len(vocab) != SHAPES["gpt2"][3] or vocab.get(EOT) != SHAPES["gpt2"][3] - 1:
+        return False
+    gpt2 = get_tokenizer("gpt2")
+    of_byte = byte_level_alphabet()
+    return all(vocab.get("".join(of_byte[b] for b in gpt2.decode_bytes([i]))) == i
+               for i in range(gpt2.eot))
 
 
 def save_char_tokenizer(folder, tok, max_length):

@@ -8,7 +8,8 @@ As tokenizer.py's others do, a text is encoded as ordinary text: no BOS or EOS a
 (add_special_tokens=False) and the strings of special tokens encoded as text
 (encode_special_tokens, transformers' split_special_tokens=True). A document ends with the
 tokenizer's eos token, else its pad token (the rule of the Lightning prepare script our users
-came from), else it cannot be used.
+came from); prepare.py refuses one with neither, which sample.py and eval.py read with no
+end-of-text (export.py's of nanoGPT's characters, whose folder is such a tokenizer).
 
 meta.json records the name (a folder as its absolute path) and fingerprint_of(): every later
 script loads the tokenizer by that name and refuses one whose fingerprint differs, so that no
@@ -43,18 +44,27 @@ def load(name):
     vocab = backend.get_vocab(with_added_tokens=True)
     fingerprint = fingerprint_of(hf)
     backend.encode_special_tokens = True  # after the fingerprint, which is of the files alone
-    eot = end_of_document(hf, name)
     to_bytes = {}  # made on the first call: only bits per byte need it
 
     def encode(text):
         return backend.encode(text, add_special_tokens=False).ids
 
+    def encode_text(text):
+        """any_str, with what the tokenizer cannot encode a UserError: a text that only an
+        unknown token it lacks would stand for (export.py's of nanoGPT's characters)."""
+        try:
+            return any_str(text)
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            raise UserError(f"the tokenizer {name_of(name)!r} cannot encode the text "
+                            f"{text[:40]!r} ({e}): give a text of what its vocabulary "
+                            f"holds.") from e
+
     def encode_batch(texts):
         """Without the offsets that encode() computes: a third less CPU per token."""
         try:
             return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
-        except TypeError:  # a lone surrogate in one of them
-            return [any_str(text) for text in texts]
+        except Exception:  # a lone surrogate in one of them (TypeError), or worse: one by one
+            return [encode_text(text) for text in texts]
 
     def decode(ids):
         return backend.decode(ids, skip_special_tokens=False)
@@ -64,9 +74,15 @@ def load(name):
             to_bytes.update(token_bytes(hf, vocab))
         return b"".join(to_bytes.get(i, b"") for i in ids)
 
+    def save(folder, max_length):
+        """Its own files, so that AutoTokenizer.from_pretrained(folder) encodes as training
+        did: those loaded here, whose fingerprint the data's meta.json was checked against."""
+        hf.model_max_length = max_length
+        hf.save_pretrained(folder)
+
     any_str = _any_str(encode, TypeError)  # how the tokenizers library refuses a lone surrogate
-    return Tokenizer(name_of(name), max(vocab.values()) + 1, eot, any_str, decode, decode_bytes,
-                     fingerprint, encode_batch)
+    return Tokenizer(name_of(name), max(vocab.values()) + 1, end_of_document(hf), encode_text,
+                     decode, decode_bytes, fingerprint, encode_batch, save)
 
 
 def from_pretrained(name):
@@ -91,6 +107,11 @@ def from_pretrained(name):
 
 def cannot_load(name, error):
     reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if "expected u32" in reason:  # how the tokenizers library refuses an id past uint32
+        return (f"{name} holds a token id past 4,294,967,295, uint32's largest ({reason}): "
+                f"neither the tokenizers library nor ddpgpt's token files (uint16, or uint32 "
+                f"past 65,535 ids) hold such ids. Give the tokenizer ids from 0 up, one per "
+                f"token, and save it again.")
     if os.path.isdir(name):
         return (f"{name} is not a tokenizer that transformers.AutoTokenizer reads ({reason}): "
                 f"give a folder written by a tokenizer's save_pretrained (tokenizer.json, or "
@@ -112,17 +133,22 @@ def fingerprint_of(hf):
     return h.hexdigest()
 
 
-def end_of_document(hf, name):
-    """The id that ends every document: eos, else pad."""
+def end_of_document(hf):
+    """The id that ends every document: eos, else pad; None where there is neither, which
+    prepare.py refuses (no_end_of_document) and sample.py and eval.py read as 'char' is read,
+    with no end-of-text (export.py's of nanoGPT's characters)."""
     for kind in ("eos", "pad"):
         if getattr(hf, f"{kind}_token_id") is not None:
             return getattr(hf, f"{kind}_token_id")
-    raise UserError(
-        f"the tokenizer {name!r} has neither an eos token nor a pad token, and prepare.py ends "
-        f"every document with one of them (eos, else pad): give it an eos token and save it "
-        f"again, e.g. tok = AutoTokenizer.from_pretrained({name_of(name)!r}); "
-        f"tok.add_special_tokens({{'eos_token': '<|endoftext|>'}}); tok.save_pretrained(folder)"
-        f", and pass --tokenizer=folder.")
+    return None
+
+
+def no_end_of_document(name):
+    return (f"the tokenizer {name!r} has neither an eos token nor a pad token, and prepare.py "
+            f"ends every document with one of them (eos, else pad): give it an eos token and "
+            f"save it again, e.g. tok = AutoTokenizer.from_pretrained({name_of(name)!r}); "
+            f"tok.add_special_tokens({{'eos_token': '<|endoftext|>'}}); "
+            f"tok.save_pretrained(folder), and pass --tokenizer=folder.")
 
 
 def token_bytes(hf, vocab):
@@ -147,17 +173,6 @@ def token_bytes(hf, vocab):
         else:
             table[i] = token.replace("\u2581", " ").encode("utf-8")
     return table
-
-
-def save(tok, folder, max_length):
-    """The tokenizer's own files into folder (save_pretrained), so that
-    AutoTokenizer.from_pretrained(folder) encodes as training did; it must still be the one
-    the data was prepared with."""
-    hf = from_pretrained(tok.name)
-    if fingerprint_of(hf) != tok.fingerprint:
-        raise UserError(changed(tok.name, tok.fingerprint, fingerprint_of(hf)))
-    hf.model_max_length = max_length
-    hf.save_pretrained(folder)
 
 
 def changed(name, recorded, now):

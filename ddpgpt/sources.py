@@ -13,7 +13,7 @@ import numpy as np
 
 from ddpgpt import data, docindex, tokenfile
 from ddpgpt.errors import UserError
-from ddpgpt.tokenizer import check_ids_fit, same_vocabulary
+from ddpgpt.tokenizer import check_ids_fit, reads, same_vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +125,9 @@ def with_index(token_split, folder, split):
 
 def open_for_model(data_dir, split, tok, block_size, vocab_size):
     """One split of data_dir, as a Mixture of one source, whose tokens must be the model's."""
-    used = (tokenfile.read_meta(data_dir) or {}).get("tokenizer")
-    if used and not same_vocabulary(used, tok.name):
+    meta = tokenfile.read_meta(data_dir) or {}
+    used = meta.get("tokenizer")
+    if used and not reads(tok, meta):
         raise UserError(f"{data_dir} holds {used!r} tokens, but the model reads "
                         f"{tok.name!r} tokens: give a data_dir prepared with "
                         f"--tokenizer={tok.name}.")

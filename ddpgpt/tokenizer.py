@@ -34,6 +34,8 @@ class Tokenizer(NamedTuple):
     fingerprint: str = ""  # a Hugging Face tokenizer's (hftokenizer.fingerprint_of); meta.json
     # records it, and a later load of the same name must find the same
     encode_batch: Optional[Callable[[list], list]] = None  # many texts at once, where faster
+    save: Optional[Callable[[str, int], None]] = None  # (folder, max_length): a Hugging Face
+    # tokenizer's own files, written from the tokenizer loaded (export.py)
 
 
 def _any_str(encode, refusal=UnicodeEncodeError):
@@ -71,6 +73,15 @@ GPT2_NAMES = ("gpt2", "r50k_base")  # so the two names are one vocabulary
 def same_vocabulary(a, b):
     """Do tokenizers named a and b give the same ids?"""
     return a == b or {a, b} <= set(GPT2_NAMES)
+
+
+def reads(tok, meta):
+    """Are the ids of data described by meta tok's? A Hugging Face tokenizer's are where its
+    fingerprint is the data's, under any name: an export's copy of the tokenizer the data was
+    prepared with is that tokenizer."""
+    if tok.fingerprint:
+        return tok.fingerprint == meta.get("tokenizer_fingerprint")
+    return same_vocabulary(meta.get("tokenizer"), tok.name)
 
 
 def _tiktoken_tokenizer(name):

@@ -262,8 +262,9 @@ def checkpoint_at(source, hint, whole=checkpoint.TENSORS):
 
 def load(init_from, out_dir, hint):
     """Loaded for init_from='resume' (out_dir: a run's folder or one checkpoint file), else
-    for GPT-2's weights by name or folder, which read GPT-2's tokens, or bytes where the
-    folder's tokenizer.json is the byte tokenizer's (export.py's of a byte-level model)."""
+    for Hugging Face weights by name or folder, which read the tokenizer a folder carries
+    (hf.folder_tokenizer: export.py's of bytes or of a Hugging Face tokenizer's data), else
+    GPT-2's tokens."""
     if init_from == "resume":
         state, path = checkpoint_at(out_dir, hint, whole=("model",))
         meta, where = data_meta(state)
@@ -274,8 +275,9 @@ def load(init_from, out_dir, hint):
     weights, args = hf.load(init_from)
     named = os.path.isdir(init_from) and hf.folder_tokenizer(init_from)
     tok = get_tokenizer(named or "gpt2")
-    check_ids_fit(tok.vocab_size, "GPT-2's tokenizer, with which Hugging Face weights are read,",
-                  args["vocab_size"], init_from, "use the checkpoint they were exported from, "
-                  "with --out_dir.")
+    whose = "its tokenizer.json" if named else \
+        "GPT-2's tokenizer, with which Hugging Face weights without one are read,"
+    check_ids_fit(tok.vocab_size, whose, args["vocab_size"], init_from,
+                  "use the checkpoint they were exported from, with --out_dir.")
     where = "its tokenizer.json" if named else "Hugging Face weights"
     return Loaded(args, weights, tok, f"{init_from}, tokenizer {tok.name!r} ({where})", None)

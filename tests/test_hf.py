@@ -291,9 +291,9 @@ def test_weights_of_fewer_ids_than_gpt2s_are_not_sampled_with_gpt2s_tokens(bad_f
     folder = bad_folders["bytes"]
     p = fails("sample.py", f"--init_from={folder}", "--num_samples=1", env=env)
     assert p.stderr.strip().splitlines()[-1] == (
-        f"sample.py: error: GPT-2's tokenizer, with which Hugging Face weights are read, has "
-        f"50257 token ids, more than the 257 that {folder} embeds: use the checkpoint they were "
-        f"exported from, with --out_dir.")
+        f"sample.py: error: GPT-2's tokenizer, with which Hugging Face weights without one are "
+        f"read, has 50257 token ids, more than the 257 that {folder} embeds: use the checkpoint "
+        f"they were exported from, with --out_dir.")
 
 
 @pytest.mark.slow

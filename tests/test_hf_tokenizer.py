@@ -1,8 +1,9 @@
 """prepare.py --tokenizer=<a Hugging Face tokenizer>, as a user runs it, with tokenizers the tests
 make and save as folders AutoTokenizer reads: the token files hold AutoTokenizer's ids, each
-document ended by eos (else pad), uint32 past 65,535 ids; prepare -> train (2 ranks) -> sample
--> eval -> export reads them with the same tokenizer, and the export's AutoTokenizer encodes
-as training did. Bad tokenizers are one clear error each."""
+document ended by eos (else pad), uint16 up to id 65,535 and uint32 past it; prepare -> train
+(2 ranks) -> sample -> eval -> export reads them with the same tokenizer, the export's
+AutoTokenizer encodes as training did, and sample.py and eval.py read the export with its
+own tokenizer files. Bad tokenizers are one clear error each."""
 import json
 import math
 import os
@@ -38,16 +39,28 @@ def save_bpe(folder, **special):
     return str(folder)
 
 
-def save_big_word_level(folder):
-    """A word-level tokenizer of 70,000 ids, the words of TEXTS past id 65,535: uint32 files."""
+def save_word_level(folder, n_ids):
+    """A word-level tokenizer of n_ids ids: fillers, then the words of TEXTS, then its eos
+    <|end|> at the largest id, n_ids - 1, which ends every document in the token files."""
     words = sorted({w for text in TEXTS for w in text.split()})
-    vocab = {"<unk>": 0, "<|end|>": 1, **{f"filler{i}": i for i in range(2, 65_600)}}
-    vocab.update({w: 65_600 + i for i, w in enumerate(words)})
-    vocab.update({f"filler{i}": i for i in range(len(vocab), 70_000)})
+    first_word = n_ids - 1 - len(words)
+    vocab = {"<unk>": 0, **{f"filler{i}": i for i in range(1, first_word)},
+             **{w: first_word + i for i, w in enumerate(words)}, "<|end|>": n_ids - 1}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|end|>",
                             unk_token="<unk>").save_pretrained(folder)
+    return str(folder)
+
+
+def save_id_past_uint32(folder):
+    """save_bpe's, with one token's id past 4,294,967,295 in its tokenizer.json."""
+    save_bpe(folder, eos_token="<eos>")
+    with open(os.path.join(folder, "tokenizer.json")) as f:
+        definition = json.load(f)
+    definition["model"]["vocab"]["past uint32"] = 2**32
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        json.dump(definition, f)
     return str(folder)
 
 
@@ -73,7 +86,9 @@ def tokenizers_dir(tmp_path_factory):
     return root, {"bpe": save_bpe(root / "bpe", eos_token="<eos>"),
                   "pad only": save_bpe(root / "pad", pad_token="<pad>"),
                   "neither": save_bpe(root / "neither", unk_token="<unk>"),
-                  "70,000 ids": save_big_word_level(root / "big"),
+                  "65,536 ids": save_word_level(root / "65536", 2**16),
+                  "65,537 ids": save_word_level(root / "65537", 2**16 + 1),
+                  "an id past uint32": save_id_past_uint32(root / "past_uint32"),
                   "sentencepiece": save_sentencepiece(root / "sp")}
 
 
@@ -81,6 +96,22 @@ def prepare(env, root, tokenizer, out_dir):
     python("prepare.py", f"--dataset={root / 'docs.jsonl'}", f"--tokenizer={tokenizer}",
            "--val_docs=1", f"--out_dir={out_dir}", "--num_proc=2", env=env)
     return json.loads((out_dir / tokenfile.META_NAME).read_text())
+
+
+@pytest.fixture(scope="module")
+def prepared(tokenizers_dir, tmp_path_factory, session_env):
+    """prepared(kind): (data_dir, meta) of the corpus prepared with that tokenizer, once per
+    module: the pipeline reads the data its prepare test checked."""
+    root, folders = tokenizers_dir
+    runs = {}
+
+    def prepared_with(kind):
+        if kind not in runs:
+            data = tmp_path_factory.mktemp("hf_data") / "data"
+            runs[kind] = data, prepare(session_env, root, folders[kind], data)
+        return runs[kind]
+
+    return prepared_with
 
 
 def documents(out_dir, meta):
@@ -101,17 +132,17 @@ def encoded(hf, eot):
 
 @pytest.mark.parametrize("kind,eot,dtype", [("bpe", "<eos>", "uint16"),
                                             ("pad only", "<pad>", "uint16"),
-                                            ("70,000 ids", "<|end|>", "uint32"),
+                                            ("65,536 ids", "<|end|>", "uint16"),
+                                            ("65,537 ids", "<|end|>", "uint32"),
                                             ("sentencepiece", "</s>", "uint16")])
 def test_prepare_writes_autotokenizers_ids_ended_by_eos_else_pad(kind, eot, dtype,
-                                                                   tokenizers_dir, env,
-                                                                   tmp_path):
-    root, folders = tokenizers_dir
-    meta = prepare(env, root, folders[kind], tmp_path / "data")
+                                                                   tokenizers_dir, prepared):
+    folders = tokenizers_dir[1]
+    data, meta = prepared(kind)
     hf = AutoTokenizer.from_pretrained(folders[kind])
     assert (meta["tokenizer"], meta["dtype"], meta["eot_token"], meta["vocab_size"]) == \
         (folders[kind], dtype, hf.convert_tokens_to_ids(eot), max(hf.get_vocab().values()) + 1)
-    assert Counter(documents(tmp_path / "data", meta)) == encoded(hf, meta["eot_token"])
+    assert Counter(documents(data, meta)) == encoded(hf, meta["eot_token"])
 
 
 def test_bits_per_byte_count_the_bytes_each_token_stands_for(tokenizers_dir, monkeypatch):
@@ -138,7 +169,8 @@ def test_a_lone_surrogate_is_encoded_as_the_replacement_character(tokenizers_dir
     assert tok.encode_batch(["x", "a \ud800 b"]) == [tok.encode("x"), tok.encode("a \ufffd b")]
 
 
-@pytest.mark.parametrize("case", ["neither eos nor pad", "not a tokenizer", "hub name offline"])
+@pytest.mark.parametrize("case", ["neither eos nor pad", "not a tokenizer", "hub name offline",
+                                  "an id past uint32"])
 def test_a_tokenizer_prepare_cannot_use_is_one_clear_error(case, tokenizers_dir, env, tmp_path):
     root, folders = tokenizers_dir
     (tmp_path / "notes").mkdir()
@@ -147,7 +179,9 @@ def test_a_tokenizer_prepare_cannot_use_is_one_clear_error(case, tokenizers_dir,
         "neither eos nor pad": (folders["neither"], "has neither an eos token nor a pad token"),
         "not a tokenizer": (tmp_path / "notes", "is not a tokenizer that transformers."
                                                 "AutoTokenizer reads"),
-        "hub name offline": ("nobody-xyz/no-such-tokenizer", "HF_HUB_OFFLINE=1")}[case]
+        "hub name offline": ("nobody-xyz/no-such-tokenizer", "HF_HUB_OFFLINE=1"),
+        "an id past uint32": (folders["an id past uint32"], "holds a token id past "
+                                                            "4,294,967,295")}[case]
     message = prepare_fails(tmp_path, f"--dataset={root / 'docs.jsonl'}",
                             f"--tokenizer={tokenizer}", "--val_docs=1", "--num_proc=1", env=env)
     assert str(tokenizer) in message and named in message, message
@@ -156,33 +190,65 @@ def test_a_tokenizer_prepare_cannot_use_is_one_clear_error(case, tokenizers_dir,
 # ---- the whole way: prepare -> train on 2 ranks -> sample -> eval -> export ----
 
 @pytest.fixture(scope="module")
-def pipeline(tokenizers_dir, tmp_path_factory, session_env):
+def pipeline(prepared, tmp_path_factory, session_env):
     """(data_dir, out_dir, export) of a BPE tokenizer's data, a run of 4 steps on 2 ranks, and
     its export."""
-    root, folders = tokenizers_dir
+    data, _ = prepared("bpe")
     work = tmp_path_factory.mktemp("hf_pipeline")
-    prepare(session_env, root, folders["bpe"], work / "data")
-    torchrun(2, "train.py", f"--data_dir={work / 'data'}", f"--out_dir={work / 'out'}", *TINY,
+    torchrun(2, "train.py", f"--data_dir={data}", f"--out_dir={work / 'out'}", *TINY,
              "--max_iters=4", "--eval_interval=4", "--gradient_accumulation_steps=2",
              env=session_env)
     python("export.py", work / "out", work / "export", env=session_env)
-    return work / "data", work / "out", work / "export"
+    return data, work / "out", work / "export"
+
+
+def sample_and_eval(source, env, *eval_args):
+    """(sample.py's greedy continuation of 'def ', eval.py's numbers) of source:
+    --out_dir=<a run> or --init_from=<an export>, on 4 x 4 val windows as the run took."""
+    sample = python("sample.py", source, "--start=def ", "--num_samples=1",
+                    "--max_new_tokens=8", "--top_k=1", "--device=cpu", env=env)
+    p = python("eval.py", source, *eval_args, "--hellaswag=False", "--eval_iters=4",
+               "--batch_size=4", "--device=cpu", env=env)
+    return sample, json.loads(p.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def from_the_run(pipeline, session_env):
+    _, out, _ = pipeline
+    return sample_and_eval(f"--out_dir={out}", session_env)
 
 
 @pytest.mark.slow
-def test_sample_and_eval_read_the_run_with_the_prepared_tokenizer(pipeline, tokenizers_dir,
-                                                                  env):
+def test_sample_and_eval_read_the_run_with_the_prepared_tokenizer(from_the_run, pipeline,
+                                                                  tokenizers_dir):
     _, out, _ = pipeline
-    bpe = tokenizers_dir[1]["bpe"]
-    p = python("sample.py", f"--out_dir={out}", "--start=def ", "--num_samples=1",
-               "--max_new_tokens=8", "--device=cpu", env=env)
-    assert p.stdout.startswith("def ") and f"tokenizer '{bpe}'" in p.stderr, p.stderr
-    result = json.loads(python("eval.py", f"--out_dir={out}", "--hellaswag=False",
-                               "--device=cpu", env=env).stdout.splitlines()[-1])
+    sample, result = from_the_run
+    assert sample.stdout.startswith("def ") and \
+        f"tokenizer '{tokenizers_dir[1]['bpe']}'" in sample.stderr, sample.stderr
     trained = evals(out)[-1]
     assert trained["iter"] == 4 and math.isfinite(trained["val_bpb"])
     for key in ("val_loss", "val_bpb"):  # 2 ranks' sums then, 1 rank's now: float rounding
         assert result[key] == pytest.approx(trained[key], rel=1e-6), key
+
+
+@pytest.mark.slow
+def test_sample_and_eval_of_the_export_read_the_tokenizer_files_it_carries(from_the_run,
+                                                                          pipeline, env):
+    """--init_from=<the export>: its own tokenizer files, not GPT-2's (which reads ids the
+    model was never trained on, or is refused for its 400 ids), encode the prompt and the
+    val data's tokens are accepted as the same tokenizer's under another name: the same
+    greedy text, and bits per byte of the same bytes per token."""
+    data, _, export = pipeline
+    sample, result = sample_and_eval(f"--init_from={export}", {**env, "HF_HUB_OFFLINE": "1"},
+                                     f"--data_dir={data}")
+    run_sample, run_result = from_the_run
+    assert f"tokenizer '{export}' (its tokenizer.json)" in sample.stderr, sample.stderr
+    assert sample.stdout == run_sample.stdout
+    # the same windows and bytes per token: bits per byte over loss is tokens over bytes;
+    # the export drops the padding rows of the vocabulary, which took some probability
+    ratio = result["val_bpb"] / result["val_loss"]
+    assert ratio == pytest.approx(run_result["val_bpb"] / run_result["val_loss"], rel=1e-6)
+    assert result["val_loss"] < run_result["val_loss"]
 
 
 @pytest.mark.slow
@@ -198,20 +264,23 @@ def test_the_exports_autotokenizer_encodes_exactly_as_training_did(pipeline, tok
 
 
 @pytest.mark.slow
-def test_a_tokenizer_changed_after_prepare_is_refused_by_train_and_sample(tokenizers_dir, env,
+def test_a_tokenizer_changed_after_prepare_is_refused_by_train_and_sample(pipeline,
+                                                                         tokenizers_dir, env,
                                                                          tmp_path):
-    root, folders = tokenizers_dir
-    tok = tmp_path / "tok"
-    shutil.copytree(folders["bpe"], tok)
-    prepare(env, root, tok, tmp_path / "data")
-    python("train.py", f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}", *TINY,
-           "--max_iters=1", "--eval_interval=1", "--gradient_accumulation_steps=1", env=env)
-    shutil.rmtree(tok)
-    save_bpe(tok, eos_token="<|endoftext|>")  # the same folder, another tokenizer
-    for script, args in (("train.py", [f"--data_dir={tmp_path / 'data'}", *TINY,
-                                       f"--out_dir={tmp_path / 'out2'}"]),
-                         ("sample.py", [f"--out_dir={tmp_path / 'out'}", "--device=cpu"])):
-        message = fails(script, *args, env=env).stderr.strip().splitlines()[-1]
-        assert message.startswith(f"{script}: error: the tokenizer '{tok}' is not the one the "
-                                  f"data was prepared with"), message
-        assert f"prepare the data again with --tokenizer={tok}." in message, message
+    """The pipeline's tokenizer folder saved again as another tokenizer; the folder is put
+    back after, for the other tests that read it."""
+    data, out, _ = pipeline
+    tok = tokenizers_dir[1]["bpe"]
+    os.rename(tok, tmp_path / "kept")
+    try:
+        save_bpe(tok, eos_token="<|endoftext|>")  # the same folder, another tokenizer
+        for script, args in (("train.py", [f"--data_dir={data}", *TINY,
+                                           f"--out_dir={tmp_path / 'out'}"]),
+                             ("sample.py", [f"--out_dir={out}", "--device=cpu"])):
+            message = fails(script, *args, env=env).stderr.strip().splitlines()[-1]
+            assert message.startswith(f"{script}: error: the tokenizer '{tok}' is not the one "
+                                      f"the data was prepared with"), message
+            assert f"prepare the data again with --tokenizer={tok}." in message, message
+    finally:
+        shutil.rmtree(tok, ignore_errors=True)
+        os.rename(tmp_path / "kept", tok)

@@ -105,6 +105,13 @@ def test_an_export_carries_its_characters_as_a_hugging_face_tokenizer(char_run, 
     assert len(tok) == 65 and tok(text)["input_ids"] == ids and tok.decode(ids) == text
     with pytest.raises(Exception, match="a character not in the vocabulary"):
         tok("Café")  # as sample.py's prompt, an error, not a character silently dropped
+    # sample.py reads the export with those characters (was: GPT-2's, refused for 65 ids)
+    p = python("sample.py", f"--init_from={dest}", "--start=ROMEO:", "--max_new_tokens=20",
+               "--num_samples=1", env=env)
+    assert f"tokenizer '{dest}' (its tokenizer.json)" in p.stderr
+    assert set(p.stdout.split(SEP)[0]) <= set(CHARS)
+    message = fails("sample.py", f"--init_from={dest}", "--start=Café", env=env).stderr
+    assert f"the tokenizer '{dest}' cannot encode the text 'Café' (Unk token" in message
 
 
 class RunsCode:
