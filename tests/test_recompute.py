@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from conftest import TINY, steps, torchrun
+from conftest import TINY, evals, steps, torchrun
 from ddpgpt import checkpoint, configurator
 from ddpgpt.errors import UserError
 from ddpgpt.settings import TrainConfig
@@ -41,6 +41,10 @@ def losses(out_dir):
     return [(rows[i]["batch_fp"], rows[i]["loss"], rows[i]["grad_norm"]) for i in sorted(rows)]
 
 
+def val_losses(out_dir):
+    return [(r["iter"], r["val_loss"]) for r in evals(out_dir)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_full_and_selective_train_as_none_bit_for_bit(runs, case):
@@ -48,6 +52,8 @@ def test_full_and_selective_train_as_none_bit_for_bit(runs, case):
     assert len(expected) == STEPS
     for mode in ("full", "selective"):
         assert losses(runs[case, mode]) == expected, mode
+        # the evaluation, without gradients, goes through the checkpointed blocks too
+        assert val_losses(runs[case, mode]) == val_losses(runs[case, "none"]), mode
 
 
 @pytest.mark.slow
