@@ -13,7 +13,7 @@ keeps from its forward for its backward, and what its backward computes again in
 selective is an op-level policy rather than "every k-th block in full": it needs no second key,
 it is spread evenly over the blocks (so over fsdp's per-block gathers), and it recomputes only
 what costs little, where k-th-block checkpointing recomputes whole blocks and its memory is a
-step function of k. torchtitan's default is the same choice.
+step function of k. torchtitan offers both (its selective_ac_option: 'op', or a block interval).
 
 Both use torch.utils.checkpoint (non-reentrant), which restores the random number generators'
 state before a recompute: dropout draws the same masks twice, and the losses are none's bit for
