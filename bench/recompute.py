@@ -34,7 +34,7 @@ TIME_CAP_S = 1800
 TABLES = {"results": [("activation_checkpointing", "{mode}"),
                       ("activations, most at once", "{activations:size}"),
                       ("share of none's", "{share:.2f}"),
-                      ("of which the blocks' ", "{blocks:size}"),
+                      ("of which the blocks'", "{blocks:size}"),
                       ("share of none's", "{blocks_share:.3f}"),
                       ("peak, all tensors", "{total:size}"),
                       ("step, CPU s (median)", "{cpu_s:.1f}"),
