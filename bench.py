@@ -13,11 +13,11 @@ import time
 import torch
 
 from bench import (common, datapath, documents, evaluating, fsdp, gpu, mixing, muon,
-                   preparing, preparing_hf, recipe, report, training)
+                   preparing, preparing_hf, recipe, recompute, report, training)
 
 PARTS = {"data": datapath, "mix": mixing, "training": training, "prepare": preparing,
          "prepare_hf": preparing_hf, "eval": evaluating, "documents": documents, "fsdp": fsdp,
-         "muon": muon, "recipe": recipe, "gpu": gpu}
+         "muon": muon, "recipe": recipe, "recompute": recompute, "gpu": gpu}
 DOCS_DATA = os.path.join(common.ROOT, "docs", "bench")
 DOCS_REPORT = os.path.join(common.ROOT, "docs", "benchmarks.md")
 

@@ -381,8 +381,9 @@ def forward_backward(model, batches, micro_steps, precision, reduce_every_micro_
         x, y = next(batches)
         data_wait += time.perf_counter() - t
         with precision.autocast:
-            _, loss = model(x, y)
-            loss = loss / micro_steps
+            # the logits dropped at once: kept until the next micro-step they would be
+            # batch_size x block_size x vocab_size numbers more through the backward
+            loss = model(x, y)[1] / micro_steps
         alone.stop()  # at each micro-step: the last one's counts
         precision.scaler.scale(loss).backward()
         loss_sum = loss_sum + loss.detach().float()

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpgpt import runtime
+from ddpgpt import recompute, runtime
 from ddpgpt.errors import UserError
 
 
@@ -58,7 +58,10 @@ class Wrapped(NamedTuple):
 def wrap(model, cfg, ranks, device, precision):
     """The model of a run on its device, as the run's parallel key shares it out, compiled with
     compile=True (the whole model under ddp; each block under fsdp, whose gathers run between
-    them). Its gradients are None."""
+    them), each block recomputing in its backward what activation_checkpointing says
+    (recompute.py, before fsdp and compile wrap the blocks, as torchtitan orders them). Its
+    gradients are None."""
+    recompute.apply(model, cfg.activation_checkpointing)
     if sharded(cfg, ranks):
         shard(model, device, precision.dtype, cfg.reshard_after_forward, cfg.compile)
         return Wrapped(model, model, model)

@@ -22,6 +22,7 @@ Backend = Literal["", "nccl", "gloo"]
 Sampling = Literal["epoch", "random", "documents"]
 Arch = Literal["gpt2", "modern"]
 Parallel = Literal["ddp", "fsdp"]
+Recompute = Literal["none", "full", "selective"]
 INIT_FROM = ("scratch", "resume", "auto")  # train.py's; else GPT-2's weights
 NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # nanoGPT's names for OpenAI's weights
 FOLDER_HINT = ("a Hugging Face GPT-2 folder holds config.json and model.safetensors, as "
@@ -180,6 +181,11 @@ class TrainConfig:
         False, "fsdp: reduce-scatter the gradients in every micro-step, so each rank keeps "
                "only its shard of them; False: in the last micro-step only, as ddp, each rank "
                "accumulating its whole gradients until then")
+    activation_checkpointing: Recompute = key(
+        "none", "none: keep every activation the backward needs; full: each block keeps its "
+                "input alone and runs its forward again in the backward (least memory, about "
+                "a third more compute); selective: each block keeps its matmuls' and "
+                "attention's outputs and recomputes the rest (norms, activations, dropout)")
     async_save: bool = key(True, "write checkpoints in the background while training goes on "
                                  "(one at a time; a run's last save waits), when the host has "
                                  "memory for their copy")

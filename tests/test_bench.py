@@ -191,6 +191,15 @@ def muon_verdicts(result):
           for row in result["losses"])]
 
 
+def recompute_verdicts(result):
+    """full's activations, at the peak and the blocks', at most a third of none's;
+    selective's between the two, both ways."""
+    rows = {r["mode"]: r for r in result["results"]}
+    act, blocks = ({m: r[key] for m, r in rows.items()} for key in ("activations", "blocks"))
+    return [rows["full"]["share"] <= 1 / 3, rows["full"]["blocks_share"] <= 1 / 3,
+            all(x["full"] < x["selective"] < x["none"] for x in (act, blocks))]
+
+
 def documents_verdicts(result):
     """None: the part measures what documents mode does to the loss, and sets no target."""
     return []
@@ -199,7 +208,7 @@ def documents_verdicts(result):
 VERDICTS = {"data": data_verdicts, "mix": mix_verdicts, "training": training_verdicts,
             "prepare": prepare_verdicts, "prepare_hf": prepare_hf_verdicts, "gpu": gpu_verdicts,
             "eval": eval_verdicts, "documents": documents_verdicts, "fsdp": fsdp_verdicts,
-            "muon": muon_verdicts, "recipe": recipe_verdicts}
+            "muon": muon_verdicts, "recipe": recipe_verdicts, "recompute": recompute_verdicts}
 
 
 def bench_part(part, env, tmp_path, flag="--small", timeout=600):
@@ -421,7 +430,7 @@ def test_every_part_is_all_but_gpu_without_a_gpu():
     every = list(cli.PARTS) if torch.cuda.is_available() else ["data", "mix", "training",
                                                                 "prepare", "prepare_hf", "eval",
                                                                 "documents", "fsdp", "muon",
-                                                                "recipe"]
+                                                                "recipe", "recompute"]
     assert cli.parse_args([]).parts == every
     assert cli.parse_args(["--small"]).parts == list(cli.PARTS)
     assert cli.parse_args(["gpu"]).parts == ["gpu"]
@@ -575,6 +584,17 @@ def test_muon(env, tmp_path):
     assert all(0 < r["optimizer_ms"] < r["step_ms"] for r in rows.values())
     assert [row["ranks"] for row in result["losses"]] == [2]
     assert result["losses"][0]["same_batches"]
+
+
+@pytest.mark.slow
+def test_recompute(env, tmp_path):
+    result, page = bench_part("recompute", env, tmp_path)  # 3 processes of a tiny model
+    rows = {r["mode"]: r for r in result["results"]}
+    assert list(rows) == ["none", "selective", "full"]
+    assert rows["none"]["share"] == rows["none"]["slowdown"] == 1
+    for r in rows.values():
+        assert 0 < r["activations"] < r["total"] and r["step_s"] > 0
+    assert "| full |" in page
 
 
 @pytest.mark.parametrize("part", VERDICTS)

@@ -1,0 +1,61 @@
+"""Activation checkpointing (the activation_checkpointing key): what each transformer block
+keeps from its forward for its backward, and what its backward computes again instead.
+
+  none       everything the backward needs is kept: the fastest, the most memory.
+  full       each block keeps its input alone, and its backward runs its forward again:
+             about one forward more per step (a third more compute), and the blocks'
+             activations shrink to one (batch, block_size, n_embd) tensor a block.
+  selective  torchtitan's op-level policy: each block keeps the outputs of its matmuls and of
+             its attention, and computes the rest again in the backward (the norms, GELU or
+             SwiGLU, the rotations, dropout): the costly operations run once, the cheap
+             elementwise ones twice, for a memory between the two.
+
+selective is an op-level policy rather than "every k-th block in full": it needs no second key,
+it is spread evenly over the blocks (so over fsdp's per-block gathers), and it recomputes only
+what costs little, where k-th-block checkpointing recomputes whole blocks and its memory is a
+step function of k. torchtitan offers both (its selective_ac_option: 'op', or a block interval).
+
+Both use torch.utils.checkpoint (non-reentrant), which restores the random number generators'
+state before a recompute: dropout draws the same masks twice, and the losses are none's bit for
+bit. Applied in place to each block's forward, inside fsdp's per-block unit and beneath
+torch.compile (parallel.wrap), so the weights keep their names: checkpoints are the same
+whatever the mode, and a run resumes under another.
+"""
+import functools
+
+import torch
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
+
+aten = torch.ops.aten
+# the operations whose outputs selective keeps: the Linears' matmuls (mm, or addmm with a
+# bias) and the fused attention kernels of each device (their output and the log-sum-exp that
+# their backward reads)
+KEPT = {aten.mm.default, aten.addmm.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default}
+
+
+def keep_matmuls(ctx, op, *args, **kwargs):
+    """selective's policy, asked for each operation of a block's forward."""
+    return CheckpointPolicy.MUST_SAVE if op in KEPT else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts():
+    return create_selective_checkpoint_contexts(keep_matmuls)
+
+
+def apply(model, mode):
+    """Each block of model recomputes in its backward what `mode` says; 'none' leaves it."""
+    if mode == "none":
+        return
+    options = dict(use_reentrant=False)
+    if mode == "selective":
+        options["context_fn"] = selective_contexts
+    for block in model.transformer.h:
+        # the block's forward replaced on the instance, not the block wrapped in a module, so
+        # that its weights' names stay transformer.h.N.*; fsdp's hooks and compile still go
+        # through the block's __call__, around it
+        block.forward = functools.partial(checkpoint, block.forward, **options)

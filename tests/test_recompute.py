@@ -1,0 +1,80 @@
+"""activation_checkpointing under torchrun (gloo, CPU), as a user runs it: full and selective
+train with the losses of none bit for bit in float32, with dropout and without, under ddp and
+fsdp, and a run resumes exactly under another mode than the one that saved its checkpoint."""
+import os
+import shutil
+
+import pytest
+
+from conftest import TINY, evals, steps, torchrun
+from ddpgpt import checkpoint, configurator
+from ddpgpt.errors import UserError
+from ddpgpt.settings import TrainConfig
+
+MODES = ("none", "full", "selective")
+# parallel x dropout, each cell once; the architecture alternates so that both are trained
+CASES = {"ddp-dropout": ("ddp", 0.1, "gpt2"), "ddp": ("ddp", 0.0, "modern"),
+         "fsdp-dropout": ("fsdp", 0.1, "modern"), "fsdp": ("fsdp", 0.0, "gpt2")}
+STEPS = 4  # saving at STEPS // 2 and STEPS
+
+
+def train_args(corpus, out, case, mode, *extra):
+    parallel, dropout, arch = CASES[case]
+    return [f"--data_dir={corpus}", f"--out_dir={out}", *TINY, "--eval_iters=1",
+            "--gradient_accumulation_steps=4", f"--max_iters={STEPS}",
+            f"--eval_interval={STEPS // 2}", f"--parallel={parallel}", f"--dropout={dropout}",
+            f"--arch={arch}", f"--activation_checkpointing={mode}", *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory, session_env):
+    """{(case, mode): out_dir} of every case trained STEPS steps on 2 ranks in every mode."""
+    root = tmp_path_factory.mktemp("recompute")
+    out = {(case, mode): str(root / f"{case}-{mode}") for case in CASES for mode in MODES}
+    for (case, mode), out_dir in out.items():
+        torchrun(2, "train.py", *train_args(corpus, out_dir, case, mode), env=session_env)
+    return out
+
+
+def losses(out_dir):
+    rows = steps(out_dir)
+    return [(rows[i]["batch_fp"], rows[i]["loss"], rows[i]["grad_norm"]) for i in sorted(rows)]
+
+
+def val_losses(out_dir):
+    return [(r["iter"], r["val_loss"]) for r in evals(out_dir)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_full_and_selective_train_as_none_bit_for_bit(runs, case):
+    expected = losses(runs[case, "none"])
+    assert len(expected) == STEPS
+    for mode in ("full", "selective"):
+        assert losses(runs[case, mode]) == expected, mode
+        # the evaluation, without gradients, goes through the checkpointed blocks too
+        assert val_losses(runs[case, mode]) == val_losses(runs[case, "none"]), mode
+
+
+@pytest.mark.slow
+def test_a_run_resumes_exactly_under_another_mode(runs, corpus, tmp_path, env):
+    """fsdp's checkpoint folder written under full, resumed under selective, and ddp's file
+    written under selective, resumed under none: each goes on as the run that never stopped."""
+    for case, saved_by, resumed_in in (("fsdp-dropout", "full", "selective"),
+                                       ("ddp-dropout", "selective", "none")):
+        out = tmp_path / case
+        source = checkpoint.path_for(runs[case, saved_by], STEPS // 2,
+                                     folder=CASES[case][0] == "fsdp")
+        os.makedirs(out)
+        (shutil.copytree if os.path.isdir(source) else shutil.copy)(
+            source, out / os.path.basename(source))
+        p = torchrun(2, "train.py", *train_args(corpus, out, case, resumed_in,
+                                                "--init_from=resume"), env=env)
+        assert f"(iter {STEPS // 2})" in p.stdout
+        assert losses(out) == losses(runs[case, "none"])[STEPS // 2:]
+
+
+def test_an_unknown_mode_is_a_clear_error():
+    with pytest.raises(UserError, match="activation_checkpointing='some' is not one of "
+                                        "'none', 'full', 'selective'"):
+        configurator.parse(TrainConfig, ["--activation_checkpointing=some"], "train.py")
