@@ -234,6 +234,25 @@ class TrainConfig:
         return self.gradient_accumulation_steps // world_size
 
 
+
+@dataclass
+class PlanConfig(TrainConfig):
+    """The memory plan of a training run (plan.py): per rank, the weights, gradients,
+    optimizer state and activations at the peak of its first steps, counted by torch's
+    tracker on fake tensors, and with a GPU's memory whether it fits and what would."""
+    world_size: int = key(1, "the ranks the run will have (torchrun's nproc_per_node x nodes)",
+                          at_least=1)
+    gpu_memory: str = key("", "each GPU's memory, e.g. 80GiB or 24GB; '': this machine's GPU, "
+                              "none on a CPU")
+    json: bool = key(False, "print the plan as one JSON object")
+
+    def __post_init__(self):
+        from ddpgpt import memplan
+        super().__post_init__()
+        if self.gpu_memory:
+            memplan.parse_memory(self.gpu_memory)
+        self.micro_steps(self.world_size)
+
 @dataclass
 class SampleConfig:
     """Sample text from a run's newest checkpoint, one checkpoint file, or GPT-2's weights."""
