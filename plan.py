@@ -15,7 +15,7 @@ import json
 import sys
 
 from ddpgpt import configurator, errors
-from ddpgpt.settings import PlanConfig
+from ddpgpt.settings import PlanConfig, parse_memory
 
 
 def main(argv):
@@ -23,7 +23,7 @@ def main(argv):
 
     from ddpgpt import memplan, parallel, weights
     cfg = configurator.parse(PlanConfig, argv, "plan.py")
-    gpu_memory = memplan.parse_memory(cfg.gpu_memory) if cfg.gpu_memory else \
+    gpu_memory = parse_memory(cfg.gpu_memory) if cfg.gpu_memory else \
         local_gpu_memory(cfg, torch)
     dtype = memplan.plan_dtype(cfg.dtype, gpu=cfg.device != "cpu" and bool(gpu_memory))
     parallel.check(cfg, dtype)

@@ -24,22 +24,17 @@ What the tracker cannot see, and so the plan leaves out:
 import contextlib
 import dataclasses
 import math
-import re
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ddpgpt import optim, parallel, runtime
-from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
 
 # the share of a GPU's memory a plan may fill: the CUDA context, NCCL's buffers, kernels'
 # workspaces and the caching allocator's fragmentation take the rest
 GPU_HEADROOM = 0.9
-UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-         "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-MEMORY = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*")
 # the tracker's categories (MemTracker's and FSDPMemTracker's names) as the plan reports them;
 # what none names (activations, the backward's temporaries, the inputs) is "activations"
 WEIGHTS = {"Parameter", "Buffer", "Sharded Param", "Unsharded Param", "All Gather"}
@@ -60,17 +55,6 @@ class Plan(NamedTuple):
     @property
     def total(self):
         return self.peak + self.ddp_buckets
-
-
-def parse_memory(text):
-    """Bytes of a memory size such as '80GiB', '24 GB' or '512MiB'; a UserError naming the
-    value and the fix for anything else (a bare number, a unit not listed, zero or less)."""
-    found = MEMORY.fullmatch(text)
-    if found is None or found.group(2) not in UNITS or float(found.group(1)) <= 0:
-        raise UserError(f"gpu_memory={text!r} is not a memory size: give a number above 0 and "
-                        f"a unit, e.g. --gpu_memory=80GiB ({', '.join(UNITS)}), or leave it "
-                        f"out for this machine's GPU.")
-    return int(float(found.group(1)) * UNITS[found.group(2)])
 
 
 def plan_dtype(dtype, gpu):
