@@ -1,6 +1,7 @@
 """plan.py, the memory plan, as a user runs it: its peak against the peak the same tracker
 measures in real runs of the same settings on the CPU (bench/memory_rank.py, under torchrun,
 gloo), and its refusal of a GPU memory that is not one."""
+import dataclasses
 import glob
 import json
 
@@ -61,3 +62,16 @@ def test_a_gpu_memory_that_is_not_one_is_refused(value, env):
     p = fails("plan.py", f"--gpu_memory={value}", env=env)
     assert f"plan.py: error: gpu_memory={value!r} is not a memory size: give a number above " \
            f"0 and a unit, e.g. --gpu_memory=80GiB" in p.stderr
+
+
+def test_train_py_gives_plan_py_its_settings_whole():
+    """On a GPU, train.py starts plan.py with every key of its settings (memcheck.start): they
+    must read back as the same settings (this part of the GPU path runs on a CPU)."""
+    from ddpgpt import configurator, memcheck
+    from ddpgpt.settings import PlanConfig, TrainConfig
+    cfg = TrainConfig(data_dir="data/elsewhere", arch="modern", rope_theta=5e5, optimizer="muon",
+                      parallel="fsdp", reduce_every_micro_step=True, backend="",
+                      out_dir="out dir/with 'quotes'", vocab_size=320, dropout=0.1)
+    back = configurator.parse(PlanConfig, memcheck.settings_args(cfg), "plan.py")
+    assert {f.name: getattr(back, f.name) for f in dataclasses.fields(cfg)} == \
+        dataclasses.asdict(cfg)
