@@ -12,12 +12,12 @@ import time
 
 import torch
 
-from bench import (common, datapath, documents, evaluating, fsdp, gpu, mixing, preparing,
-                   preparing_hf, recipe, report, training)
+from bench import (common, datapath, documents, evaluating, fsdp, gpu, memplan, mixing,
+                   preparing, preparing_hf, recipe, report, training)
 
 PARTS = {"data": datapath, "mix": mixing, "training": training, "prepare": preparing,
          "prepare_hf": preparing_hf, "eval": evaluating, "documents": documents, "fsdp": fsdp,
-         "recipe": recipe, "gpu": gpu}
+         "recipe": recipe, "memplan": memplan, "gpu": gpu}
 DOCS_DATA = os.path.join(common.ROOT, "docs", "bench")
 DOCS_REPORT = os.path.join(common.ROOT, "docs", "benchmarks.md")
 

@@ -178,10 +178,15 @@ def documents_verdicts(result):
     return []
 
 
+def memplan_verdicts(result):
+    """The plan's peak within 10% of the measured one in every configuration."""
+    return [all(abs(r["planned"] / r["measured"] - 1) <= 0.10 for r in result["results"])]
+
+
 VERDICTS = {"data": data_verdicts, "mix": mix_verdicts, "training": training_verdicts,
             "prepare": prepare_verdicts, "prepare_hf": prepare_hf_verdicts, "gpu": gpu_verdicts,
             "eval": eval_verdicts, "documents": documents_verdicts, "fsdp": fsdp_verdicts,
-            "recipe": recipe_verdicts}
+            "recipe": recipe_verdicts, "memplan": memplan_verdicts}
 
 
 def bench_part(part, env, tmp_path, flag="--small", timeout=600):
@@ -585,3 +590,14 @@ def test_time_cap_kills_children_in_their_own_session():
                                            (16 * 2**20, "16 MiB"), (16 * 2**30, "16 GiB")])
 def test_sizes_read_as_people_write_them(n_bytes, text):
     assert report.size(n_bytes) == text
+
+
+@pytest.mark.slow
+def test_memplan(env, tmp_path):
+    result, page = bench_part("memplan", env, tmp_path)
+    assert [(r["parallel"], r["ranks"]) for r in result["results"]] == [("ddp", 1), ("ddp", 2)]
+    assert all(r["planned"] > 0 and r["measured"] > 0 for r in result["results"])
+    [tiny] = result["fits"]
+    assert 0 < tiny["fsdp_one"] < tiny["ddp_one"]
+    assert re.fullmatch(r"ddp, batch_size <= \d+; fsdp, batch_size <= \d+", tiny["gpu_24"])
+    assert "| 8 x 24 GiB |" in page
