@@ -7,6 +7,7 @@ recompiles and graph breaks in TORCH_LOGS's own lines."""
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 
