@@ -18,6 +18,8 @@ What the tracker cannot see, and so the plan leaves out:
   gradient_as_bucket_view=False, DDP's default, "the saved memory size will be equal to the
   total gradients size", torch's docs) is reported on a line of its own beside the peak;
 - compile=True is planned eagerly (torch.compile's fused kernels keep fewer activations);
+- the breakdown is the tracker's at the peak: a gradient on its way to fsdp's reduce-scatter may
+  count as a temporary, under activations;
 - the fake tensors are CPU tensors, in CPU autocast: the matmuls' dtype is the run's, a kernel's
   workspace and the CUDA context are not counted (GPU_HEADROOM leaves room for them).
 """
@@ -41,6 +43,8 @@ WEIGHTS = {"Parameter", "Buffer", "Sharded Param", "Unsharded Param", "All Gathe
 GRADIENTS = {"Gradient", "Sharded Grad", "Unsharded Grad", "Reduce Scatter"}
 OPTIMIZER = {"Optstate", "OptState"}
 STEPS, MICRO_STEPS = 2, 2
+# settings that take less memory at the same batch, each planned when a run does not fit
+LEANER = ({"parallel": "fsdp"}, {"parallel": "fsdp", "reduce_every_micro_step": True})
 
 
 class Plan(NamedTuple):
@@ -184,14 +188,17 @@ def largest_batch(cfg, model_args, world_size, dtype, room):
 
 
 def fixes(cfg, model_args, world_size, dtype, room, largest):
-    """What would fit, each a (settings, why) pair: fsdp instead of ddp at the same batch; a
-    smaller micro-batch with more micro-steps, for the same global batch. (The
-    activation_checkpointing key joins them once train.py has it.)"""
+    """What would fit, each a (settings, why) pair: each of LEANER that fits at the same
+    batch; a smaller micro-batch with more micro-steps, for the same global batch."""
     found = []
-    if cfg.parallel == "ddp" and world_size > 1:
-        sharded = plan(dataclasses.replace(cfg, parallel="fsdp"), model_args, world_size, dtype)
-        if sharded.total <= room:
-            found.append(("--parallel=fsdp", f"peak {size(sharded.total)} per rank"))
+    for changes in LEANER:
+        if all(getattr(cfg, key) == value for key, value in changes.items()) or \
+                changes.get("parallel") == "fsdp" and world_size == 1:
+            continue  # what was planned, or the same on one rank
+        leaner = plan(dataclasses.replace(cfg, **changes), model_args, world_size, dtype)
+        if leaner.total <= room:
+            found.append((" ".join(f"--{key}={value}" for key, value in changes.items()),
+                          f"peak {size(leaner.total)} per rank"))
     batch = same_global_batch(cfg, world_size, largest)
     if batch:
         found.append((f"--batch_size={batch} --gradient_accumulation_steps="
