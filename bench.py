@@ -12,12 +12,12 @@ import time
 
 import torch
 
-from bench import (common, datapath, documents, evaluating, fsdp, gpu, mixing, muon,
+from bench import (common, datapath, documents, evaluating, fsdp, gpu, memplan, mixing, muon,
                    preparing, preparing_hf, recipe, recompute, report, training)
 
 PARTS = {"data": datapath, "mix": mixing, "training": training, "prepare": preparing,
          "prepare_hf": preparing_hf, "eval": evaluating, "documents": documents, "fsdp": fsdp,
-         "muon": muon, "recipe": recipe, "recompute": recompute, "gpu": gpu}
+         "muon": muon, "recipe": recipe, "recompute": recompute, "memplan": memplan, "gpu": gpu}
 DOCS_DATA = os.path.join(common.ROOT, "docs", "bench")
 DOCS_REPORT = os.path.join(common.ROOT, "docs", "benchmarks.md")
 

@@ -34,7 +34,8 @@ import torch  # noqa: E402  (the imports that take seconds come after)
 import torch.distributed as dist  # noqa: E402
 
 from ddpgpt import (checkpoint, configurator, data, errors, evaluation, lock, logs,  # noqa: E402
-                    metrics, optim, parallel, peers, runtime, sources, watchdog, weights)
+                    memcheck, metrics, optim, parallel, peers, runtime, sources, watchdog,
+                    weights)
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import TrainConfig
@@ -71,6 +72,7 @@ class Run:
     micro_steps: int  # this rank's per optimizer step
     flops_per_step: int  # of the model on the global batch, forward and backward
     peak: Any  # the device's peak FLOP/s, for MFU; None when unknown
+    memory: Any  # memcheck.Check: the memory plan, on rank 0 of a CUDA run; else None
 
 
 class StartUp(NamedTuple):
@@ -207,7 +209,8 @@ def make_run(cfg, ranks, device, found):
                metrics=metrics.open_metrics(cfg, ranks.master, start),
                micro_steps=micro_steps,
                flops_per_step=model.flops_per_token() * cfg.global_batch * cfg.block_size,
-               peak=runtime.peak_flops(device))
+               peak=runtime.peak_flops(device),
+               memory=memcheck.start(cfg, ranks, device, precision.dtype))
 
 
 def saver(cfg, ranks, model):
@@ -232,6 +235,8 @@ def train(run, stop_signals):
         try:
             loop(run, stop_signals)
         finally:
+            if run.memory is not None:
+                run.memory.stop()
             if run.saver.pending is not None:  # the saver's exit waits for it
                 watchdog.beat(run.saver.iter_num, doing="checkpoint save")  # a whole limit
     watchdog.stop()
@@ -256,7 +261,12 @@ def loop(run, stop_signals):
             break
         if state.iter_num == start_iter:
             signals.steps_begin()  # nothing to save before: a stop signal ended the run
-        step = train_step(run, history, stop_signals)
+        try:
+            step = train_step(run, history, stop_signals)
+        except torch.OutOfMemoryError as e:
+            if state.iter_num >= start_iter + memcheck.FIRST_STEPS:
+                raise
+            raise memcheck.out_of_memory(run.memory, cfg, run.ranks.world_size, e) from None
         t_now = time.perf_counter()
         dt, t_last = t_now - t_last, t_now
         report_step(run, step, dt, first=state.iter_num == start_iter)
@@ -450,6 +460,7 @@ def report_step(run, step, dt, first):
         row["mfu"] = run.flops_per_step / dt / (run.peak * run.ranks.world_size)
     if runtime.device_type(run.device) == "cuda":  # the allocator's count: no synchronising
         row["peak_mem"] = torch.cuda.max_memory_allocated(run.device)
+        memcheck.log_against_measured(run.memory, run.device)
     if row["iter"] % cfg.log_interval == 0:
         row.update(metrics.rank_telemetry(step.alone.seconds(), step.data_wait_s, run.device,
                                           run.ranks.world_size))

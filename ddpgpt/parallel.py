@@ -65,7 +65,10 @@ def wrap(model, cfg, ranks, device, precision):
     if sharded(cfg, ranks):
         shard(model, device, precision.dtype, cfg.reshard_after_forward, cfg.compile)
         return Wrapped(model, model, model)
-    model.to(device)
+    if next(model.parameters()).device != torch.device(device):
+        # (the memory plan's fake weights, made on the device, cannot be moved: torch swaps a
+        # FakeTensor parameter for its copy, which the fake mode's weak references forbid)
+        model.to(device)
     # under DDP the losses' evaluation calls the compiled model itself, beneath DDP, which
     # averages gradients that evaluation does not make: so ranks may run different numbers of
     # evaluation batches

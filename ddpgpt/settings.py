@@ -7,6 +7,7 @@ choices.
 """
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -39,6 +40,21 @@ LOAD_HELP = ("resume: out_dir's newest checkpoint (or out_dir is one checkpoint 
 # rotary() computes theta ** (-i / head_dim) in float32: theta must be finite there, and above
 # 1 for frequencies that fall from 1 along a head (1e-300 became 0 ** -x = inf, a NaN loss)
 ROPE_THETA_RANGE = {"above": 1, "below": 3.4e38}
+# plan.py's gpu_memory: a number and one of these units
+MEMORY_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+                "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+MEMORY_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*")
+
+
+def parse_memory(text):
+    """Bytes of a memory size such as '80GiB', '24 GB' or '512MiB'; a UserError naming the
+    value and the fix for anything else (a bare number, a unit not listed, zero or less)."""
+    found = MEMORY_SIZE.fullmatch(text)
+    if found is None or found.group(2) not in MEMORY_UNITS or float(found.group(1)) <= 0:
+        raise UserError(f"gpu_memory={text!r} is not a memory size: give a number above 0 and "
+                        f"a unit, e.g. --gpu_memory=80GiB ({', '.join(MEMORY_UNITS)}), or leave "
+                        f"it out for this machine's GPU.")
+    return int(float(found.group(1)) * MEMORY_UNITS[found.group(2)])
 
 
 def check_only_for(cfg, name, key, wanted):
@@ -243,6 +259,24 @@ class TrainConfig:
                 f"{max(1, micro // world_size) * world_size}.")
         return self.gradient_accumulation_steps // world_size
 
+
+
+@dataclass
+class PlanConfig(TrainConfig):
+    """The memory plan of a training run (plan.py): per rank, the weights, gradients,
+    optimizer state and activations at the peak of its first steps, counted by torch's
+    tracker on fake tensors, and with a GPU's memory whether it fits and what would."""
+    world_size: int = key(1, "the ranks the run will have (torchrun's nproc_per_node x nodes)",
+                          at_least=1)
+    gpu_memory: str = key("", "each GPU's memory, e.g. 80GiB or 24GB; '': this machine's GPU, "
+                              "none on a CPU")
+    json: bool = key(False, "print the plan as one JSON object")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.gpu_memory:
+            parse_memory(self.gpu_memory)
+        self.micro_steps(self.world_size)
 
 @dataclass
 class SampleConfig:

@@ -7,6 +7,7 @@ recompiles and graph breaks in TORCH_LOGS's own lines."""
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -205,10 +206,16 @@ def documents_verdicts(result):
     return []
 
 
+def memplan_verdicts(result):
+    """The plan's peak within 10% of the measured one in every configuration."""
+    return [all(abs(r["planned"] / r["measured"] - 1) <= 0.10 for r in result["results"])]
+
+
 VERDICTS = {"data": data_verdicts, "mix": mix_verdicts, "training": training_verdicts,
             "prepare": prepare_verdicts, "prepare_hf": prepare_hf_verdicts, "gpu": gpu_verdicts,
             "eval": eval_verdicts, "documents": documents_verdicts, "fsdp": fsdp_verdicts,
-            "muon": muon_verdicts, "recipe": recipe_verdicts, "recompute": recompute_verdicts}
+            "muon": muon_verdicts, "recipe": recipe_verdicts, "recompute": recompute_verdicts,
+            "memplan": memplan_verdicts}
 
 
 def bench_part(part, env, tmp_path, flag="--small", timeout=600):
@@ -430,7 +437,7 @@ def test_every_part_is_all_but_gpu_without_a_gpu():
     every = list(cli.PARTS) if torch.cuda.is_available() else ["data", "mix", "training",
                                                                 "prepare", "prepare_hf", "eval",
                                                                 "documents", "fsdp", "muon",
-                                                                "recipe", "recompute"]
+                                                                "recipe", "recompute", "memplan"]
     assert cli.parse_args([]).parts == every
     assert cli.parse_args(["--small"]).parts == list(cli.PARTS)
     assert cli.parse_args(["gpu"]).parts == ["gpu"]
@@ -646,3 +653,14 @@ def test_time_cap_kills_children_in_their_own_session():
                                            (16 * 2**20, "16 MiB"), (16 * 2**30, "16 GiB")])
 def test_sizes_read_as_people_write_them(n_bytes, text):
     assert report.size(n_bytes) == text
+
+
+@pytest.mark.slow
+def test_memplan(env, tmp_path):
+    result, page = bench_part("memplan", env, tmp_path)
+    assert [(r["parallel"], r["ranks"]) for r in result["results"]] == [("ddp", 1), ("ddp", 2)]
+    assert all(r["planned"] > 0 and r["measured"] > 0 for r in result["results"])
+    [tiny] = result["fits"]
+    assert 0 < tiny["fsdp_one"] < tiny["ddp_one"]
+    assert re.fullmatch(r"ddp, batch_size <= \d+; fsdp, batch_size <= \d+", tiny["gpu_24"])
+    assert "| 8 x 24 GiB |" in page

@@ -1,0 +1,220 @@
+"""The memory plan: what one rank of a run holds at its peak, found before the run by taking its
+first two optimizer steps on fake tensors (torch's FakeTensorMode: shapes, no memory) and
+counting with torch's own tracker (torch.distributed._tools.mem_tracker.MemTracker, and its
+FSDPMemTracker for fully_shard), not with a formula of ours.
+
+The steps are train.py's: the model built from the settings (model.py), shared out by
+parallel.wrap (the same code a run uses, so whatever it applies the plan sees), the optimizer
+of optim.make, then per step its micro-steps' forward and backward in the run's precision, the
+gradient norm clipped, the optimizer step and zero_grad. Two steps, so the second's backward
+meets the optimizer state the first made; two micro-steps at most, the second meeting the
+gradients the first accumulated (more add nothing).
+
+What the tracker cannot see, and so the plan leaves out:
+- fsdp's ranks are simulated: a process group of the 'fake' backend (torch's, as torchtitan's
+  memory estimator uses) gives this process rank 0 of world_size; its collectives move nothing;
+- ddp on several ranks is planned as one rank: DistributedDataParallel's all-reduce hook does
+  not run on the fake backend. What DDP adds, its gradient buckets (a copy of the gradients:
+  gradient_as_bucket_view=False, DDP's default, "the saved memory size will be equal to the
+  total gradients size", torch's docs) is reported on a line of its own beside the peak;
+- compile=True is planned eagerly (torch.compile's fused kernels keep fewer activations);
+- the breakdown is the tracker's at the peak: a gradient on its way to fsdp's reduce-scatter may
+  count as a temporary, under activations;
+- the fake tensors are CPU tensors, in CPU autocast: the matmuls' dtype is the run's, a kernel's
+  workspace and the CUDA context are not counted (GPU_HEADROOM leaves room for them).
+"""
+import contextlib
+import dataclasses
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ddpgpt import optim, parallel, runtime
+from ddpgpt.model import GPT, GPTConfig
+
+# the share of a GPU's memory a plan may fill: the CUDA context, NCCL's buffers, kernels'
+# workspaces and the caching allocator's fragmentation take the rest
+GPU_HEADROOM = 0.9
+# the tracker's categories (MemTracker's and FSDPMemTracker's names) as the plan reports them;
+# what none names (activations, the backward's temporaries, the inputs) is "activations"
+WEIGHTS = {"Parameter", "Buffer", "Sharded Param", "Unsharded Param", "All Gather"}
+GRADIENTS = {"Gradient", "Sharded Grad", "Unsharded Grad", "Reduce Scatter"}
+OPTIMIZER = {"Optstate", "OptState"}
+STEPS, MICRO_STEPS = 2, 2
+# settings that take less memory at the same batch, each planned when a run does not fit
+LEANER = ({"parallel": "fsdp"}, {"parallel": "fsdp", "reduce_every_micro_step": True})
+
+
+class Plan(NamedTuple):
+    """One rank's bytes at the peak of its first steps, by what holds them."""
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    peak: int  # the tracker's peak: the sum of the four
+    ddp_buckets: int  # DDP's copy of the gradients on several ranks, beside the peak
+
+    @property
+    def total(self):
+        return self.peak + self.ddp_buckets
+
+
+def plan_dtype(dtype, gpu):
+    """What dtype='auto' is on the planned device: bfloat16 on a GPU (the GPUs worth planning
+    for have it), float32 on a CPU."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if gpu else "float32"
+
+
+def plan(cfg, model_args, world_size, dtype):
+    """The Plan of one rank of a run with these settings (cfg: a TrainConfig, its dtype
+    resolved) on world_size ranks, on fake tensors. Opens and closes the fake process group
+    it needs: the process must not be in another."""
+    sharded = parallel.sharded(cfg, runtime.Ranks(0, 0, world_size, world_size))
+    ranks = runtime.Ranks(0, 0, world_size, world_size) if sharded else runtime.Ranks(0, 0, 1, 1)
+    cfg = dataclasses.replace(cfg, compile=False, dtype=dtype)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    # small real tensors (DDP's bucket settling batch, the mesh's ranks) become fake as used
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_ranks(ranks.world_size):
+        with fake, torch.device("cpu"):
+            model = GPT(GPTConfig(**model_args))
+        # outside the fake mode: a device mesh reads its ranks' values; the weights, fake,
+        # stay fake in whatever wrap does to them
+        model, _, train_model = parallel.wrap(model, cfg, ranks, "cpu",
+                                              runtime.precision(dtype, "cpu"))
+        with fake:
+            peak = tracked_steps(cfg, model, train_model, ranks, "cpu", model_args["vocab_size"])
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    buckets = grads if cfg.parallel == "ddp" and world_size > 1 else 0
+    return peak._replace(ddp_buckets=buckets)
+
+
+@contextlib.contextmanager
+def fake_ranks(world_size):
+    """This process as rank 0 of world_size in a process group of torch's 'fake' backend,
+    whose collectives move nothing; no group for one rank."""
+    if world_size == 1:
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def tracked_steps(cfg, model, train_model, ranks, device, vocab_size):
+    """The Plan of the first steps of a wrapped model, as torch's tracker counts them: on real
+    tensors when called on real ones (a measurement), on fake ones inside a FakeTensorMode."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    optimizer = optim.make(cfg, model, device)
+    parts = list(optimizer.parts.values()) if isinstance(optimizer, optim.MuonAdamW) \
+        else [optimizer]
+    if parallel.sharded(cfg, ranks):
+        # it follows one optimizer's state (the other's counts as activations), and Muon's
+        # momentum is the larger under muon
+        tracker = FSDPMemTracker(model, parts[0])
+    else:
+        tracker = MemTracker()
+        tracker.track_external(model, *parts)
+    precision = runtime.precision(cfg.dtype, device)
+    micro_steps = min(MICRO_STEPS, cfg.micro_steps(ranks.world_size))
+    with tracker:
+        for _ in range(STEPS):
+            for micro_step in range(micro_steps):
+                parallel.sync_gradients(train_model, micro_step == micro_steps - 1 or
+                                        cfg.reduce_every_micro_step)
+                x = torch.randint(vocab_size, (cfg.batch_size, cfg.block_size),
+                                  device=device)
+                tracker.reset_mod_stats()  # each forward is a new one to the tracker
+                with precision.autocast:
+                    _, loss = train_model(x, x)
+                (loss / micro_steps).backward()
+            parallel.clip_grad_norm(model, cfg.grad_clip or math.inf)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return by_kind(next(iter(tracker.get_tracker_snapshot("peak").values())))
+
+
+def by_kind(snapshot):
+    """The Plan of one device's peak snapshot of the tracker."""
+    named = {str(getattr(kind, "value", kind)): n for kind, n in snapshot.items()}
+    total = named.pop("Total")
+    weights, grads, state = (sum(n for name, n in named.items() if name in kinds)
+                             for kinds in (WEIGHTS, GRADIENTS, OPTIMIZER))
+    return Plan(weights, grads, state, total - weights - grads - state, total, 0)
+
+
+# ---- what fits ----
+
+class Fit(NamedTuple):
+    """A plan against a GPU's memory."""
+    room: int  # the bytes a rank may fill: GPU_HEADROOM of the GPU's
+    fits: bool
+    largest_batch: int  # the largest batch_size that fits, 0 when one sequence does not
+    fixes: list  # --key=value settings that would make a run that does not fit fit, with why
+
+
+def fit(cfg, model_args, world_size, dtype, gpu_memory, planned):
+    """The Fit of planned (the Plan of cfg) on GPUs of gpu_memory bytes each."""
+    room = int(gpu_memory * GPU_HEADROOM)
+    largest = largest_batch(cfg, model_args, world_size, dtype, room)
+    fits = planned.total <= room
+    return Fit(room, fits, largest,
+               [] if fits else fixes(cfg, model_args, world_size, dtype, room, largest))
+
+
+def largest_batch(cfg, model_args, world_size, dtype, room):
+    """The largest batch_size whose plan fits in room bytes (0: not even 1). The peak grows
+    with the batch as the activations do, in proportion: the plans of 1 and 2 sequences place
+    it, and a plan at that batch size confirms it."""
+    def total(batch):
+        return plan(dataclasses.replace(cfg, batch_size=batch), model_args, world_size,
+                    dtype).total
+    one = total(1)
+    if one > room:
+        return 0
+    per_sequence = max(1, total(2) - one)
+    batch = 1 + (room - one) // per_sequence
+    while batch > 1 and (over := total(batch) - room) > 0:
+        batch -= max(1, math.ceil(over / per_sequence))
+    return batch
+
+
+def fixes(cfg, model_args, world_size, dtype, room, largest):
+    """What would fit, each a (settings, why) pair: each of LEANER that fits at the same
+    batch; a smaller micro-batch with more micro-steps, for the same global batch."""
+    found = []
+    for changes in LEANER:
+        if all(getattr(cfg, key) == value for key, value in changes.items()) or \
+                changes.get("parallel") == "fsdp" and world_size == 1:
+            continue  # what was planned, or the same on one rank
+        leaner = plan(dataclasses.replace(cfg, **changes), model_args, world_size, dtype)
+        if leaner.total <= room:
+            found.append((" ".join(f"--{key}={value}" for key, value in changes.items()),
+                          f"peak {size(leaner.total)} per rank"))
+    batch = same_global_batch(cfg, world_size, largest)
+    if batch:
+        found.append((f"--batch_size={batch} --gradient_accumulation_steps="
+                      f"{cfg.global_batch // batch}", "the same global batch"))
+    return found
+
+
+def same_global_batch(cfg, world_size, largest):
+    """The largest batch_size up to largest that keeps the global batch whole over the ranks'
+    micro-steps (0: none)."""
+    for batch in range(min(largest, cfg.batch_size - 1), 0, -1):
+        if cfg.global_batch % batch == 0 and (cfg.global_batch // batch) % world_size == 0:
+            return batch
+    return 0
+
+
+def size(n):
+    """Bytes as a reader takes them in: GiB, or MiB below one."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

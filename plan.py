@@ -1,0 +1,80 @@
+"""The memory plan of a training run, before it: per rank, the weights, gradients, optimizer
+state and activations at the peak of its first steps, and with a GPU's memory, whether it fits,
+the largest batch_size that does and which keys would make it fit.
+
+  python plan.py config/owt.py --world_size=8 --gpu_memory=40GiB
+  python plan.py config/owt.py --world_size=8 --parallel=fsdp --batch_size=32
+
+It takes train.py's settings (a config file and --key=value; `python plan.py --help` lists
+them) and three of its own: world_size, gpu_memory and json. Nothing is allocated: the steps
+run on fake tensors, counted by torch's memory tracker (ddpgpt/memplan.py says how, and what it
+leaves out). The model is the settings' (a resumed checkpoint's architecture is not read).
+"""
+import dataclasses
+import json
+import sys
+
+from ddpgpt import configurator, errors
+from ddpgpt.settings import PlanConfig, parse_memory
+
+
+def main(argv):
+    import torch
+
+    from ddpgpt import memplan, parallel, weights
+    cfg = configurator.parse(PlanConfig, argv, "plan.py")
+    gpu_memory = parse_memory(cfg.gpu_memory) if cfg.gpu_memory else \
+        local_gpu_memory(cfg, torch)
+    dtype = memplan.plan_dtype(cfg.dtype, gpu=cfg.device != "cpu" and bool(gpu_memory))
+    parallel.check(cfg, dtype)
+    train_cfg = dataclasses.replace(cfg, dtype=dtype)  # still a PlanConfig: plan() reads only
+    model_args = weights.model_args(train_cfg, None)   # train.py's keys
+    planned = memplan.plan(train_cfg, model_args, cfg.world_size, dtype)
+    fit = memplan.fit(train_cfg, model_args, cfg.world_size, dtype, gpu_memory, planned) \
+        if gpu_memory else None
+    if cfg.json:
+        print(json.dumps({"plan": {**planned._asdict(), "total": planned.total},
+                          "dtype": dtype, "gpu_memory": gpu_memory,
+                          "fit": fit._asdict() if fit else None}))
+    else:
+        print(describe(cfg, model_args, dtype, planned, gpu_memory, fit))
+    return 0
+
+
+def local_gpu_memory(cfg, torch):
+    """This machine's first GPU's memory, unless the run is on the CPU; 0 when none."""
+    if cfg.device == "cpu" or not torch.cuda.is_available():
+        return 0
+    return torch.cuda.get_device_properties(0).total_memory
+
+
+def describe(cfg, model_args, dtype, planned, gpu_memory, fit):
+    from ddpgpt.memplan import GPU_HEADROOM, size
+    ranks = f"{cfg.world_size} rank{'s' * (cfg.world_size > 1)}"
+    lines = [f"memory plan: {cfg.arch} {model_args['n_layer']} layers x {model_args['n_embd']}, "
+             f"parallel={cfg.parallel} on {ranks}, {cfg.optimizer}, {dtype}, micro-batch "
+             f"{cfg.batch_size} x {cfg.block_size} tokens",
+             "per rank, at the peak of the first two steps (torch's memory tracker, fake "
+             "tensors):"]
+    for name in ("weights", "gradients", "optimizer", "activations", "peak"):
+        label = "optimizer state" if name == "optimizer" else name
+        lines.append(f"  {label:<16}{size(getattr(planned, name)):>12}")
+    if planned.ddp_buckets:
+        lines.append(f"  + ddp's gradient buckets {size(planned.ddp_buckets)}: "
+                     f"{size(planned.total)}")
+    if fit is None:
+        lines.append("no GPU memory to compare with: give --gpu_memory=80GiB, say")
+        return "\n".join(lines)
+    verdict = "fits" if fit.fits else "does not fit"
+    lines.append(f"on a GPU of {size(gpu_memory)} ({size(fit.room)} usable, "
+                 f"{GPU_HEADROOM:.0%}): {verdict}; the largest batch_size that fits: "
+                 f"{fit.largest_batch or 'none'}")
+    lines += [f"  would fit: {keys} ({why})" for keys, why in fit.fixes]
+    if not fit.fits and not fit.fixes:
+        lines.append("  nothing planned here fits: more ranks with parallel=fsdp, or a "
+                     "smaller model")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(errors.run(main, "plan.py", sys.argv[1:]))

@@ -1,0 +1,77 @@
+"""plan.py, the memory plan, as a user runs it: its peak against the peak the same tracker
+measures in real runs of the same settings on the CPU (bench/memory_rank.py, under torchrun,
+gloo), and its refusal of a GPU memory that is not one."""
+import dataclasses
+import glob
+import json
+
+import pytest
+
+from bench.common import torchrun
+from conftest import fails, python, run
+
+SMALL = ["--n_layer=2", "--n_head=4", "--n_embd=64", "--block_size=64", "--batch_size=4",
+         "--vocab_size=512", "--gradient_accumulation_steps=4", "--device=cpu",
+         "--dtype=float32"]
+RUNS = [("ddp", 1, "adamw", "gpt2"), ("ddp", 2, "muon", "modern"), ("fsdp", 2, "adamw", "gpt2"),
+        ("fsdp", 2, "muon", "modern")]
+RTOL = 0.10  # the plan's peak against the measured one
+
+
+def settings(kind, optimizer, arch):
+    return [*SMALL, f"--parallel={kind}", f"--optimizer={optimizer}", f"--arch={arch}"]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory, session_env):
+    """{run: rank 0's measured Plan} of each of RUNS, on real tensors."""
+    root = tmp_path_factory.mktemp("measured")
+    found = {}
+    for kind, n, optimizer, arch in RUNS:
+        out = root / f"{kind}-{n}-{optimizer}"
+        run([*torchrun(n), "-m", "bench.memory_rank", str(out), *settings(kind, optimizer, arch)],
+            session_env)
+        with open(f"{out}.rank0.json") as f:
+            found[kind, n, optimizer, arch] = json.load(f)
+        assert len(glob.glob(f"{out}.rank*.json")) == n
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", RUNS, ids=["-".join(map(str, r)) for r in RUNS])
+def test_the_plans_peak_is_the_measured_one(run, measured, env):
+    kind, n, optimizer, arch = run
+    p = python("plan.py", *settings(kind, optimizer, arch), f"--world_size={n}", "--json",
+               env=env)
+    planned = json.loads(p.stdout)["plan"]
+    assert planned["total"] == pytest.approx(measured[run]["peak"], rel=RTOL)
+    assert planned["weights"] > 0 and planned["optimizer"] > 0 and planned["activations"] > 0
+
+
+@pytest.mark.slow
+def test_the_plan_says_what_fits(env):
+    p = python("plan.py", *settings("ddp", "adamw", "gpt2"), "--world_size=2",
+               "--gpu_memory=7MiB", env=env)
+    assert "does not fit; the largest batch_size that fits: 3" in p.stdout, p.stdout
+    assert "would fit: --parallel=fsdp" in p.stdout
+    assert "would fit: --batch_size=2 --gradient_accumulation_steps=8" in p.stdout
+
+
+@pytest.mark.parametrize("value", ["-5GiB", "0GB", "80XB", "lots", "80"])
+def test_a_gpu_memory_that_is_not_one_is_refused(value, env):
+    p = fails("plan.py", f"--gpu_memory={value}", env=env)
+    assert f"plan.py: error: gpu_memory={value!r} is not a memory size: give a number above " \
+           f"0 and a unit, e.g. --gpu_memory=80GiB" in p.stderr
+
+
+def test_train_py_gives_plan_py_its_settings_whole():
+    """On a GPU, train.py starts plan.py with every key of its settings (memcheck.start): they
+    must read back as the same settings (this part of the GPU path runs on a CPU)."""
+    from ddpgpt import configurator, memcheck
+    from ddpgpt.settings import PlanConfig, TrainConfig
+    cfg = TrainConfig(data_dir="data/elsewhere", arch="modern", rope_theta=5e5, optimizer="muon",
+                      parallel="fsdp", reduce_every_micro_step=True, backend="",
+                      out_dir="out dir/with 'quotes'", vocab_size=320, dropout=0.1)
+    back = configurator.parse(PlanConfig, memcheck.settings_args(cfg), "plan.py")
+    assert {f.name: getattr(back, f.name) for f in dataclasses.fields(cfg)} == \
+        dataclasses.asdict(cfg)
