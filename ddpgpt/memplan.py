@@ -44,7 +44,8 @@ GRADIENTS = {"Gradient", "Sharded Grad", "Unsharded Grad", "Reduce Scatter"}
 OPTIMIZER = {"Optstate", "OptState"}
 STEPS, MICRO_STEPS = 2, 2
 # settings that take less memory at the same batch, each planned when a run does not fit
-LEANER = ({"parallel": "fsdp"}, {"parallel": "fsdp", "reduce_every_micro_step": True})
+LEANER = ({"parallel": "fsdp"}, {"parallel": "fsdp", "reduce_every_micro_step": True},
+          {"activation_checkpointing": "selective"}, {"activation_checkpointing": "full"})
 
 
 class Plan(NamedTuple):

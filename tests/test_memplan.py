@@ -13,13 +13,16 @@ from conftest import fails, python, run
 SMALL = ["--n_layer=2", "--n_head=4", "--n_embd=64", "--block_size=64", "--batch_size=4",
          "--vocab_size=512", "--gradient_accumulation_steps=4", "--device=cpu",
          "--dtype=float32"]
-RUNS = [("ddp", 1, "adamw", "gpt2"), ("ddp", 2, "muon", "modern"), ("fsdp", 2, "adamw", "gpt2"),
-        ("fsdp", 2, "muon", "modern")]
+# (parallel, ranks, optimizer, arch, activation_checkpointing)
+RUNS = [("ddp", 1, "adamw", "gpt2", "none"), ("ddp", 2, "muon", "modern", "none"),
+        ("fsdp", 2, "adamw", "gpt2", "full"), ("fsdp", 2, "muon", "modern", "none"),
+        ("ddp", 1, "adamw", "modern", "selective")]
 RTOL = 0.10  # the plan's peak against the measured one
 
 
-def settings(kind, optimizer, arch):
-    return [*SMALL, f"--parallel={kind}", f"--optimizer={optimizer}", f"--arch={arch}"]
+def settings(kind, optimizer, arch, recompute="none"):
+    return [*SMALL, f"--parallel={kind}", f"--optimizer={optimizer}", f"--arch={arch}",
+            f"--activation_checkpointing={recompute}"]
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +30,12 @@ def measured(tmp_path_factory, session_env):
     """{run: rank 0's measured Plan} of each of RUNS, on real tensors."""
     root = tmp_path_factory.mktemp("measured")
     found = {}
-    for kind, n, optimizer, arch in RUNS:
-        out = root / f"{kind}-{n}-{optimizer}"
-        run([*torchrun(n), "-m", "bench.memory_rank", str(out), *settings(kind, optimizer, arch)],
-            session_env)
+    for kind, n, optimizer, arch, recompute in RUNS:
+        out = root / f"{kind}-{n}-{optimizer}-{arch}-{recompute}"
+        run([*torchrun(n), "-m", "bench.memory_rank", str(out),
+             *settings(kind, optimizer, arch, recompute)], session_env)
         with open(f"{out}.rank0.json") as f:
-            found[kind, n, optimizer, arch] = json.load(f)
+            found[kind, n, optimizer, arch, recompute] = json.load(f)
         assert len(glob.glob(f"{out}.rank*.json")) == n
     return found
 
@@ -40,9 +43,9 @@ def measured(tmp_path_factory, session_env):
 @pytest.mark.slow
 @pytest.mark.parametrize("run", RUNS, ids=["-".join(map(str, r)) for r in RUNS])
 def test_the_plans_peak_is_the_measured_one(run, measured, env):
-    kind, n, optimizer, arch = run
-    p = python("plan.py", *settings(kind, optimizer, arch), f"--world_size={n}", "--json",
-               env=env)
+    kind, n, optimizer, arch, recompute = run
+    p = python("plan.py", *settings(kind, optimizer, arch, recompute), f"--world_size={n}",
+               "--json", env=env)
     planned = json.loads(p.stdout)["plan"]
     assert planned["total"] == pytest.approx(measured[run]["peak"], rel=RTOL)
     assert planned["weights"] > 0 and planned["optimizer"] > 0 and planned["activations"] > 0
@@ -54,6 +57,7 @@ def test_the_plan_says_what_fits(env):
                "--gpu_memory=7MiB", env=env)
     assert "does not fit; the largest batch_size that fits: 3" in p.stdout, p.stdout
     assert "would fit: --parallel=fsdp" in p.stdout
+    assert "would fit: --activation_checkpointing=full" in p.stdout
     assert "would fit: --batch_size=2 --gradient_accumulation_steps=8" in p.stdout
 
 
