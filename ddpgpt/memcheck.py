@@ -91,7 +91,8 @@ def out_of_memory(check, cfg, world_size, error):
                          f"parallel={cfg.parallel}). {again}")
     planned, fit = found["plan"], found["fit"]
     fixes = "; ".join(f"{keys} ({why})" for keys, why in fit["fixes"]) or \
-        "none of fsdp or a smaller batch_size on these ranks: more ranks with parallel=fsdp"
+        "nothing planned on these ranks (fsdp, activation checkpointing, a smaller batch_size): " \
+        "more ranks with parallel=fsdp, or a smaller model"
     return UserError(
         f"out of memory in the first steps (torch: {first}). The plan of this run puts one "
         f"rank's peak at {size(planned['total'])} (weights {size(planned['weights'])}, "

@@ -4,8 +4,11 @@ gloo), and its refusal of a GPU memory that is not one."""
 import dataclasses
 import glob
 import json
+import os
+import sys
 
 import pytest
+import torch
 
 from bench.common import torchrun
 from conftest import fails, python, run
@@ -79,3 +82,25 @@ def test_train_py_gives_plan_py_its_settings_whole():
     back = configurator.parse(PlanConfig, memcheck.settings_args(cfg), "plan.py")
     assert {f.name: getattr(back, f.name) for f in dataclasses.fields(cfg)} == \
         dataclasses.asdict(cfg)
+
+
+def test_an_out_of_memory_error_at_the_first_steps_names_the_plan_and_what_would_fit(env):
+    """On a GPU, train.py turns an out-of-memory error in its first steps into one paragraph
+    with the plan that rank 0 started at start-up (memcheck.Check, a real plan.py process;
+    here of a CPU run's settings on a GPU of 7 MiB, which they do not fit)."""
+    from ddpgpt import configurator, memcheck
+    from ddpgpt.settings import TrainConfig
+    cfg = configurator.parse(TrainConfig, settings("ddp", "adamw", "gpt2"), "train.py")
+    check = memcheck.Check([sys.executable, os.path.join(memcheck.ROOT, "plan.py"),
+                            *memcheck.settings_args(cfg), "--world_size=2", "--gpu_memory=7MiB",
+                            "--json"], env)
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.\nmore")
+    message = str(memcheck.out_of_memory(check, cfg, 2, error))
+    assert message.startswith("out of memory in the first steps (torch: CUDA out of memory. "
+                              "Tried to allocate 2.00 MiB.). The plan of this run puts one "
+                              "rank's peak at 6.7 MiB (weights 0.5 MiB"), message
+    assert "against 6.3 MiB usable on this GPU; the largest batch_size that fits: 3. " \
+           "What would fit: --parallel=fsdp (peak 5.8 MiB per rank);" in message
+    assert "--activation_checkpointing=full (peak 4.8 MiB per rank)" in message
+    assert message.endswith("python plan.py <your config and keys> --world_size=2 tries "
+                            "others before a run.")
