@@ -1,6 +1,6 @@
 """activation_checkpointing under torchrun (gloo, CPU), as a user runs it: full and selective
 train with the losses of none bit for bit in float32, with dropout (the recompute must draw its
-masks again), under ddp and fsdp, and a run resumes exactly under another mode than the one
+masks again) and without, under ddp and fsdp, and a run resumes exactly under another mode than the one
 that saved its checkpoint."""
 import os
 import shutil
@@ -13,8 +13,10 @@ from ddpgpt.errors import UserError
 from ddpgpt.settings import TrainConfig
 
 MODES = ("none", "full", "selective")
-# each parallel once, with dropout; the architecture alternates so that both are trained
-CASES = {"ddp-dropout": ("ddp", 0.1, "gpt2"), "fsdp-dropout": ("fsdp", 0.1, "modern")}
+# each parallel with dropout, and one without; the architecture alternates so that both are
+# trained
+CASES = {"ddp-dropout": ("ddp", 0.1, "gpt2"), "fsdp-dropout": ("fsdp", 0.1, "modern"),
+         "ddp": ("ddp", 0.0, "modern")}
 STEPS = 4  # saving at STEPS // 2 and STEPS
 
 
