@@ -39,6 +39,7 @@ TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_
 TWO_RANKS = ["--backend=gloo", "--gradient_accumulation_steps=4"]  # 2 micro-steps per rank
 UNEVEN_EVALUATION = ["--eval_iters=3"]  # for 2 ranks: one has a batch fewer
 RECIPE = ["--arch=modern", "--optimizer=muon"]  # the same FLOPs per token as GPT-2's
+SELECTIVE = ["--activation_checkpointing=selective"]
 # What each mode runs: train.py's arguments for GPT-2 124M ("main") and for the 2-rank run
 # (a small model, as gloo carries every gradient through host memory); the steps, the
 # checkpoint the resume starts from, the first steps not counted (start-up, compilation); the
@@ -61,7 +62,8 @@ MIN_START_S = 20  # a command is not started with less of the budget left
 LOSS_RTOL = 1e-3  # a resumed step's loss against the uninterrupted run's
 MFU_TARGET, CEILING_TARGET, RECIPE_TARGET = 0.45, 0.03, 0.10
 CHECKS = ["versions", "train.py", "minimal loop", "recompiles", "checkpoint and resume",
-          "sample.py", "2 ranks", "fsdp, 2 ranks", "modern + muon"]
+          "sample.py", "2 ranks", "fsdp, 2 ranks", "modern + muon",
+          "fsdp + muon + selective, 2 ranks"]
 LOOPS = ("train.py", "minimal loop", "modern + muon")  # the speed table's rows
 RECOMPILE = re.compile(r"\[__recompiles\] Recompiling function")
 GRAPH_BREAK = re.compile(r"\[__graph_breaks\] Graph break")  # not the "Graph Break Reason" lines
@@ -353,15 +355,14 @@ def agents(args, port):
                           f"b=$?; exit $((a > b ? a : b))"]
 
 
-def two_ranks(s, parallel="ddp"):
-    """2 ranks of train.py on the one GPU; under fsdp the run must also leave its sharded
-    checkpoint, a part per rank. An evaluation midway, of 3 batches over the 2 ranks, must not
-    recompile the model: its forwards are of the training's batch size."""
-    spec, name = s.spec, "2 ranks" if parallel == "ddp" else f"{parallel}, 2 ranks"
-    out = s.out("ranks" if parallel == "ddp" else parallel)
+def two_ranks(s, parallel="ddp", name="2 ranks", folder="ranks", extra=()):
+    """2 ranks of train.py on the one GPU, with the `extra` keys; under fsdp the run must also
+    leave its sharded checkpoint, a part per rank. An evaluation midway, of 3 batches over the
+    2 ranks, must not recompile the model: its forwards are of the training's batch size."""
+    spec, out = s.spec, s.out(folder)
     args = train_args(spec["ranks"], s.bytes, out, spec["rank_steps"], spec["rank_steps"] // 2)
-    finished = launch(s, name, agents([*args, f"--parallel={parallel}", *UNEVEN_EVALUATION],
-                                      free_port()), spec["caps"]["ranks"])
+    finished = launch(s, name, agents([*args, f"--parallel={parallel}", *extra,
+                                       *UNEVEN_EVALUATION], free_port()), spec["caps"]["ranks"])
     s.runs[name] = finished
     if not succeeded(finished):
         return failed_row(name, finished)
@@ -375,7 +376,8 @@ def two_ranks(s, parallel="ddp"):
         folder = checkpoint.path_for(out, spec["rank_steps"], folder=True)
         passed = passed and sorted(os.listdir(folder))[:3] == [".metadata", "__0_0.distcp",
                                                                "__1_0.distcp"]
-    return check_row(name, passed, f"world size 2 on {spec['device']}, gloo, {parallel}: "
+    return check_row(name, passed, f"world size 2 on {spec['device']}, gloo, "
+                     f"{' '.join([f'--parallel={parallel}', *extra])}: "
                      f"{len(steps)} steps, {report.FORMAT.format('{:,.1f}', ms)} ms/step after "
                      f"the first; {first} recompile(s) by the first step, {after} after "
                      f"(an evaluation of uneven batches midway), "
@@ -451,7 +453,11 @@ def run(small, device, workdir):
     order = [("versions", versions), ("train.py", fresh_run), ("minimal loop", minimal_loop),
              ("checkpoint and resume", resume), ("recompiles", recompiles),
              ("2 ranks", two_ranks), ("sample.py", sample),
-             ("fsdp, 2 ranks", lambda s: two_ranks(s, "fsdp")), ("modern + muon", modern_muon)]
+             ("fsdp, 2 ranks", lambda s: two_ranks(s, "fsdp", "fsdp, 2 ranks", "fsdp")),
+             ("modern + muon", modern_muon),
+             ("fsdp + muon + selective, 2 ranks",
+              lambda s: two_ranks(s, "fsdp", "fsdp + muon + selective, 2 ranks", "fsdp-muon",
+                                  [*RECIPE, *SELECTIVE]))]
     rows = {}
     for i, (name, check) in enumerate(order, 1):
         rows[name] = guarded(check, name, s)
@@ -481,7 +487,8 @@ def settings(mode, spec, cfg):
                 *(f"TORCH_LOGS={TORCH_LOGS} torchrun --nnodes=2 --nproc_per_node=1 "
                   f"--node_rank={n} --master_addr=127.0.0.1 --master_port=<port> train.py "
                   f"{' '.join(ranks)}{' &' if n else ''}" for n in (1, 0)),
-                "   # and the same two with --parallel=fsdp --out_dir=<fsdp>",
+                "   # and the same two with --parallel=fsdp --out_dir=<fsdp>, and with "
+                f"--parallel=fsdp {' '.join([*RECIPE, *SELECTIVE])} --out_dir=<fsdp-muon>",
                 f"python sample.py --out_dir=<ranks> --device={spec['device']} --num_samples=2 "
                 f"--max_new_tokens={spec['new_tokens']} --start='def '",
                 f"TORCH_LOGS={TORCH_LOGS} python train.py {' '.join(recipe)}"]
