@@ -28,6 +28,7 @@ sys.path.insert(0, ROOT)  # run as a script, tests/ is on sys.path, not the chec
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 from ddpgpt import tokenfile
+from ddpgpt.settings import TrainConfig
 from ddpgpt.weights import model_args
 from bench.datapath_rank import BATCH, BLOCK, EveryOffset
 from lightning_datamodule import BlockDataModule, GPTModule, LightningConfig
@@ -72,7 +73,7 @@ class TimedSeed(Timed, SeedData):
 
 class FirstBatch(GPTModule):
     def __init__(self, args, record):
-        super().__init__(args, learning_rate=1e-3, out_dir=None)
+        super().__init__(args, TrainConfig(learning_rate=1e-3), out_dir=None)
         self.record = record
 
     def on_train_start(self):
