@@ -29,6 +29,7 @@ import torch
 
 from ddpgpt.errors import UserError
 from ddpgpt.muon import DistributedMuon, ns_dtype
+from ddpgpt.settings import cooldown_start
 
 log = logging.getLogger(__name__)
 
@@ -225,12 +226,6 @@ def note_an_unfinished_decay(cfg):
                  f"{cfg.lr_decay_iters}: the last step's learning rate is "
                  f"{lr_at(cfg, cfg.max_iters - 1):.3g}, not min_lr={cfg.min_lr:g}; to decay to "
                  f"min_lr by the end, set --lr_decay_iters={cfg.max_iters}")
-
-
-def cooldown_start(cfg):
-    """wsd: the iter where the cooldown begins, the last cooldown_frac of max_iters (a step
-    at least)."""
-    return cfg.max_iters - max(1, round(cfg.max_iters * cfg.cooldown_frac))
 
 
 def check_extension(before, cfg, it, out_dir):

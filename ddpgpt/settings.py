@@ -15,9 +15,6 @@ from ddpgpt import configurator
 from ddpgpt.configurator import key
 from ddpgpt.errors import UserError
 
-# optim.py imports torch, 3 s of start-up that prepare.py and index_documents.py do without:
-# the checks that need it import it
-
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Backend = Literal["", "nccl", "gloo"]
 Sampling = Literal["epoch", "random", "documents"]
@@ -65,6 +62,12 @@ def check_only_for(cfg, name, key, wanted):
     if actual != wanted and value != default:
         raise UserError(f"{name}={value!r} is a setting of {key}={wanted!r}, and this run is "
                         f"{key}={actual!r}: add --{key}={wanted}, or leave {name} out.")
+
+
+def cooldown_start(cfg):
+    """wsd: the iter where the cooldown begins, the last cooldown_frac of max_iters (a step
+    at least)."""
+    return cfg.max_iters - max(1, round(cfg.max_iters * cfg.cooldown_frac))
 
 
 def check_init_from(init_from, keywords):
@@ -207,10 +210,9 @@ class TrainConfig:
                                  "memory for their copy")
 
     def __post_init__(self):
-        from ddpgpt import optim
         configurator.check(self)
         check_init_from(self.init_from, INIT_FROM)
-        cooldown = optim.cooldown_start(self)
+        cooldown = cooldown_start(self)
         if self.decay_lr and self.lr_schedule == "wsd" and self.max_iters and \
                 not self.eval_only and self.warmup_iters > cooldown:
             raise UserError(
