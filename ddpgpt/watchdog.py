@@ -33,7 +33,9 @@ import time
 import traceback
 from collections import deque
 
-from ddpgpt import data, fileio, lock
+from ddpgpt import fileio, lock
+
+READER = "batches"  # data.rank_batches' reader thread's name, by which where_now finds it
 
 EXIT_CODE = 124  # as coreutils' timeout: the run timed out
 WARMUP_STEPS = 5  # compiling, allocator and autotuning make the first steps slow
@@ -291,7 +293,7 @@ def where_now(watchdog_ident, world_size):
     names = {t.ident: t.name for t in threading.enumerate()}
     readers = [" -> ".join(filter(None, place(f))) for ident, f in frames.items()
                if ident not in (main, watchdog_ident) and
-               names.get(ident, "").startswith(data.READER)]
+               names.get(ident, "").startswith(READER)]
     return "data.rank_batches, waiting for its next batch" + "".join(
         f" (reader thread in {r})" for r in readers)
 
