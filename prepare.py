@@ -34,12 +34,12 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from ddpgpt import (configurator, corpus, docindex, errors, fileio, hftokenizer, lock, logs,
-                    permutation, signals, tokenfile, workers)
+from ddpgpt import (configurator, corpus, docindex, errors, fileio, lock, logs, permutation,
+                    signals, tokenfile, workers)
 from ddpgpt.errors import UserError
 from ddpgpt.settings import PrepareConfig
 from ddpgpt.signals import Interrupted
-from ddpgpt.tokenizer import GPT2_NAMES, get_tokenizer
+from ddpgpt.tokenizer import GPT2_NAMES, get_tokenizer, no_end_of_document
 
 CHUNK_CHARS = 1 << 20  # text sent to a worker at a time: big enough to amortise the pickling
 
@@ -336,7 +336,7 @@ def prepare(cfg):
     counts are None when out_dir already held its output."""
     tokenizer = get_tokenizer(cfg.tokenizer)
     if tokenizer.eot is None:  # a Hugging Face tokenizer's: the others by name have one
-        raise UserError(hftokenizer.no_end_of_document(cfg.tokenizer))
+        raise UserError(no_end_of_document(cfg.tokenizer))
     if cfg.format == "llmc" and tokenizer.name not in GPT2_NAMES:
         # llm.c's header names no tokenizer: its magic says uint16 GPT-2 ids
         raise UserError(f"--format=llmc writes llm.c's GPT-2 shards, whose header (magic "

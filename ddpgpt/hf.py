@@ -30,7 +30,7 @@ import torch
 from ddpgpt.errors import UserError
 from ddpgpt.model import RMS_EPS, swiglu_hidden
 from ddpgpt.settings import FOLDER_HINT, NAMES
-from ddpgpt.tokenizer import GPT2_NAMES, get_tokenizer
+from ddpgpt.tokenizer import GPT2_NAMES, byte_level_alphabet, get_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -335,15 +335,6 @@ def save_tokenizer(tok, folder, max_length):
     return True
 
 
-def byte_level_alphabet():
-    """{byte: its character}: GPT-2's byte-level stand-ins (bytes_to_unicode in OpenAI's
-    encoder.py), which the tokenizers library's ByteLevel pre-tokenizer and decoder use: the
-    printable bytes stand for themselves, the others for the characters from U+0100 on."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable},
-            **{b: chr(256 + n) for n, b in enumerate(others)}}
 
 
 def save_byte_tokenizer(folder, tok, max_length):
@@ -365,7 +356,7 @@ def folder_tokenizer(folder):
     """The tokenizer.py name of the tokenizer a folder's weights read, from its tokenizer.json:
     'byte' for the byte tokenizer's (export.py's of a byte-level model); None for GPT-2's, or
     where there is none, which read GPT-2's tokens (tiktoken's 'gpt2', the same ids); the
-    folder itself for any other, loaded as a Hugging Face tokenizer (hftokenizer.py): the
+    folder itself for any other, loaded as a Hugging Face tokenizer (tokenizer.py): the
     weights were trained on its ids, as export.py's of data a Hugging Face tokenizer prepared
     were."""
     path = os.path.join(folder, "tokenizer.json")
