@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import ROOT, TINY, evals, fails, metrics, python, steps, torchrun
+from conftest import ROOT, TINY, evals, fails, metrics, python, run, steps, torchrun
 from ddpgpt import checkpoint
 from ddpgpt.runtime import Ranks
 from bench.common import torchrun as torchrun_command, kill_tree
@@ -86,17 +86,18 @@ def test_fsdp_trains_as_ddp_and_writes_each_ranks_part(runs, corpus, tmp_path, e
 
 
 @pytest.mark.slow
-def test_fsdp_resumes_bit_for_bit_after_a_rank_is_killed(corpus, tmp_path, env):
-    args = ["--parallel=fsdp", "--max_iters=60", "--eval_interval=20", "--log_interval=100",
-            "--init_from=auto"]
-    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
-    torchrun(2, "train.py", *train_args(corpus, whole, *args), env=env)
-    out = killing_rank_1(os.path.join(ROOT, "train.py"), train_args(corpus, killed, *args), env,
-                         lambda: any(r.get("iter", -1) >= 45 for r in rows_of(killed)),
-                         tmp_path / "log")
-    assert f"resuming from {checkpoint.path_for(killed, 40, folder=True)} (iter 40)" in out
-    same = python("compare_runs.py", whole, killed, "--losses", env=env, check=False)
-    assert same.returncode == 0 and "over 60 steps" in same.stdout, same.stdout
+def test_fsdp_resumes_bit_for_bit_after_a_rank_is_killed(runs, corpus, tmp_path, env):
+    """The run of runs['fsdp'] again, rank 1 killed once its checkpoint at 10 is written (the
+    restart resumes from it): the same 20 steps, loss for loss."""
+    killed = str(tmp_path / "killed")
+    out = killing_rank_1(
+        os.path.join(ROOT, "train.py"),
+        train_args(corpus, killed, "--parallel=fsdp", "--log_interval=100", "--init_from=auto"),
+        env, lambda: checkpoint.list_checkpoints(killed) and
+        any(r.get("iter", -1) >= 11 for r in rows_of(killed)), tmp_path / "log")
+    assert f"resuming from {checkpoint.path_for(killed, 10, folder=True)} (iter 10)" in out
+    same = python("compare_runs.py", runs["fsdp"], killed, "--losses", env=env, check=False)
+    assert same.returncode == 0 and "over 20 steps" in same.stdout, same.stdout
 
 
 def killing_rank_1(script, args, env, ready, log_path):
@@ -197,14 +198,14 @@ def test_a_run_killed_while_a_save_is_in_flight_resumes_from_the_one_before(
         runs, kind, nproc, corpus, tmp_path, env):
     """Each save takes 10 s more to publish (a slow file system), in the background: the run
     trains on meanwhile. Killed while the save at iter 10 is in flight, it resumes from the one
-    before and repeats the uninterrupted run."""
+    before and repeats the uninterrupted run (on 2 ranks, runs['fsdp']: the evaluations, every
+    5 steps here, change no step)."""
     out = str(tmp_path / "out")
-    args = train_args(corpus, out, f"--parallel={kind}", "--eval_interval=5",
-                      "--max_iters=30")
+    args = train_args(corpus, out, f"--parallel={kind}", "--eval_interval=5")
+    launch = torchrun_command(nproc) if nproc > 1 else [sys.executable]
     with open(tmp_path / "log", "w+") as log:
         proc = subprocess.Popen(
-            [*(torchrun_command(nproc) if nproc > 1 else [sys.executable]),
-             os.path.join(ROOT, "tests", "launch_slow_save.py"), *args], cwd=ROOT,
+            [*launch, os.path.join(ROOT, "tests", "launch_slow_save.py"), *args], cwd=ROOT,
             env=dict(env, SLOW_SAVE_S="10"), stdout=log, stderr=subprocess.STDOUT)
         try:
             # the save at 5 is published while the run goes on; the one at 10 is in flight
@@ -217,12 +218,16 @@ def test_a_run_killed_while_a_save_is_in_flight_resumes_from_the_one_before(
     assert in_flight, "the save at 10 was not in flight when the run was killed"
     assert checkpoint.list_checkpoints(out) == [
         checkpoint.path_for(out, 5, folder=kind == "fsdp")]
-    p = torchrun(nproc, "train.py", *args, "--init_from=resume", env=env)
+    p = run([*launch, os.path.join(ROOT, "train.py"), *args, "--init_from=resume"], env)
     assert "resuming from " + checkpoint.path_for(out, 5, folder=kind == "fsdp") in p.stdout
     assert not glob.glob(os.path.join(out, "*tmp"))  # what the killed save left is gone
-    whole = tmp_path / "whole"
-    torchrun(nproc, "train.py", *train_args(corpus, whole, f"--parallel={kind}",
-                                            "--eval_interval=5", "--max_iters=30"), env=env)
+    if kind == "fsdp":
+        whole = runs["fsdp"]
+    else:
+        whole = tmp_path / "whole"
+        python("train.py", *train_args(corpus, whole, f"--parallel={kind}",
+                                       "--eval_interval=5"), env=env)
+    assert sorted(steps(out)) == list(range(20))
     assert relative_difference(whole, out) == 0
 
 

@@ -44,12 +44,37 @@ def wait_for_step(out_dir, step, proc, timeout=120):
     raise AssertionError(f"step {step} never came")
 
 
+def first_steps(run, k, out, *more):
+    """out as a run with run's settings leaves it when stopped at iter k: a copy of run's
+    checkpoint at k (and at each iter of more) and the rows run wrote before iter k."""
+    os.makedirs(out)
+    for i in (k, *more):
+        shutil.copy(checkpoint.path_for(run, i), out)
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        rows = [line for line in f if json.loads(line)["iter"] < k]
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.writelines(rows)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory, session_env, corpus):
+    """10 steps on 1 rank from scratch, saving at every step and keeping all: the run whose
+    first steps the tests below that resume on 1 rank take a copy of (first_steps), instead of
+    training them again. The evaluations in between change no step."""
+    out = str(tmp_path_factory.mktemp("one_rank") / "out")
+    python("train.py", *train_args(corpus, out, "--max_iters=10", "--eval_interval=1",
+                                   "--keep_checkpoints=10"), env=session_env)
+    return out
+
+
 RESIZED = ["--gradient_accumulation_steps=2", "--eval_interval=4"]
 
 
 @pytest.fixture(scope="module")
 def whole_on_two_ranks(tmp_path_factory, session_env, corpus):
-    """8 steps on 2 ranks, uninterrupted: what a run resumed on another world size repeats."""
+    """8 steps on 2 ranks, uninterrupted: what a run resumed on another world size repeats,
+    and whose checkpoint at 4 is what a first half on 2 ranks saves."""
     whole = str(tmp_path_factory.mktemp("whole") / "out")
     torchrun(2, "train.py", *train_args(corpus, whole, *RESIZED, "--max_iters=8"),
              env=session_env)
@@ -61,7 +86,11 @@ def whole_on_two_ranks(tmp_path_factory, session_env, corpus):
 def test_resume_on_another_world_size_reads_the_same_batches(env, corpus, tmp_path, first, then,
                                                              whole_on_two_ranks):
     args, whole, resized = RESIZED, whole_on_two_ranks, str(tmp_path / "resized")
-    torchrun(first, "train.py", *train_args(corpus, resized, *args, "--max_iters=4"), env=env)
+    if first == 2:  # the whole run's first 4 steps: the same settings, on 2 ranks
+        first_steps(whole, 4, resized)
+    else:
+        torchrun(first, "train.py", *train_args(corpus, resized, *args, "--max_iters=4"),
+                 env=env)
     torchrun(then, "train.py", *train_args(corpus, resized, *args, "--max_iters=8",
                                            "--init_from=resume"), env=env)
     same = compare(env, whole, resized)
@@ -72,10 +101,9 @@ def test_resume_on_another_world_size_reads_the_same_batches(env, corpus, tmp_pa
 
 
 @pytest.mark.slow
-def test_compare_runs_names_the_first_step_that_differs(env, corpus, tmp_path):
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    python("train.py", *train_args(corpus, a, "--max_iters=4", "--eval_interval=4"), env=env)
-    python("train.py", *train_args(corpus, b, "--max_iters=2", "--eval_interval=2"), env=env)
+def test_compare_runs_names_the_first_step_that_differs(env, corpus, tmp_path, one_rank):
+    """b is one_rank (a) stopped at 2 and resumed with another seed."""
+    a, b = one_rank, first_steps(one_rank, 2, tmp_path / "b")
     python("train.py", *train_args(corpus, b, "--max_iters=4", "--eval_interval=4",
                                    "--init_from=resume", "--seed=5"), env=env)
     diff = compare(env, a, b)
@@ -105,11 +133,11 @@ def test_compare_runs_counts_nan_losses_as_equal_and_leaves_out_a_cut_off_line(e
 
 @pytest.mark.slow
 def test_a_resume_after_a_kill_mid_row_starts_its_rows_on_a_line_of_their_own(env, corpus,
-                                                                               tmp_path):
+                                                                               tmp_path,
+                                                                               one_rank):
     """The resumed run's start row was written onto the cut-off line: the file was no longer
     JSON lines, and compare_runs.py and plot.py refused it from then on."""
-    out = str(tmp_path / "out")
-    python("train.py", *train_args(corpus, out, "--max_iters=2"), env=env)
+    out = first_steps(one_rank, 2, tmp_path / "out")
     with open(f"{out}/metrics.jsonl", "a") as f:
         f.write('{"iter": 2, "loss": 4.9, "batch_')  # killed mid-write
     p = python("train.py", *train_args(corpus, out, "--max_iters=3", "--init_from=resume"),
@@ -151,9 +179,8 @@ def test_a_writer_killed_mid_checkpoint_leaves_the_previous_one_loadable(tmp_pat
 
 @pytest.mark.slow
 def test_a_truncated_newest_checkpoint_is_reported_and_the_previous_one_used(
-        env, corpus, tmp_path):
-    out = str(tmp_path / "out")
-    python("train.py", *train_args(corpus, out, "--max_iters=4", "--eval_interval=2"), env=env)
+        env, corpus, tmp_path, one_rank):
+    out = first_steps(one_rank, 4, tmp_path / "out", 2)  # saved at 2 and 4
     newest = checkpoint.path_for(out, 4)
     os.truncate(newest, os.path.getsize(newest) // 2)
     p = python("train.py", *train_args(corpus, out, "--max_iters=6", "--eval_interval=2",
@@ -163,12 +190,12 @@ def test_a_truncated_newest_checkpoint_is_reported_and_the_previous_one_used(
 
 
 @pytest.mark.slow
-def test_keeping_few_checkpoints_never_keeps_a_damaged_one_over_the_good(env, corpus, tmp_path):
+def test_keeping_few_checkpoints_never_keeps_a_damaged_one_over_the_good(env, corpus, tmp_path,
+                                                                        one_rank):
     """ckpt 6 and 8, a damaged 10: a resume with keep_checkpoints=1 loads 8 and saves 9, which
     it keeps, with 10 left as it is (was: 10 kept by its number, 9 and 8 deleted: nothing
     loaded any more)."""
-    out = str(tmp_path / "out")
-    python("train.py", *train_args(corpus, out, "--max_iters=10", "--eval_interval=2"), env=env)
+    out = first_steps(one_rank, 10, tmp_path / "out", 6, 8)  # a run of 10 that kept 3
     damaged = checkpoint.path_for(out, 10)
     os.truncate(damaged, os.path.getsize(damaged) // 2)
     p = python("train.py", *train_args(corpus, out, "--max_iters=9", "--eval_interval=2",
@@ -377,12 +404,11 @@ def test_a_second_ctrl_c_stops_at_once(env, corpus, tmp_path):
 
 
 @pytest.mark.slow
-def test_resuming_on_other_data_is_refused_unless_allowed(env, corpus, tmp_path):
-    out = str(tmp_path / "out")
+def test_resuming_on_other_data_is_refused_unless_allowed(env, corpus, tmp_path, one_rank):
+    out = first_steps(one_rank, 2, tmp_path / "out")
     other = tmp_path / "other"
     write_token_files(str(other), {s: np.arange(5000) % 250 for s in tokenfile.SPLITS},
                                 tokenizer="byte", vocab_size=257, eot_token=256)
-    python("train.py", *train_args(corpus, out, "--max_iters=2", "--eval_interval=2"), env=env)
     again = [*train_args(corpus, out, "--max_iters=4", "--eval_interval=2",
                          "--init_from=resume"), f"--data_dir={other}"]
     err = fails("train.py", *again, env=env).stderr
@@ -412,9 +438,9 @@ def test_a_token_file_truncated_during_the_run_is_a_clear_error(env, corpus, tmp
 
 
 @pytest.mark.slow
-def test_a_nan_loss_stops_without_touching_the_last_good_checkpoint(env, corpus, tmp_path):
-    out = str(tmp_path / "out")
-    python("train.py", *train_args(corpus, out, "--max_iters=3", "--eval_interval=3"), env=env)
+def test_a_nan_loss_stops_without_touching_the_last_good_checkpoint(env, corpus, tmp_path,
+                                                                    one_rank):
+    out = first_steps(one_rank, 3, tmp_path / "out")
     good = sha(checkpoint.path_for(out, 3))
     explode = ["--learning_rate=1e9", "--grad_clip=0", "--decay_lr=False", "--max_iters=9",
                "--eval_interval=3", "--init_from=resume"]

@@ -18,7 +18,11 @@ from ddpgpt import checkpoint, peers
 from conftest import ROOT, TINY, metrics, python, torchrun
 from test_reliability import wait_for_step
 
-MAX_ITERS = 300
+# the restarts in a row of the test below; DDPGPT_TEST_RESTARTS=20 for the long loop
+RESTARTS = int(os.environ.get("DDPGPT_TEST_RESTARTS", "3"))
+# 60 steps, then 30 for each of those restarts (150 with 3): the runs' steps are much of their
+# cost
+MAX_ITERS = 60 + 30 * RESTARTS
 # eval_interval 50: a checkpoint every 50 steps, so that every restart redoes some steps
 ARGS = [*TINY, "--gradient_accumulation_steps=2", f"--max_iters={MAX_ITERS}",
         "--eval_interval=50", "--log_interval=100", "--init_from=auto",
@@ -74,10 +78,6 @@ def assert_same_run(env, reference, restarted, log, restarts):
     assert "Traceback" not in log, log
     same = python("compare_runs.py", reference, restarted, "--losses", env=env, check=False)
     assert same.returncode == 0 and f"over {MAX_ITERS} steps" in same.stdout, same.stdout
-
-
-# the restarts in a row of the test below; DDPGPT_TEST_RESTARTS=20 for the long loop
-RESTARTS = int(os.environ.get("DDPGPT_TEST_RESTARTS", "3"))
 
 
 @pytest.mark.slow
@@ -184,7 +184,7 @@ def test_two_agents_as_two_nodes_restart_after_a_kill_on_either(env, corpus, uni
                  *train_args(corpus, out, *ARGS)],
                 cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT))
     try:
-        kill_at_steps(out, [(80, 1, signal.SIGKILL), (180, 0, signal.SIGKILL)], procs)
+        kill_at_steps(out, [(60, 1, signal.SIGKILL), (110, 0, signal.SIGKILL)], procs)
         for p, log in zip(procs, logs):
             assert p.wait(timeout=240) == 0, log.read_text()
     finally:

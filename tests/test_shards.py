@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ddpgpt import data, tokenfile
+from ddpgpt import checkpoint, data, tokenfile
 from conftest import (ROOT, TINY, decoded, fails, global_batches, python, read_with_ranks, steps,
                       torchrun)
 
@@ -55,9 +55,17 @@ def test_llmc_shards_train_the_same_global_batches_on_any_world_size_and_resume_
     p = python("train.py", *args, f"--out_dir={one}", "--max_iters=6", env=env)
     assert "vocab_size = 50304" in p.stdout  # GPT-2's, from the llm.c header's magic
     torchrun(2, "train.py", *args, f"--out_dir={two}", "--max_iters=6", env=env)
-    torchrun(2, "train.py", *args, f"--out_dir={halves}", "--max_iters=3", env=env)
-    torchrun(2, "train.py", *args, f"--out_dir={halves}", "--max_iters=6",
-             "--init_from=resume", env=env)
+    # the first half, on 2 ranks, is two's first 3 steps: its checkpoint at 3 and its rows
+    # before, copied, and resumed
+    os.makedirs(halves)
+    shutil.copy(checkpoint.path_for(two, 3), halves)
+    with open(os.path.join(two, "metrics.jsonl")) as f:
+        rows = [line for line in f if json.loads(line)["iter"] < 3]
+    with open(os.path.join(halves, "metrics.jsonl"), "w") as f:
+        f.writelines(rows)
+    p = torchrun(2, "train.py", *args, f"--out_dir={halves}", "--max_iters=6",
+                 "--init_from=resume", env=env)
+    assert f"resuming from {checkpoint.path_for(halves, 3)} (iter 3)" in p.stdout
     a, b, c = steps(one), steps(two), steps(halves)
     assert sorted(a) == sorted(b) == sorted(c) == list(range(6))
     assert [a[i]["batch_fp"] for i in range(6)] == [b[i]["batch_fp"] for i in range(6)]
@@ -170,19 +178,27 @@ def read_all(folder):
     return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder))}
 
 
+@pytest.fixture(scope="module")
+def whole_prepare(tmp_path_factory, session_env):
+    """12,000 documents, and their sharded prepare never stopped: (the corpus, its output)."""
+    root = tmp_path_factory.mktemp("whole_prepare")
+    write_corpus(root / "docs.jsonl", 12_000)
+    prepare_shards(session_env, root / "docs.jsonl", root / "whole", "--shard_tokens=100000")
+    return root / "docs.jsonl", root / "whole"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_a_stopped_sharded_prepare_resumes_and_writes_the_same_bytes(stop, env, tmp_path,
-                                                                    monkeypatch):
+                                                                    monkeypatch, whole_prepare):
     """Killed, it leaves its lock and temporary files, which the next run takes over and
     removes; stopped (kill's SIGTERM), it removes them itself and says what it kept."""
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", env["TIKTOKEN_CACHE_DIR"])  # to decode here
-    write_corpus(tmp_path / "docs.jsonl", 12_000)
+    docs_jsonl, whole = whole_prepare
     shard = ["--shard_tokens=100000"]
-    prepare_shards(env, tmp_path / "docs.jsonl", tmp_path / "whole", *shard)
     out = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "prepare.py"),
-                             f"--dataset={tmp_path / 'docs.jsonl'}", f"--out_dir={out}",
+                             f"--dataset={docs_jsonl}", f"--out_dir={out}",
                              "--tokenizer=gpt2", "--val_fraction=0.01", "--num_proc=1",
                              *shard], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
@@ -203,10 +219,10 @@ def test_a_stopped_sharded_prepare_resumes_and_writes_the_same_bytes(stop, env, 
             f"kept: the same command resumes after them."), stderr
         assert sorted(f for f in os.listdir(out) if not f.endswith(".bin")) == \
             ["prepare.progress.json"]
-    p = prepare_shards(env, tmp_path / "docs.jsonl", out, *shard)
+    p = prepare_shards(env, docs_jsonl, out, *shard)
     assert "resuming an interrupted run" in p.stdout
     assert ("taking over the lock on" in p.stdout) == (stop == signal.SIGKILL), p.stdout
-    assert read_all(out) == read_all(tmp_path / "whole")  # no temporary file or lock left
+    assert read_all(out) == read_all(whole)  # no temporary file or lock left
     meta = json.loads((out / tokenfile.META_NAME).read_text())
     assert len(meta["splits"]["train"]["shards"]) > 3
     docs = decoded_shards(out)
@@ -359,15 +375,22 @@ def test_bad_llmc_shards_are_named(case, named, env, llmc_data, tmp_path):
     assert all(n in err for n in named), err
 
 
-@pytest.fixture
-def byte_shards(env, tmp_path):
+@pytest.fixture(scope="module")
+def prepared_byte_shards(tmp_path_factory, session_env):
     """A small corpus prepared with the byte tokenizer as shards of about 20,000 tokens."""
-    write_corpus(tmp_path / "docs.jsonl", 300)
-    out = tmp_path / "shards"
-    python("prepare.py", f"--dataset={tmp_path / 'docs.jsonl'}", f"--out_dir={out}",
+    root = tmp_path_factory.mktemp("byte_shards")
+    write_corpus(root / "docs.jsonl", 300)
+    out = root / "shards"
+    python("prepare.py", f"--dataset={root / 'docs.jsonl'}", f"--out_dir={out}",
            "--tokenizer=byte", "--val_docs=20", "--num_proc=1", "--shard_tokens=20000",
-           env=env)
+           env=session_env)
     return out
+
+
+@pytest.fixture
+def byte_shards(prepared_byte_shards, tmp_path):
+    """A copy of prepared_byte_shards, this test's own to spoil."""
+    return Path(shutil.copytree(prepared_byte_shards, tmp_path / "shards"))
 
 
 def unclear_folder(case, shards, llmc_data):
