@@ -161,14 +161,26 @@ def test_eval_gives_what_training_recorded_at_the_same_checkpoint(byte_run, swag
     assert ", the checkpoint's data_dir, 4 x 4 windows of 64 tokens" in p.stderr, p.stderr
 
 
-@pytest.mark.slow
-def test_eval_of_a_checkpoint_whose_data_is_gone_says_what_to_give(corpus, swag_file, tmp_path,
-                                                                   env):
-    data_dir, out = tmp_path / "data", tmp_path / "out"
+@pytest.fixture(scope="module")
+def copy_run(tmp_path_factory, session_env, corpus):
+    """(data_dir, out_dir) of a run of 2 steps on data_dir, a copy of the corpus: what
+    prepare.py makes of its documents with --val_docs=1. Each test that takes it first puts
+    data_dir in the state it needs (gone, or prepared again), so their order does not
+    matter."""
+    root = tmp_path_factory.mktemp("copy_run")
+    data_dir, out = root / "data", root / "out"
     shutil.copytree(corpus, data_dir)
     python("train.py", f"--data_dir={data_dir}", f"--out_dir={out}", *TINY,
-           "--gradient_accumulation_steps=1", "--max_iters=2", "--eval_interval=2", env=env)
-    shutil.rmtree(data_dir)
+           "--gradient_accumulation_steps=1", "--max_iters=2", "--eval_interval=2",
+           env=session_env)
+    return data_dir, out
+
+
+@pytest.mark.slow
+def test_eval_of_a_checkpoint_whose_data_is_gone_says_what_to_give(corpus, swag_file, copy_run,
+                                                                   env):
+    data_dir, out = copy_run
+    shutil.rmtree(data_dir, ignore_errors=True)
     message = fails("eval.py", f"--out_dir={out}", env=env).stderr.strip().splitlines()[-1]
     assert message.startswith(f"eval.py: error: the checkpoint trained on {data_dir}, which "
                               f"cannot be read here: {data_dir}/"), message
@@ -206,19 +218,15 @@ def test_a_mixture_reports_bits_per_byte_per_source(corpus, tmp_path, env):
 
 
 @pytest.mark.slow
-def test_eval_of_a_checkpoint_whose_data_was_prepared_again_is_refused(corpus, tmp_path, env):
+def test_eval_of_a_checkpoint_whose_data_was_prepared_again_is_refused(corpus, copy_run, env):
     """The checkpoint's data_dir made again from the same documents with another val split
     (val documents the run trained on): refused, naming both; an explicit --data_dir still
     evaluates on the folder as it is (was: evaluated without a word)."""
-    data_dir, out = tmp_path / "data", tmp_path / "out"
+    data_dir, out = copy_run  # data_dir: the corpus's documents as prepare.py made them
     docs = os.path.join(os.path.dirname(corpus), "docs")
-    prepare = ["prepare.py", f"--dataset={docs}", "--tokenizer=byte", "--val_docs=1",
-               f"--out_dir={data_dir}", "--num_proc=1"]
-    python(*prepare, env=env)
-    python("train.py", f"--data_dir={data_dir}", f"--out_dir={out}", *TINY,
-           "--gradient_accumulation_steps=1", "--max_iters=2", "--eval_interval=2", env=env)
-    shutil.rmtree(data_dir)
-    python(*prepare, "--seed=7", env=env)
+    shutil.rmtree(data_dir, ignore_errors=True)
+    python("prepare.py", f"--dataset={docs}", "--tokenizer=byte", "--val_docs=1",
+           f"--out_dir={data_dir}", "--num_proc=1", "--seed=7", env=env)
     message = fails("eval.py", f"--out_dir={out}", "--hellaswag=False",
                     env=env).stderr.strip().splitlines()[-1]
     assert message.startswith(f"eval.py: error: {data_dir} is not the data the checkpoint was "

@@ -24,7 +24,10 @@ from test_restarts import kill_at_steps
 SLURM_SCRIPTS = os.path.join(ROOT, "..", "shared", "slurm")
 TINY = [*TINY, "--n_layer=1", "--backend=gloo", "--gradient_accumulation_steps=4",
         "--lr_decay_iters=300"]
-MAX_ITERS = 300  # a few seconds on 4 CPU ranks: long enough for a signal to land mid-run
+# a few seconds on 4 CPU ranks: long enough for a signal to land mid-run (a USR1 sent at step 3
+# stopped the job at step 14, at a load of 15 on 2 cores), and for the killed-rank test's two
+# kills and restarts
+MAX_ITERS = 180
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
                 "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"}
 
@@ -297,9 +300,9 @@ def test_a_killed_rank_restarts_within_the_job_and_goes_on_on_the_same_batches(
     the uninterrupted job's, bit for bit."""
     log, out = str(tmp_path / "job.log"), str(tmp_path / "out")
     job_id = sbatch(slurm, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
-                    f"--max_iters={MAX_ITERS}", "--eval_interval=50", "--log_interval=100",
+                    f"--max_iters={MAX_ITERS}", "--eval_interval=30", "--log_interval=100",
                     MAX_RESTARTS="2")
-    kill_at_steps(out, [(80, 3, signal.SIGKILL), (180, 0, signal.SIGKILL)], procs=[])
+    kill_at_steps(out, [(50, 3, signal.SIGKILL), (110, 0, signal.SIGKILL)], procs=[])
     info = wait_done(slurm, job_id, log)
     text = read(log)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", (info, text)

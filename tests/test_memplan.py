@@ -1,6 +1,7 @@
 """plan.py, the memory plan, as a user runs it: its peak against the peak the same tracker
 measures in real runs of the same settings on the CPU (bench/memory_rank.py, under torchrun,
-gloo), and its refusal of a GPU memory that is not one."""
+gloo; a 1-rank run as a plain process, as train.py runs on one), and its refusal of a GPU
+memory that is not one."""
 import dataclasses
 import glob
 import json
@@ -30,12 +31,15 @@ def settings(kind, optimizer, arch, recompute="none"):
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory, session_env):
-    """{run: rank 0's measured Plan} of each of RUNS, on real tensors."""
+    """{run: rank 0's measured Plan} of each of RUNS, on real tensors. A run of 1 rank needs
+    no torchrun: with one rank there is no process group (runtime.init_distributed), so a
+    plain process measures the same and saves torchrun's own start-up."""
     root = tmp_path_factory.mktemp("measured")
     found = {}
     for kind, n, optimizer, arch, recompute in RUNS:
         out = root / f"{kind}-{n}-{optimizer}-{arch}-{recompute}"
-        run([*torchrun(n), "-m", "bench.memory_rank", str(out),
+        launch = torchrun(n) if n > 1 else [sys.executable]
+        run([*launch, "-m", "bench.memory_rank", str(out),
              *settings(kind, optimizer, arch, recompute)], session_env)
         with open(f"{out}.rank0.json") as f:
             found[kind, n, optimizer, arch, recompute] = json.load(f)

@@ -142,11 +142,13 @@ def test_hang_timeout_0_turns_it_off(env, corpus, tmp_path, hang_timeout_s):
 @pytest.mark.slow
 def test_a_slow_evaluation_is_named_as_one_and_the_lock_released(env, corpus, tmp_path):
     """It said 'where: model.GPT.forward', and the exit with code 124 left out_dir's lock.
-    The first evaluation, before any step, is under startup_timeout_s."""
+    The first evaluation, before any step, is under startup_timeout_s; it waits far beyond
+    that limit (launch_slow_eval.py: asleep, where eval_iters=1000000 kept a core busy for
+    the whole limit)."""
     out = tmp_path / "out"
-    p = python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
-               "--gradient_accumulation_steps=1", "--max_iters=4", "--eval_iters=1000000",
-               "--startup_timeout_s=30", env=env, check=False)
+    p = python("tests/launch_slow_eval.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
+               "--gradient_accumulation_steps=1", "--max_iters=4", "--startup_timeout_s=30",
+               env=dict(env, SLOW_EVAL_S="600"), check=False, timeout=300)
     ended_hung_in(p, out, "evaluation", 0, limit_s=30, key="startup_timeout_s")
 
 
@@ -207,7 +209,7 @@ def test_a_rank_stuck_where_python_cannot_run_still_dumps_its_stacks_and_exits(e
 def test_a_healthy_run_with_evaluations_and_saves_never_fires(env, corpus, tmp_path):
     out = tmp_path / "out"
     p = torchrun(2, "train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
-                 "--gradient_accumulation_steps=2", "--max_iters=30", "--eval_interval=10",
+                 "--gradient_accumulation_steps=2", "--max_iters=20", "--eval_interval=10",
                  f"--hang_timeout_s={HANG_S}", "--startup_timeout_s=60", env=env)
     assert "hang" not in p.stderr and not (out / "hang").exists()
     assert "saved" in p.stdout
