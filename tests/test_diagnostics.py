@@ -4,6 +4,7 @@ import glob
 import logging
 import math
 import os
+import shutil
 from collections import deque
 
 import numpy as np
@@ -18,10 +19,24 @@ from conftest import TINY, fails, metrics, python, steps, torchrun
 RUN = [*TINY, "--gradient_accumulation_steps=1", "--eval_interval=1000", "--log_interval=1"]
 
 
-def test_every_step_reports_its_gradient_norm(env, corpus, tmp_path):
-    p = python("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path}", *RUN,
-               "--max_iters=3", env=env)
-    rows = steps(tmp_path)
+# a wsd schedule: warm-up to iter 2, flat to 6, the cooldown over the last 2 steps
+WSD = [*RUN, "--lr_schedule=wsd", "--cooldown_frac=0.25", "--warmup_iters=2", "--eval_interval=4",
+       "--min_lr=1e-4", "--max_iters=8"]
+
+
+@pytest.fixture(scope="module")
+def wsd_run(corpus, tmp_path_factory, session_env):
+    """(out_dir, CompletedProcess) of 8 steps under WSD on 1 process, saving at 4 and 8:
+    trained once, read by the tests of the gradient norm and of the schedule, and copied by the
+    one that extends it."""
+    out = tmp_path_factory.mktemp("wsd_run") / "out"
+    p = python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *WSD, env=session_env)
+    return out, p
+
+
+def test_every_step_reports_its_gradient_norm(wsd_run):
+    out, p = wsd_run
+    rows = steps(out)
     assert all(r["grad_norm"] > 0 and math.isfinite(r["grad_norm"]) for r in rows.values())
     assert f"grad norm {rows[2]['grad_norm']:.3g}" in p.stdout
 
@@ -184,25 +199,21 @@ def test_a_cosine_schedule_that_max_iters_cuts_short_is_noted(caplog):
     assert caplog.messages == []
 
 
-def test_each_step_is_taken_at_the_schedules_learning_rate(env, corpus, tmp_path):
-    schedule = ["--max_iters=12", "--lr_schedule=wsd", "--cooldown_frac=0.25",
-                "--warmup_iters=3", "--learning_rate=1e-3", "--min_lr=1e-4"]
-    python("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path}", *RUN, *schedule,
-           env=env)
-    cfg = configurator.parse(TrainConfig, [*RUN, *schedule], "train.py")
-    assert [r["lr"] for _, r in sorted(steps(tmp_path).items())] == \
-        [optim.lr_at(cfg, it) for it in range(12)]
+def test_each_step_is_taken_at_the_schedules_learning_rate(wsd_run):
+    out, _ = wsd_run
+    cfg = configurator.parse(TrainConfig, WSD, "train.py")
+    assert [r["lr"] for _, r in sorted(steps(out).items())] == \
+        [optim.lr_at(cfg, it) for it in range(8)]
 
 
 @pytest.mark.slow
-def test_a_wsd_run_is_not_extended_from_inside_its_cooldown(env, corpus, tmp_path):
+def test_a_wsd_run_is_not_extended_from_inside_its_cooldown(wsd_run, env, corpus, tmp_path):
     """Raising max_iters of a finished wsd run jumped its lr from min_lr back to 78% of the
-    peak, without a word; from a checkpoint before the cooldown it goes on smoothly."""
+    peak, without a word; from a checkpoint before the cooldown it goes on smoothly. On a copy
+    of wsd_run."""
     out = tmp_path / "out"
-    schedule = [f"--data_dir={corpus}", f"--out_dir={out}", *RUN, "--lr_schedule=wsd",
-                "--cooldown_frac=0.25", "--warmup_iters=2", "--eval_interval=4",
-                "--min_lr=1e-4"]
-    python("train.py", *schedule, "--max_iters=8", env=env)
+    shutil.copytree(wsd_run[0], out)
+    schedule = [f"--data_dir={corpus}", f"--out_dir={out}", *WSD]
     err = fails("train.py", *schedule, "--max_iters=16", "--init_from=resume", env=env).stderr
     assert f"the checkpoint in {out} is at iter 8, past the start of its wsd cooldown (iter 6 " \
            f"of max_iters=8), where the learning rate decays to min_lr: with max_iters=16 it " \

@@ -3,6 +3,7 @@ export.py, and nanoGPT's checkpoints. The GPT-2s are small random ones made here
 needs the network."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -183,11 +184,28 @@ def test_a_nanogpt_checkpoint_samples_resumes_and_exports(gpt2_data, tmp_path, e
     assert "The 47 padding rows belong to no token" in (dest / "README.md").read_text()
 
 
+@pytest.fixture(scope="module")
+def byte_run(corpus, tmp_path_factory, session_env):
+    """(out_dir, CompletedProcess) of 1 step of TINY on the byte corpus from scratch, run as
+    `python -X importtime train.py`: trained once, for the tests that export it, fine-tune into
+    it, and read what it imported. A test that exports or writes copies it first."""
+    out = tmp_path_factory.mktemp("byte_run") / "out"
+    p = run([sys.executable, "-X", "importtime", os.path.join(ROOT, "train.py"),
+             f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
+             "--gradient_accumulation_steps=1", "--max_iters=1", "--eval_interval=1"],
+            session_env)
+    return str(out), p
+
+
+def copy_of(byte_run, out):
+    """out, a copy of byte_run's out_dir."""
+    shutil.copytree(byte_run[0], out)
+    return out
+
+
 @pytest.mark.slow
-def test_a_byte_model_without_biases_exports_exactly(corpus, tmp_path, env):
-    out, dest = tmp_path / "out", tmp_path / "exported"
-    python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY, "--max_iters=2",
-           "--eval_interval=2", "--gradient_accumulation_steps=1", env=env)
+def test_a_byte_model_without_biases_exports_exactly(byte_run, tmp_path, env):
+    out, dest = copy_of(byte_run, tmp_path / "out"), tmp_path / "exported"
     python("export.py", out, dest, env=env)
     state, _ = checkpoint.load_latest(str(out))
     assert state["model_args"]["bias"] is False and state["model_args"]["vocab_size"] == 320
@@ -221,13 +239,11 @@ def test_a_byte_model_without_biases_exports_exactly(corpus, tmp_path, env):
 
 
 @pytest.mark.slow
-def test_two_exports_into_one_dest_and_a_users_dest_tmp(corpus, tmp_path, env):
+def test_two_exports_into_one_dest_and_a_users_dest_tmp(byte_run, tmp_path, env):
     """A folder of the user's named like export's temporary one is left alone (export's own
     carries its pid and host), and the loser of two exports into one DEST is told so, not to
     free space."""
-    out, dest = tmp_path / "out", tmp_path / "exported"
-    python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY, "--max_iters=1",
-           "--eval_interval=1", "--gradient_accumulation_steps=1", env=env)
+    out, dest = copy_of(byte_run, tmp_path / "out"), tmp_path / "exported"
     (tmp_path / "exported.tmp").mkdir()
     (tmp_path / "exported.tmp" / "notes.txt").write_text("mine")
     procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "export.py"), out, dest],
@@ -253,10 +269,8 @@ def test_sample_from_a_folder(hf_folder, env):
     assert len(samples) == 3 and all(s.startswith("Hello") for s in samples[:2])
 
 
-def test_a_run_from_scratch_does_not_import_transformers(env, corpus, tmp_path):
-    p = run([sys.executable, "-X", "importtime", os.path.join(ROOT, "train.py"),
-             f"--data_dir={corpus}", f"--out_dir={tmp_path}", *TINY,
-             "--gradient_accumulation_steps=1", "--max_iters=1", "--eval_interval=1"], env)
+def test_a_run_from_scratch_does_not_import_transformers(byte_run):
+    _, p = byte_run
     assert "| torch\n" in p.stderr and "transformers" not in p.stderr
 
 
@@ -310,11 +324,9 @@ def test_a_gpt2_folder_is_not_fine_tuned_on_other_tokens(hf_folder, corpus, tmp_
 
 @pytest.mark.slow
 def test_a_fine_tune_into_another_runs_out_dir_says_to_use_a_new_one(hf_folder, gpt2_data,
-                                                                     corpus, tmp_path, env):
+                                                                     byte_run, tmp_path, env):
     """It resumed the byte run's checkpoint there and failed on its vocab_size."""
-    out = tmp_path / "out"
-    python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
-           "--gradient_accumulation_steps=1", "--max_iters=1", "--eval_interval=1", env=env)
+    out = copy_of(byte_run, tmp_path / "out")
     p = fails("train.py", f"--init_from={hf_folder}", f"--data_dir={gpt2_data}",
               f"--out_dir={out}", *RUN, env=env)
     assert p.stderr.strip().splitlines()[-1] == (

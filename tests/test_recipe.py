@@ -4,6 +4,7 @@ and the Lightning example on it, exact resume on 2 ranks and a resume on 1, floa
 GradScaler, and the combinations that cannot work."""
 import json
 import os
+import shutil
 import sysconfig
 
 import pytest
@@ -130,19 +131,20 @@ def test_muon_resumes_bit_for_bit_on_2_ranks_and_on_1_reads_the_same_batches(env
                                                                             tmp_path):
     args = [f"--data_dir={corpus}", *TINY, *MODERN, "--gradient_accumulation_steps=4",
             "--eval_interval=4"]
-    whole, halves, resized = tmp_path / "whole", tmp_path / "halves", tmp_path / "resized"
+    whole, half, resized = tmp_path / "whole", tmp_path / "half", tmp_path / "resized"
     torchrun(2, "train.py", *args, f"--out_dir={whole}", "--max_iters=8", env=env)
-    torchrun(2, "train.py", *args, f"--out_dir={halves}", "--max_iters=4", env=env)
-    resized.mkdir()
-    os.link(checkpoint.path_for(halves, 4), checkpoint.path_for(resized, 4))
-    p = torchrun(2, "train.py", *args, f"--out_dir={halves}", "--max_iters=8",
+    # the second half resumes from copies of the whole run's checkpoint at its midpoint
+    for out in (half, resized):
+        out.mkdir()
+        os.link(checkpoint.path_for(whole, 4), checkpoint.path_for(out, 4))
+    p = torchrun(2, "train.py", *args, f"--out_dir={half}", "--max_iters=8",
                  "--init_from=resume", env=env)
     assert "resuming from" in p.stdout and "ckpt_0000004.pt" in p.stdout
-    a, b = steps(whole), steps(halves)
-    assert sorted(a) == sorted(b) == list(range(8))
-    for i in range(8):
+    a, b = steps(whole), steps(half)
+    assert sorted(a) == list(range(8)) and sorted(b) == list(range(4, 8))
+    for i in range(4, 8):
         assert (a[i]["loss"], a[i]["batch_fp"]) == (b[i]["loss"], b[i]["batch_fp"]), i
-    assert evals(whole)[-1] == evals(halves)[-1]
+    assert evals(whole)[-1] == evals(half)[-1]
     state, _ = checkpoint.load_latest(str(whole))
     assert state["model_args"]["arch"] == "modern" and set(state["optimizer"]) == {"muon",
                                                                                     "adamw"}
@@ -226,11 +228,20 @@ def test_export_is_a_qwen3_that_transformers_loads_and_init_from_loads_back(
     assert p.stdout.startswith("def ")
 
 
-@pytest.mark.slow
-def test_eval_sample_and_lightning_with_the_modern_block(corpus, tmp_path, env):
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def modern_run(corpus, tmp_path_factory, session_env):
+    """out_dir of 4 steps of the modern block under Muon on 1 process, evaluated and saved at
+    4: trained once, read by eval.py and sample.py, and copied by the test that resumes it."""
+    out = tmp_path_factory.mktemp("modern_run") / "out"
     python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY, *MODERN,
-           "--gradient_accumulation_steps=1", "--max_iters=4", "--eval_interval=4", env=env)
+           "--gradient_accumulation_steps=1", "--max_iters=4", "--eval_interval=4",
+           env=session_env)
+    return out
+
+
+@pytest.mark.slow
+def test_eval_sample_and_lightning_with_the_modern_block(modern_run, corpus, tmp_path, env):
+    out = modern_run
     trained = evals(out)[-1]
     p = python("eval.py", f"--out_dir={out}", f"--data_dir={corpus}", "--hellaswag=False",
                "--eval_iters=4", "--batch_size=4", env=env)
@@ -278,12 +289,15 @@ def test_combinations_that_cannot_work(args, message, env, corpus, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_resume_keeps_its_optimizer_and_its_arch(env, corpus, tmp_path):
+def test_a_resume_keeps_its_optimizer_and_its_arch(modern_run, env, corpus, tmp_path):
+    """An AdamW run of GPT-2's block trained here, and a copy of modern_run (Muon, the modern
+    block, at iter 4)."""
     adamw, muon = tmp_path / "adamw", tmp_path / "muon"
-    run = [f"--data_dir={corpus}", *TINY, "--max_iters=1", "--eval_interval=1"]
+    run = [f"--data_dir={corpus}", *TINY, "--gradient_accumulation_steps=1", "--max_iters=1",
+           "--eval_interval=1"]
     python("train.py", *run, f"--out_dir={adamw}", env=env)
-    python("train.py", *run, *MODERN, f"--out_dir={muon}", env=env)
-    resume = [*run[:-2], "--max_iters=2", "--init_from=resume"]
+    shutil.copytree(modern_run, muon)
+    resume = [*run[:-2], "--max_iters=5", "--init_from=resume"]
     p = fails("train.py", *resume, f"--out_dir={adamw}", "--optimizer=muon", env=env)
     assert "optimizer='muon' ('adamw' there): the checkpoint in" in p.stderr
     assert "Resume with --optimizer=adamw" in p.stderr
@@ -296,7 +310,7 @@ def test_a_resume_keeps_its_optimizer_and_its_arch(env, corpus, tmp_path):
         p.stderr
     # the arch comes from the checkpoint when it is not given, as the other architecture keys
     p = python("train.py", *resume, "--optimizer=muon", f"--out_dir={muon}", env=env)
-    assert "arch = 'modern'" in p.stdout and sorted(steps(muon)) == [0, 1]
+    assert "arch = 'modern'" in p.stdout and sorted(steps(muon)) == [0, 1, 2, 3, 4]
 
 
 def test_a_qwen3_that_the_modern_block_does_not_compute_is_refused(gpt2_data, tmp_path, env):

@@ -5,6 +5,7 @@ import glob
 import json
 import logging
 import os
+import shutil
 
 import pytest
 import torch
@@ -15,12 +16,20 @@ from ddpgpt.errors import UserError
 from ddpgpt.runtime import Ranks
 
 
-@pytest.mark.slow
-def test_two_ranks_train_save_and_the_loss_falls(env, corpus, tmp_path):
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def two_rank_run(corpus, tmp_path_factory, session_env):
+    """(out_dir, CompletedProcess) of 40 steps on 2 ranks, evaluated and saved at 20 and 40:
+    trained once, read by the tests of training and of eval_only."""
+    out = tmp_path_factory.mktemp("two_ranks") / "out"
     p = torchrun(2, "train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
                  "--gradient_accumulation_steps=2", "--max_iters=40", "--eval_interval=20",
-                 "--log_interval=10", env=env)
+                 "--log_interval=10", env=session_env)
+    return out, p
+
+
+@pytest.mark.slow
+def test_two_ranks_train_save_and_the_loss_falls(two_rank_run):
+    out, p = two_rank_run
     assert "world size 2" in p.stdout and "(1 micro-step of 4 per rank)" in p.stdout
     rows = steps(out)
     assert sorted(rows) == list(range(40))
@@ -36,45 +45,60 @@ def test_two_ranks_train_save_and_the_loss_falls(env, corpus, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 4])  # with 4, a sum's rounding depends on DDP's buckets
 def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(ranks, env, corpus, tmp_path):
+    """The second half, resumed from a copy of the whole run's checkpoint at its midpoint,
+    repeats the whole run's steps and its last evaluation."""
     args = [f"--data_dir={corpus}", *TINY, "--gradient_accumulation_steps=4",
-            "--eval_interval=6", "--dropout=0.1"]
-    whole, halves = tmp_path / "whole", tmp_path / "halves"
-    torchrun(ranks, "train.py", *args, f"--out_dir={whole}", "--max_iters=12", env=env)
-    torchrun(ranks, "train.py", *args, f"--out_dir={halves}", "--max_iters=6", env=env)
-    p = torchrun(ranks, "train.py", *args, f"--out_dir={halves}", "--max_iters=12",
-                 "--init_from=resume", env=env)
+            "--eval_interval=6", "--dropout=0.1", "--max_iters=12"]
+    whole, half = tmp_path / "whole", tmp_path / "half"
+    torchrun(ranks, "train.py", *args, f"--out_dir={whole}", env=env)
+    half.mkdir()
+    shutil.copy(whole / "ckpt_0000006.pt", half / "ckpt_0000006.pt")
+    p = torchrun(ranks, "train.py", *args, f"--out_dir={half}", "--init_from=resume", env=env)
     assert "resuming from" in p.stdout and "ckpt_0000006.pt" in p.stdout
-    a, b = steps(whole), steps(halves)
-    assert sorted(a) == sorted(b) == list(range(12))
-    for i in range(12):
+    a, b = steps(whole), steps(half)
+    assert sorted(a) == list(range(12)) and sorted(b) == list(range(6, 12))
+    for i in range(6, 12):
         assert (a[i]["loss"], a[i]["batch_fp"]) == (b[i]["loss"], b[i]["batch_fp"]), i
-    assert evals(whole)[-1] == evals(halves)[-1] and evals(whole)[-1]["iter"] == 12
+    assert evals(whole)[-1] == evals(half)[-1] and evals(whole)[-1]["iter"] == 12
 
 
 @pytest.mark.slow
-def test_eval_only_reports_the_same_losses_on_any_world_size(env, corpus, tmp_path):
+def test_eval_only_reports_the_same_losses_on_any_world_size(two_rank_run, env, corpus,
+                                                             tmp_path):
+    """The 2-rank run's last evaluation, and eval_only on 1 process of a copy of its last
+    checkpoint."""
+    trained, _ = two_rank_run
     out = tmp_path / "out"
-    torchrun(2, "train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
-             "--gradient_accumulation_steps=2", "--max_iters=3", "--eval_interval=3", env=env)
-    at_two = evals(out)[-1]
+    out.mkdir()
+    shutil.copy(trained / "ckpt_0000040.pt", out / "ckpt_0000040.pt")
+    at_two = evals(trained)[-1]
     python("train.py", "config/eval_owt.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
            "--eval_iters=4", "--gradient_accumulation_steps=2", env=env)
     at_one = evals(out)[-1]
-    assert at_one["iter"] == at_two["iter"] == 3
+    assert at_one["iter"] == at_two["iter"] == 40
     assert at_one["val_loss"] == pytest.approx(at_two["val_loss"], rel=1e-6)
 
 
-@pytest.mark.slow
-def test_wandb_logs_offline_what_metrics_jsonl_logs(env, corpus, tmp_path):
-    out = tmp_path / "out"
-    python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
+@pytest.fixture(scope="module")
+def wandb_run(corpus, tmp_path_factory, session_env):
+    """A folder holding out/, a 2-step run on 1 process logged to wandb (offline), and the
+    wandb/ folder that wandb wrote: trained once, read by the tests of wandb and of a resume
+    with another architecture."""
+    root = tmp_path_factory.mktemp("wandb_run")
+    python("train.py", f"--data_dir={corpus}", f"--out_dir={root / 'out'}", *TINY,
            "--gradient_accumulation_steps=1", "--max_iters=2", "--eval_interval=2",
-           "--wandb_log=True", "--wandb_run_name=test", env=dict(env, WANDB_DIR=str(tmp_path)),
-           cwd=str(tmp_path))
-    (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+           "--wandb_log=True", "--wandb_run_name=test",
+           env=dict(session_env, WANDB_DIR=str(root)), cwd=str(root))
+    return root
+
+
+@pytest.mark.slow
+def test_wandb_logs_offline_what_metrics_jsonl_logs(wandb_run):
+    (run_file,) = glob.glob(str(wandb_run / "wandb" / "offline-run-*" / "run-*.wandb"))
     with open(run_file, "rb") as f:
         logged = f.read()  # protobuf records: each key and each value's JSON appear as bytes
-    rows = [r for r in metrics(out) if "run" not in r]  # the start row is the file's alone
+    # the start row is the file's alone
+    rows = [r for r in metrics(wandb_run / "out") if "run" not in r]
     assert len(rows) == 4  # evaluation at 0, steps 0 and 1, evaluation at 2
     for row in rows:
         for key in ("loss", "val_loss", "lr"):
@@ -130,19 +154,26 @@ def test_out_dir_that_cannot_be_written(env, corpus, tmp_path):
     assert f"cannot write in {blocker}/out (Not a directory): choose a folder" in err
 
 
-def test_errors_on_two_ranks_are_reported_once(env, corpus, tmp_path):
-    err = train_error(env, f"--data_dir={corpus}", f"--out_dir={tmp_path}", *TINY,
-                      "--gradient_accumulation_steps=3", nproc=2)
+@pytest.fixture(scope="module")
+def two_rank_error(corpus, tmp_path_factory, session_env):
+    """What 2 ranks print to stderr for gradient_accumulation_steps=3, which they cannot share:
+    launched once, read by the two tests below."""
+    out = tmp_path_factory.mktemp("two_rank_error")
+    return train_error(session_env, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
+                       "--gradient_accumulation_steps=3", nproc=2)
+
+
+def test_errors_on_two_ranks_are_reported_once(two_rank_error):
+    err = two_rank_error
     assert err.count("must be a multiple of the world size 2: use 2") == 1
     assert "(ranks 0, 1)" in err
 
 
 def test_under_torchrun_the_error_is_followed_by_a_line_saying_torchruns_report_is_next(
-        env, corpus, tmp_path):
+        two_rank_error):
     """torchrun's ChildFailedError traceback (~30 lines) came after the error, and read as the
     answer."""
-    lines = train_error(env, f"--data_dir={corpus}", f"--out_dir={tmp_path}", *TINY,
-                        "--gradient_accumulation_steps=3", nproc=2).splitlines()
+    lines = two_rank_error.splitlines()
     error = next(i for i, line in enumerate(lines) if line.startswith("train.py: error"))
     assert lines[error + 1] == "(torchrun's own report of how the ranks ended may follow: what " \
                                "happened is said above)", lines
@@ -158,10 +189,12 @@ def test_a_settings_error_on_two_ranks_is_reported_once(env, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_with_another_architecture_is_an_error(env, corpus, tmp_path):
+def test_resume_with_another_architecture_is_an_error(wandb_run, env, corpus, tmp_path):
+    """From a copy of wandb_run's checkpoint at iter 2 (n_layer=2)."""
     out = tmp_path / "out"
+    out.mkdir()
+    shutil.copy(wandb_run / "out" / "ckpt_0000002.pt", out / "ckpt_0000002.pt")
     args = [f"--data_dir={corpus}", f"--out_dir={out}", *TINY, "--gradient_accumulation_steps=1"]
-    python("train.py", *args, "--max_iters=2", "--eval_interval=2", env=env)
     err = train_error(env, *args, "--n_layer=3", "--init_from=resume", "--max_iters=4")
     assert "n_layer=3 (2 there): the architecture comes from the checkpoint in" in err
     # the same keys at the checkpoint's values are fine, and the log says what is trained
