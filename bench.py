@@ -105,6 +105,8 @@ def write_report(out_dir, report_path):
 
 def main(argv):
     args = parse_args(argv)
+    if args.small:
+        common.POLL_S = common.SMALL_POLL_S
     os.makedirs(args.out_dir, exist_ok=True)
     os.makedirs(os.path.dirname(args.report), exist_ok=True)
     command = shlex.join(["python", "bench.py", *argv])

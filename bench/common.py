@@ -136,10 +136,18 @@ def alive(p):
         return False
 
 
-def run_watched(args, env, time_cap_s, mem_cap=None, poll_s=0.05, cwd=ROOT):
-    """Run a command in cwd, sampling the memory of it and its children every poll_s seconds.
-    Past mem_cap bytes of private memory, or time_cap_s seconds, it is killed, so that a loader
-    whose memory grows with the data shows that growth without taking the machine down."""
+# How often run_watched samples a command's memory (seconds), unless told: a sample walks every
+# process in /proc, about 4 ms, so at 0.05 s the watching costs some 5% of a core. bench.py
+# --small, whose numbers mean nothing, samples at SMALL_POLL_S.
+POLL_S, SMALL_POLL_S = 0.05, 0.25
+
+
+def run_watched(args, env, time_cap_s, mem_cap=None, poll_s=None, cwd=ROOT):
+    """Run a command in cwd, sampling the memory of it and its children every poll_s seconds
+    (POLL_S if None). Past mem_cap bytes of private memory, or time_cap_s seconds, it is killed,
+    so that a loader whose memory grows with the data shows that growth without taking the
+    machine down."""
+    poll_s = poll_s or POLL_S
     with tempfile.TemporaryFile("w+") as out:  # a file, not a pipe: a full pipe would block it
         cpu0 = children_cpu_s()
         t0 = time.perf_counter()

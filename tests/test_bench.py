@@ -256,8 +256,8 @@ def test_data_path(env, tmp_path):
         assert 0 < r["p50_ms"] <= r["p99_ms"] and r["batches_per_s"] > 0
         for when in ("first", "after"):
             assert 0 < r[f"private_{when}"] < r[f"rss_{when}"]
-    assert "| 2 | 64 MiB | 1 | seed | exceeded the " in page
-    assert "| 2 | 64 MiB | 1,000 | ddpgpt | " in page and "| 2 | 64 MiB | 1 | documents | " in page
+    assert "| 1 | 64 MiB | 1 | seed | exceeded the " in page
+    assert "| 1 | 64 MiB | 1,000 | ddpgpt | " in page and "| 1 | 64 MiB | 1 | documents | " in page
     assert len(result["targets"]) == 15
     # the document index of a real token file: its documents, and every window of an epoch of
     # 'documents' mode at a start the bench found in the tokens itself, each start once
@@ -512,10 +512,9 @@ def test_recipe(env, tmp_path):
         if combo == "gpt2+adamw":  # its own final loss is reached at its last evaluation
             assert r["ratios"] == [1.0] * len(seeds)
     speed = {(r["loop"], r["combo"]): r for r in result["speed"]}
-    assert set(speed) == {("train.py", c) for c in ("gpt2+adamw", "gpt2+muon", "modern+adamw",
-                                                    "modern+muon")} | \
-        {("minimal loop", "gpt2+adamw"), ("minimal loop", "modern+muon"),
-         ("nanoGPT", "gpt2+adamw")}
+    # the small mode times train.py for the two combinations the targets compare
+    assert set(speed) == {(loop, c) for loop in ("train.py", "minimal loop")
+                          for c in ("gpt2+adamw", "modern+muon")} | {("nanoGPT", "gpt2+adamw")}
     assert speed["nanoGPT", "gpt2+adamw"]["status"] == recipe.NO_NANOGPT
     for r in speed.values():
         assert r["status"] != "ok" or r["ms_per_step"] > 0 and r["tok_per_s"] > 0
@@ -658,7 +657,7 @@ def test_sizes_read_as_people_write_them(n_bytes, text):
 @pytest.mark.slow
 def test_memplan(env, tmp_path):
     result, page = bench_part("memplan", env, tmp_path)
-    assert [(r["parallel"], r["ranks"]) for r in result["results"]] == [("ddp", 1), ("ddp", 2)]
+    assert [(r["parallel"], r["ranks"]) for r in result["results"]] == [("ddp", 1)]
     assert all(r["planned"] > 0 and r["measured"] > 0 for r in result["results"])
     [tiny] = result["fits"]
     assert 0 < tiny["fsdp_one"] < tiny["ddp_one"]
