@@ -463,6 +463,7 @@ m(torch.ones(5))
 """
 
 
+@pytest.mark.slow
 def test_compile_events_are_counted_in_torch_logs_own_lines(env):
     finished = common.run_watched([sys.executable, "-c", COMPILED],
                                   {**env, "TORCH_LOGS": gpu.TORCH_LOGS}, 300)

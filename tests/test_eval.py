@@ -237,6 +237,7 @@ def test_eval_of_a_checkpoint_whose_data_was_prepared_again_is_refused(corpus, c
     assert "val_loss" in last_json(p.stdout)
 
 
+@pytest.mark.slow
 def test_without_the_data_tokenizer_bits_per_byte_are_left_out_and_hellaswag_refused(tmp_path,
                                                                                      env):
     folder, out = str(tmp_path / "data"), f"--out_dir={tmp_path / 'out'}"
@@ -346,6 +347,7 @@ def test_a_missing_file_and_nothing_to_evaluate(byte_run, tmp_path, env):
     assert f"{tmp_path} holds no loadable checkpoint" in p.stderr
 
 
+@pytest.mark.slow
 def test_a_start_up_error_on_two_ranks_is_reported_once(tmp_path, env):
     """It was printed by every rank, where train.py reports it once."""
     p = fails("eval.py", f"--out_dir={tmp_path}", nproc=2, env=env)

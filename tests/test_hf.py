@@ -300,6 +300,7 @@ def test_bad_weights(init_from, args, message, bad_folders, hf_folder, gpt2_data
     assert message in p.stderr.strip().splitlines()[-1], p.stderr
 
 
+@pytest.mark.slow
 def test_weights_of_fewer_ids_than_gpt2s_are_not_sampled_with_gpt2s_tokens(bad_folders, env):
     """A folder with no tokenizer.json is read with GPT-2's tokenizer, whose ids must fit."""
     folder = bad_folders["bytes"]

@@ -88,6 +88,7 @@ def test_train_py_gives_plan_py_its_settings_whole():
         dataclasses.asdict(cfg)
 
 
+@pytest.mark.slow
 def test_an_out_of_memory_error_at_the_first_steps_names_the_plan_and_what_would_fit(env):
     """On a GPU, train.py turns an out-of-memory error in its first steps into one paragraph
     with the plan that rank 0 started at start-up (memcheck.Check, a real plan.py process;

@@ -77,6 +77,7 @@ def test_mixture_trains_the_same_batches_on_any_world_size_and_resumes_exactly(
     assert f"val loss {last['val_loss']:.4f} ({names[0]} " in p.stdout
 
 
+@pytest.mark.slow
 def test_a_single_source_is_data_dir(env, corpus, tmp_path):
     args = [*TINY, "--gradient_accumulation_steps=1", "--max_iters=3", "--eval_interval=3"]
     python("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path / 'dir'}", *args, env=env)
@@ -87,6 +88,7 @@ def test_a_single_source_is_data_dir(env, corpus, tmp_path):
     assert evals(tmp_path / "dir") == evals(tmp_path / "mix")
 
 
+@pytest.mark.slow
 def test_new_weights_on_resume_go_on_from_the_same_sample_and_say_so(env, sources, tmp_path):
     out = str(tmp_path / "out")
     args = [*TINY, "--gradient_accumulation_steps=1", "--eval_interval=2"]
@@ -142,6 +144,7 @@ def test_a_config_files_data_dir_gives_way_to_a_later_data_mix(env, sources, tmp
     assert "50.00% of the samples" in p.stdout
 
 
+@pytest.mark.slow
 def test_gpt2_and_r50k_base_sources_are_one_vocabulary(env, tmp_path):
     """tiktoken's two names of GPT-2's vocabulary were refused as different tokenizers."""
     folders = [byte_folder(tmp_path / name, 20_000, k, tokenizer=name, vocab=50257)

@@ -42,6 +42,7 @@ def test_one_run_into_its_out_dir_and_several_into_one_figure(two_runs, env, tmp
     assert not list(tmp_path.glob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_what_is_not_a_run(env, tmp_path):
     message = fails("plot.py", tmp_path, env=env).stderr.strip()
     assert message == (f"plot.py: error: cannot read {tmp_path}/metrics.jsonl (No such file "

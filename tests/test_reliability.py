@@ -243,6 +243,7 @@ def test_refusing_a_checkpoint_that_would_run_code_never_suggests_loading_it(env
     assert not marker.exists() and not (tmp_path / "exported").exists()
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_is_a_clear_error_and_keeps_the_previous_checkpoint(
         env, corpus, small_disk):
     out = os.path.join(small_disk, "out")
@@ -343,6 +344,7 @@ def test_a_failing_rank_reports_before_a_teardown_that_would_block(env, corpus, 
     assert "train.py: error (rank 1): injected read error on rank 1" in p.stderr
 
 
+@pytest.mark.slow
 def test_leaving_the_process_group_ends_its_threads(env, tmp_path):
     """A process group that outlives destroy_process_group keeps gloo's threads, and one that
     drops a collective's tensor while the interpreter exits aborts the rank ("terminate called

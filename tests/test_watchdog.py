@@ -152,6 +152,7 @@ def test_a_slow_evaluation_is_named_as_one_and_the_lock_released(env, corpus, tm
     ended_hung_in(p, out, "evaluation", 0, limit_s=30, key="startup_timeout_s")
 
 
+@pytest.mark.slow
 def test_a_hung_save_is_named_as_one_with_the_advice_about_its_limit(env, corpus, tmp_path):
     """The checkpoint's save beat the watchdog a second time, without saying what it did: a
     save that hung was reported as 'iter 4', and the advice about hang_timeout_s was lost.
