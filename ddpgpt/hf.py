@@ -335,8 +335,6 @@ def save_tokenizer(tok, folder, max_length):
     return True
 
 
-
-
 def save_byte_tokenizer(folder, tok, max_length):
     """The byte tokenizer (ids 0..255 the UTF-8 bytes, tok.eot end-of-text) as a byte-level BPE
     with no merges: the whole text is one word of byte-level characters, each its own token,

@@ -88,25 +88,30 @@ def open_splits(sources, block_size, vocab_size, splits=tokenfile.SPLITS, mode="
     is made ready to sample in `mode` (data.with_windows), with each source's document index
     in 'documents' mode, which needs it; val's has each source's index where there is one, for
     the document-aligned val loss."""
+    for s in sources:
+        check_fits(s.folder, tokenfile.read_meta(s.folder), vocab_size)
     out = {}
     for split in splits:
-        parts = [open_split(s.folder, split, block_size, vocab_size, mode) for s in sources]
+        parts = [open_split(s.folder, split, block_size, mode) for s in sources]
         mix = data.mixture(parts, [s.weight for s in sources], [s.name for s in sources])
         out[split] = data.with_windows(mix, block_size, mode) if split == "train" else mix
     return out
 
 
-def open_split(folder, split, block_size, vocab_size=None, mode="epoch"):
-    """One source's split (tokenfile.open_split), with its document index as open_splits says:
-    the one place that decides which splits open theirs. With a vocab_size, the model's, its
-    ids must fit the model."""
-    token_split = tokenfile.open_split(folder, split, block_size)
-    meta = tokenfile.read_meta(folder)
-    if vocab_size is not None and meta is not None:
+def check_fits(folder, meta, vocab_size):
+    """The ids of folder's data (meta: its meta.json, or None) must fit a model of vocab_size:
+    checked once per source, before its splits open."""
+    if meta is not None:
         check_ids_fit(meta["vocab_size"], f"{folder} ({meta.get('tokenizer')!r} tokens)",
                       vocab_size, "the model", f"use a model with vocab_size >= "
                       f"{meta['vocab_size']} (0 takes the data's), or data prepared with the "
                       f"tokenizer the model's weights were trained with.")
+
+
+def open_split(folder, split, block_size, mode="epoch"):
+    """One source's split (tokenfile.open_split), with its document index as open_splits says:
+    the one place that decides which splits open theirs."""
+    token_split = tokenfile.open_split(folder, split, block_size)
     if split == "train" and mode == "documents":
         return with_index(token_split, folder, split)
     if split != "val":
@@ -125,13 +130,14 @@ def with_index(token_split, folder, split):
 
 def open_for_model(data_dir, split, tok, block_size, vocab_size):
     """One split of data_dir, as a Mixture of one source, whose tokens must be the model's."""
-    meta = tokenfile.read_meta(data_dir) or {}
-    used = meta.get("tokenizer")
+    meta = tokenfile.read_meta(data_dir)
+    used = (meta or {}).get("tokenizer")
     if used and not reads(tok, meta):
         raise UserError(f"{data_dir} holds {used!r} tokens, but the model reads "
                         f"{tok.name!r} tokens: give a data_dir prepared with "
                         f"--tokenizer={tok.name}.")
-    return data.mixture([open_split(data_dir, split, block_size, vocab_size)])
+    check_fits(data_dir, meta, vocab_size)
+    return data.mixture([open_split(data_dir, split, block_size)])
 
 
 def identity(splits):

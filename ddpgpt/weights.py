@@ -172,7 +172,7 @@ def check_pretrained_data(cfg, meta, weights_args, source):
     """The data must be in the weights' tokens. OpenAI's read GPT-2's, and so does a folder of
     GPT-2's vocabulary size or more (a folder names no tokenizer; sample.py and eval.py read
     such weights with GPT-2's); a smaller folder's must at least have an embedding for every
-    token id of the data, which opening the data checks (sources.open_split)."""
+    token id of the data, which opening the data checks (sources.check_fits)."""
     tokens = (meta or {}).get("tokenizer")
     if (cfg.init_from in NAMES or weights_args["vocab_size"] >= GPT2_VOCAB_SIZE) and \
             tokens not in (None, *GPT2_NAMES):
