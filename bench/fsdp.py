@@ -17,6 +17,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import statistics
 import sys
 
@@ -38,9 +39,14 @@ TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_
 CPU = ["--device=cpu", "--dtype=float32", "--backend=gloo"]
 FULL = {"memory_model": MEMORY_MODEL, "save_model": SAVE_MODEL, "ranks": [2, 4],
         "save_steps": 24, "save_every": 6, "loss_steps": 20}
+# small: the losses are read from the synchronous save runs, made with the losses' keys
+# (LOSS_KEYS) and as many steps, saved at the middle one: two launches of 2 ranks fewer
 SMALL = {"memory_model": [*TINY, "--vocab_size=320", "--gradient_accumulation_steps=4"],
          "save_model": TINY, "ranks": [2], "save_steps": 6, "save_every": 3,
-         "loss_steps": 6}
+         "loss_steps": 6, "losses_from_saves": True}
+# the losses' runs: micro-steps to sum, a warm-up and a gradient clip that clips
+LOSS_KEYS = ["--gradient_accumulation_steps=4", "--eval_iters=2", "--learning_rate=3e-3",
+             "--warmup_iters=2", "--grad_clip=0.1"]
 BYTES_SLACK, STEP_RATIO, LOSS_RTOL = 1.1, 1.2, 1e-5
 GPUS = 8
 GPU_GIB = [24, 40, 80]
@@ -72,9 +78,12 @@ def run(small, device, workdir):
     settings = SMALL if small else FULL
     results = [measure_memory(kind, n, settings, workdir)
                for n in settings["ranks"] for kind in ("ddp", "fsdp")]
-    losses = compare_losses(settings, workdir)
+    shared = settings.get("losses_from_saves", False)  # the save runs are the losses' runs
+    losses = None if shared else compare_losses(settings, workdir)
     saves = [measure_saves(kind, background, settings, workdir)
              for kind in ("ddp", "fsdp") for background in (False, True)]
+    if shared:
+        losses = compare_losses(settings, workdir)
     same = same_checkpoints(workdir)
     per_param = bytes_per_param(results)
     fits = [fit(name, layers, heads, width, per_param) for name, layers, heads, width in SHAPES]
@@ -147,27 +156,43 @@ def train(args, n, out):
     finished = common.check(common.run_watched(
         [*common.torchrun(n), "train.py", *args, f"--out_dir={out}"],
         common.child_env(OMP_NUM_THREADS="1"), TIME_CAP_S), f"train.py ({' '.join(args)})")
+    return step_rows(out), finished.output
+
+
+def step_rows(out):
+    """{iter: its step's row} of a train.py run's metrics.jsonl."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    return {r["iter"]: r for r in rows if "loss" in r}, finished.output
+    return {r["iter"]: r for r in rows if "loss" in r}
 
 
 def compare_losses(settings, workdir):
-    """ddp and fsdp from scratch; fsdp again from its checkpoint at the middle step."""
+    """ddp and fsdp from scratch; fsdp again from its checkpoint at the middle step. With
+    losses_from_saves, ddp and fsdp are the synchronous save runs (already made), and the
+    resume starts from a copy of the fsdp one's checkpoint."""
     data = training.make_data("random-bytes", workdir)
     steps = settings["loss_steps"]
-    args = [*TINY, *CPU, f"--data_dir={data}", "--gradient_accumulation_steps=4",
-            f"--max_iters={steps}", f"--eval_interval={steps // 2}", "--eval_iters=2",
-            "--learning_rate=3e-3", "--warmup_iters=2", "--grad_clip=0.1"]
     print("bench fsdp: losses", file=sys.stderr)
-    ddp, _ = train([*args, "--parallel=ddp"], 2, os.path.join(workdir, "loss-ddp"))
-    fsdp_out = os.path.join(workdir, "loss-fsdp")
-    fsdp, _ = train([*args, "--parallel=fsdp"], 2, fsdp_out)
+    if settings.get("losses_from_saves"):
+        assert (settings["save_steps"], settings["save_every"]) == (steps, steps // 2)
+        ddp, fsdp = (step_rows(os.path.join(workdir, f"saves-{kind}-sync"))
+                     for kind in ("ddp", "fsdp"))
+        args = save_args("fsdp", False, settings, data)
+        fsdp_out = os.path.join(workdir, "saves-fsdp-sync")
+        move = shutil.copytree  # its checkpoints are also compared with the async run's
+    else:
+        args = [*TINY, *CPU, f"--data_dir={data}", *LOSS_KEYS, f"--max_iters={steps}",
+                f"--eval_interval={steps // 2}"]
+        ddp, _ = train([*args, "--parallel=ddp"], 2, os.path.join(workdir, "loss-ddp"))
+        fsdp_out = os.path.join(workdir, "loss-fsdp")
+        args = [*args, "--parallel=fsdp"]
+        fsdp, _ = train(args, 2, fsdp_out)
+        move = os.rename
     resumed_out = os.path.join(workdir, "loss-resumed")
     os.makedirs(resumed_out)
-    os.rename(checkpoint.path_for(fsdp_out, steps // 2, folder=True),
-              checkpoint.path_for(resumed_out, steps // 2, folder=True))
-    resumed, _ = train([*args, "--parallel=fsdp", "--init_from=resume"], 2, resumed_out)
+    move(checkpoint.path_for(fsdp_out, steps // 2, folder=True),
+         checkpoint.path_for(resumed_out, steps // 2, folder=True))
+    resumed, _ = train([*args, "--init_from=resume"], 2, resumed_out)
     return {"steps": steps, "resumed_from": steps // 2,
             "max_rdiff": max(abs(fsdp[i]["loss"] / ddp[i]["loss"] - 1)
                                              for i in ddp),
@@ -191,10 +216,7 @@ def measure_saves(kind, background, settings, workdir):
     every, n_steps = settings["save_every"], settings["save_steps"]
     out = os.path.join(workdir, f"saves-{kind}-{'async' if background else 'sync'}")
     print(f"bench fsdp: saves, {kind}, async_save={background}", file=sys.stderr)
-    steps, output = train([*settings["save_model"], *CPU, f"--data_dir={data}",
-                           "--gradient_accumulation_steps=2", f"--max_iters={n_steps}",
-                           f"--eval_interval={every}", "--eval_iters=1", f"--parallel={kind}",
-                           f"--async_save={background}", "--log_interval=1000"], 2, out)
+    steps, output = train(save_args(kind, background, settings, data), 2, out)
     waited = saves_waited(output)
     after = [i for i in steps if i % every == 0 and 0 < i < n_steps]
     normal = [steps[i]["ms"] for i in steps if i % every >= 2]
@@ -204,6 +226,15 @@ def measure_saves(kind, background, settings, workdir):
             "save_step_ms": save_step, "ratio": save_step / step_ms,
             "waited_ms": statistics.median(waited.get(i, 0) * 1000 for i in after),
             "load_1m": common.load_1m()}
+
+
+def save_args(kind, background, settings, data):
+    """train.py's arguments of a save run (with losses_from_saves, the losses' keys)."""
+    keys = LOSS_KEYS if settings.get("losses_from_saves") else \
+        ["--gradient_accumulation_steps=2", "--eval_iters=1"]
+    return [*settings["save_model"], *CPU, f"--data_dir={data}", *keys,
+            f"--max_iters={settings['save_steps']}", f"--eval_interval={settings['save_every']}",
+            f"--parallel={kind}", f"--async_save={background}", "--log_interval=1000"]
 
 
 def saves_waited(output):
