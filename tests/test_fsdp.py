@@ -18,8 +18,10 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY, evals, fails, metrics, python, run, steps, torchrun
-from ddpgpt import checkpoint
+from ddpgpt import checkpoint, configurator
+from ddpgpt.errors import UserError
 from ddpgpt.runtime import Ranks
+from ddpgpt.settings import TrainConfig
 from bench.common import torchrun as torchrun_command, kill_tree
 
 RTOL = 1e-5  # ddp and fsdp sum the gradients over the ranks in other orders
@@ -50,12 +52,15 @@ def relative_difference(a, b, key="loss"):
 
 
 def resumed_from(source, out, env, corpus, nproc, *extra):
-    """A run that resumes from a copy of source (a checkpoint) in a new out_dir, to iter 20."""
+    """A run that resumes from a copy of source (a checkpoint) in a new out_dir, to iter 20:
+    on nproc ranks under torchrun, or on one as a plain process (one rank has no process
+    group: runtime.init_distributed), as a user runs train.py on one."""
     os.makedirs(out)
     copy = shutil.copytree if os.path.isdir(source) else shutil.copy
     copy(source, os.path.join(out, os.path.basename(source)))
-    p = torchrun(nproc, "train.py", *train_args(corpus, out, "--init_from=resume", *extra),
-                 env=env)
+    args = train_args(corpus, out, "--init_from=resume", *extra)
+    p = torchrun(nproc, "train.py", *args, env=env) if nproc > 1 else \
+        python("train.py", *args, env=env)
     assert f"resuming from {os.path.join(out, os.path.basename(source))} (iter 10)" in p.stdout
     return str(out)
 
@@ -260,12 +265,14 @@ def test_export_eval_and_sample_read_a_checkpoint_folder(runs, corpus, tmp_path,
     assert result["val_loss"] == pytest.approx(evals(runs["fsdp"])[-1]["val_loss"], rel=1e-6)
     python("export.py", runs["fsdp"], tmp_path / "hf", env=env)
     assert (tmp_path / "hf" / "model.safetensors").is_file()
-    # one command makes the folder one file: the same values, and it resumes under ddp
+    # one command makes the folder one file: the same values, and it resumes under ddp (on
+    # one process: what the file holds is the point here; ddp on 2 ranks resuming a folder is
+    # test_ddp_and_fsdp_resume_each_others_checkpoints)
     one_file = tmp_path / "ckpt_0000010.pt"
     python("export.py", checkpoint.path_for(runs["fsdp"], 10, folder=True), one_file, env=env)
     assert same_state(loaded(str(one_file)),
                       loaded(checkpoint.path_for(runs["fsdp"], 10, folder=True)))
-    out = resumed_from(str(one_file), tmp_path / "out", env, corpus, 2)
+    out = resumed_from(str(one_file), tmp_path / "out", env, corpus, 1)
     assert relative_difference(runs["fsdp"], out) <= RTOL
 
 
@@ -364,6 +371,16 @@ def test_evaluation_when_the_ranks_have_different_numbers_of_batches(corpus, tmp
     (["--parallel=zero3"], "parallel='zero3' is not one of 'ddp', 'fsdp'"),
 ])
 def test_bad_combinations_are_clear_errors(env, args, message):
+    """A combination the settings refuse (configurator.parse, as train.py reads them) is checked
+    there; the first of those also from train.py as a user meets it (one line, exit 1, no
+    traceback: the same path for each), and any that the settings let through (float16 under
+    fsdp, refused where train.py wraps the model: parallel.check) from train.py."""
+    try:
+        configurator.parse(TrainConfig, args, "train.py")
+    except UserError as e:
+        assert message in str(e)
+        if args != ["--reshard_after_forward=False"]:
+            return
     assert message in fails("train.py", *args, env=env).stderr
 
 

@@ -160,10 +160,31 @@ def test_ddp_on_2_ranks_trains_as_one_process_and_fsdp_as_ddp(runs):
     assert relative_difference(runs["ddp"], runs["fsdp"]) <= RTOL
 
 
+@pytest.fixture(scope="module")
+def killed(runs, corpus, tmp_path_factory, session_env):
+    """runs['fsdp'] again, rank 1 killed (kill -9) after the save at 4: torchrun restarts both
+    ranks, which resume from Muon's sharded momentum (the checkpoint folder at 4). Rank 0's
+    reads take 200 ms more (slow_rank.py), so that the run is still going when the kill comes.
+    Its out_dir, and what it printed. The resume of fsdp's folder on 2 ranks that two tests
+    check (bit for bit, and the momentum it saves again), made once."""
+    root = tmp_path_factory.mktemp("killed")
+    out = str(root / "killed")
+    said = killing_rank_1(
+        os.path.join(ROOT, "tests", "slow_rank.py"),
+        [f"--data_dir={corpus}", *ARGS, f"--out_dir={out}", "--parallel=fsdp",
+         "--init_from=auto"], dict(session_env, SLOW_RANK="0"),
+        lambda: checkpoint.list_checkpoints(out) and
+        any(r.get("iter", -1) >= 5 for r in rows_of(out)), root / "log")
+    return out, said
+
+
 @pytest.mark.slow
-def test_fsdp_resumes_bit_for_bit_and_its_folder_on_one_process(runs, corpus, tmp_path, env):
-    out = resumed(checkpoint.path_for(runs["fsdp"], 4, folder=True), tmp_path / "fsdp", 2,
-                  "fsdp", corpus, env)
+def test_fsdp_resumes_bit_for_bit_and_its_folder_on_one_process(runs, killed, corpus, tmp_path,
+                                                                 env):
+    # fsdp's folder at 4 resumed on 2 ranks under fsdp (killed's restart): steps 4 to 8 are
+    # the uninterrupted run's
+    out, said = killed
+    assert f"resuming from {checkpoint.path_for(out, 4, folder=True)} (iter 4)" in said
     a, b = steps(runs["fsdp"]), steps(out)
     assert [(a[i]["loss"], a[i]["batch_fp"]) for i in range(4, 8)] == \
         [(b[i]["loss"], b[i]["batch_fp"]) for i in range(4, 8)]
@@ -207,17 +228,10 @@ def test_ddp_checkpoints_resume_under_fsdp_on_4_ranks_and_fsdp_folders_under_ddp
 
 
 @pytest.mark.slow
-def test_fsdp_recovers_from_a_rank_killed_mid_run_bit_for_bit(runs, corpus, tmp_path, env):
-    """kill -9 of rank 1 after the save at 4: torchrun restarts both ranks, which resume from
-    Muon's sharded momentum and repeat the uninterrupted run. Rank 0's reads take 200 ms more
-    (slow_rank.py), so that the run is still going when the kill comes."""
-    out = str(tmp_path / "killed")
-    said = killing_rank_1(
-        os.path.join(ROOT, "tests", "slow_rank.py"),
-        [f"--data_dir={corpus}", *ARGS, f"--out_dir={out}", "--parallel=fsdp",
-         "--init_from=auto"], dict(env, SLOW_RANK="0"),
-        lambda: checkpoint.list_checkpoints(out) and
-        any(r.get("iter", -1) >= 5 for r in rows_of(out)), tmp_path / "log")
+def test_fsdp_recovers_from_a_rank_killed_mid_run_bit_for_bit(runs, killed):
+    """kill -9 of rank 1 after the save at 4 (the killed fixture): torchrun restarts both ranks,
+    which resume from Muon's sharded momentum and repeat the uninterrupted run."""
+    out, said = killed
     assert f"resuming from {checkpoint.path_for(out, 4, folder=True)} (iter 4)" in said
     a, b = steps(runs["fsdp"]), steps(out)
     assert [(a[i]["loss"], a[i]["batch_fp"]) for i in range(8)] == \
