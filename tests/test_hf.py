@@ -210,11 +210,30 @@ def copy_of(byte_run, out):
     return out
 
 
+@pytest.fixture(scope="module")
+def byte_exports(byte_run, tmp_path_factory, session_env):
+    """Two export.py of a copy of byte_run started at once into one DEST, beside a folder of the
+    user's named like export's temporary one: (that folder's parent, [(returncode, stdout,
+    stderr) of each]). Run once: the winner's DEST is the export whose contents a test reads,
+    the two ends what the test of the race reads."""
+    root = tmp_path_factory.mktemp("byte_exports")
+    out, dest = copy_of(byte_run, root / "out"), root / "exported"
+    (root / "exported.tmp").mkdir()
+    (root / "exported.tmp" / "notes.txt").write_text("mine")
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "export.py"), out, dest],
+                              env=session_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+             for _ in range(2)]
+    ends = [(p, *p.communicate(timeout=600)) for p in procs]
+    return root, [(p.returncode, stdout, stderr) for p, stdout, stderr in ends]
+
+
 @pytest.mark.slow
-def test_a_byte_model_without_biases_exports_exactly(byte_run, tmp_path, env):
+def test_a_byte_model_without_biases_exports_exactly(byte_exports, env):
     from transformers import AutoTokenizer, GPT2LMHeadModel
-    out, dest = copy_of(byte_run, tmp_path / "out"), tmp_path / "exported"
-    python("export.py", out, dest, env=env)
+    root, ends = byte_exports
+    out, dest = root / "out", root / "exported"
+    assert 0 in [returncode for returncode, _, _ in ends], ends  # export.py out dest
     state, _ = checkpoint.load_latest(str(out))
     assert state["model_args"]["bias"] is False and state["model_args"]["vocab_size"] == 320
     theirs = GPT2LMHeadModel.from_pretrained(dest).eval()
@@ -247,27 +266,23 @@ def test_a_byte_model_without_biases_exports_exactly(byte_run, tmp_path, env):
 
 
 @pytest.mark.slow
-def test_two_exports_into_one_dest_and_a_users_dest_tmp(byte_run, tmp_path, env):
+def test_two_exports_into_one_dest_and_a_users_dest_tmp(byte_exports):
     """A folder of the user's named like export's temporary one is left alone (export's own
     carries its pid and host), and the loser of two exports into one DEST is told so, not to
     free space."""
     from transformers import GPT2LMHeadModel
-    out, dest = copy_of(byte_run, tmp_path / "out"), tmp_path / "exported"
-    (tmp_path / "exported.tmp").mkdir()
-    (tmp_path / "exported.tmp" / "notes.txt").write_text("mine")
-    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "export.py"), out, dest],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    ends = [p.communicate(timeout=600) for p in procs]
-    assert sorted(p.returncode for p in procs) == [0, 1], ends
-    loser = ends[[p.returncode for p in procs].index(1)][1].strip().splitlines()[-1]
+    root, ends = byte_exports
+    dest = root / "exported"
+    assert sorted(returncode for returncode, _, _ in ends) == [0, 1], ends
+    loser = [stderr for returncode, _, stderr in ends if returncode == 1][0]
+    loser = loser.strip().splitlines()[-1]
     assert loser.startswith((f"export.py: error: {dest} was made by another process while "
                              f"this export wrote it (a second export.py into the same DEST?)",
                              f"export.py: error: {dest} exists")), loser
-    assert "free space" not in loser and "Traceback" not in ends[0][1] + ends[1][1]
+    assert "free space" not in loser and "Traceback" not in ends[0][2] + ends[1][2]
     GPT2LMHeadModel.from_pretrained(dest)  # the winner's, whole
-    assert sorted(os.listdir(tmp_path)) == ["exported", "exported.tmp", "out"]
-    assert (tmp_path / "exported.tmp" / "notes.txt").read_text() == "mine"
+    assert sorted(os.listdir(root)) == ["exported", "exported.tmp", "out"]
+    assert (root / "exported.tmp" / "notes.txt").read_text() == "mine"
 
 
 @pytest.mark.slow
