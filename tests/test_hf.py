@@ -13,8 +13,10 @@ import pytest
 import tiktoken
 import torch
 
-os.environ["HF_HUB_OFFLINE"] = "1"  # read when transformers is imported: never the network
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel  # noqa: E402
+# read when transformers is imported: never the network. transformers is imported in the tests
+# that use it, not here: each pytest-xdist worker imports every test file to collect it, and
+# transformers' GPT-2 costs ~7 CPU s, for the worker that runs this file only
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 from ddpgpt import checkpoint, configurator, hf, optim, tokenfile
 from ddpgpt.tokenizer import get_tokenizer
@@ -32,6 +34,7 @@ RUN = ["--block_size=32", "--batch_size=4", "--gradient_accumulation_steps=1", "
 def random_gpt2(folder, vocab_size=50257):
     """A random GPT2LMHeadModel saved in folder. Every parameter is perturbed: HF starts
     LayerNorms at 1 and biases at 0, which would hide a mix-up of them."""
+    from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, **SMALL))
     with torch.no_grad():
@@ -83,6 +86,7 @@ def hf_folder(tmp_path_factory):
 
 
 def test_gpt2_124m_maps_both_ways_exactly():
+    from transformers import GPT2Config, GPT2LMHeadModel
     theirs = GPT2LMHeadModel(GPT2Config())
     args = hf.model_args_of(theirs.config)
     assert args == dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257,
@@ -95,6 +99,7 @@ def test_gpt2_124m_maps_both_ways_exactly():
 
 
 def test_a_folder_loads_with_transformers_logits(hf_folder, gpt2_data, tmp_path):
+    from transformers import GPT2LMHeadModel
     theirs = GPT2LMHeadModel.from_pretrained(hf_folder).eval()
     ids = random_ids(64)
     weights, args = hf.load(hf_folder)
@@ -114,6 +119,7 @@ def test_a_folder_loads_with_transformers_logits(hf_folder, gpt2_data, tmp_path)
 @pytest.mark.slow
 def test_fine_tune_export_and_reload_in_transformers(hf_folder, gpt2_data, tmp_path, env,
                                                      tiktoken_cache, monkeypatch):
+    from transformers import AutoTokenizer, GPT2LMHeadModel
     out, dest = tmp_path / "out", tmp_path / "exported"
     args = ["config/finetune_gpt2.py", f"--init_from={hf_folder}", f"--data_dir={gpt2_data}",
             f"--out_dir={out}", *RUN, "--eval_interval=2"]
@@ -168,6 +174,7 @@ def nanogpt_checkpoint(out_dir):
 
 @pytest.mark.slow
 def test_a_nanogpt_checkpoint_samples_resumes_and_exports(gpt2_data, tmp_path, env):
+    from transformers import GPT2LMHeadModel
     out, dest = tmp_path / "out", tmp_path / "exported"
     model = nanogpt_checkpoint(out)
     p = python("sample.py", f"--out_dir={out}", "--start=Hello", "--num_samples=1",
@@ -203,10 +210,30 @@ def copy_of(byte_run, out):
     return out
 
 
+@pytest.fixture(scope="module")
+def byte_exports(byte_run, tmp_path_factory, session_env):
+    """Two export.py of a copy of byte_run started at once into one DEST, beside a folder of the
+    user's named like export's temporary one: (that folder's parent, [(returncode, stdout,
+    stderr) of each]). Run once: the winner's DEST is the export whose contents a test reads,
+    the two ends what the test of the race reads."""
+    root = tmp_path_factory.mktemp("byte_exports")
+    out, dest = copy_of(byte_run, root / "out"), root / "exported"
+    (root / "exported.tmp").mkdir()
+    (root / "exported.tmp" / "notes.txt").write_text("mine")
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "export.py"), out, dest],
+                              env=session_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+             for _ in range(2)]
+    ends = [(p, *p.communicate(timeout=600)) for p in procs]
+    return root, [(p.returncode, stdout, stderr) for p, stdout, stderr in ends]
+
+
 @pytest.mark.slow
-def test_a_byte_model_without_biases_exports_exactly(byte_run, tmp_path, env):
-    out, dest = copy_of(byte_run, tmp_path / "out"), tmp_path / "exported"
-    python("export.py", out, dest, env=env)
+def test_a_byte_model_without_biases_exports_exactly(byte_exports, env):
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+    root, ends = byte_exports
+    out, dest = root / "out", root / "exported"
+    assert 0 in [returncode for returncode, _, _ in ends], ends  # export.py out dest
     state, _ = checkpoint.load_latest(str(out))
     assert state["model_args"]["bias"] is False and state["model_args"]["vocab_size"] == 320
     theirs = GPT2LMHeadModel.from_pretrained(dest).eval()
@@ -239,26 +266,23 @@ def test_a_byte_model_without_biases_exports_exactly(byte_run, tmp_path, env):
 
 
 @pytest.mark.slow
-def test_two_exports_into_one_dest_and_a_users_dest_tmp(byte_run, tmp_path, env):
+def test_two_exports_into_one_dest_and_a_users_dest_tmp(byte_exports):
     """A folder of the user's named like export's temporary one is left alone (export's own
     carries its pid and host), and the loser of two exports into one DEST is told so, not to
     free space."""
-    out, dest = copy_of(byte_run, tmp_path / "out"), tmp_path / "exported"
-    (tmp_path / "exported.tmp").mkdir()
-    (tmp_path / "exported.tmp" / "notes.txt").write_text("mine")
-    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "export.py"), out, dest],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    ends = [p.communicate(timeout=600) for p in procs]
-    assert sorted(p.returncode for p in procs) == [0, 1], ends
-    loser = ends[[p.returncode for p in procs].index(1)][1].strip().splitlines()[-1]
+    from transformers import GPT2LMHeadModel
+    root, ends = byte_exports
+    dest = root / "exported"
+    assert sorted(returncode for returncode, _, _ in ends) == [0, 1], ends
+    loser = [stderr for returncode, _, stderr in ends if returncode == 1][0]
+    loser = loser.strip().splitlines()[-1]
     assert loser.startswith((f"export.py: error: {dest} was made by another process while "
                              f"this export wrote it (a second export.py into the same DEST?)",
                              f"export.py: error: {dest} exists")), loser
-    assert "free space" not in loser and "Traceback" not in ends[0][1] + ends[1][1]
+    assert "free space" not in loser and "Traceback" not in ends[0][2] + ends[1][2]
     GPT2LMHeadModel.from_pretrained(dest)  # the winner's, whole
-    assert sorted(os.listdir(tmp_path)) == ["exported", "exported.tmp", "out"]
-    assert (tmp_path / "exported.tmp" / "notes.txt").read_text() == "mine"
+    assert sorted(os.listdir(root)) == ["exported", "exported.tmp", "out"]
+    assert (root / "exported.tmp" / "notes.txt").read_text() == "mine"
 
 
 @pytest.mark.slow

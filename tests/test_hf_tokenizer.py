@@ -13,13 +13,14 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import sentencepiece
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from ddpgpt import tokenfile
 from ddpgpt.tokenizer import byte_lengths, get_tokenizer
 from conftest import TINY, evals, fails, prepare_fails, python, torchrun
+
+# tokenizers, sentencepiece and transformers are imported in the functions that use them, not
+# here: each pytest-xdist worker imports every test file to collect it, for the worker that
+# runs this file only
 
 TEXTS = [*(open(os.path.join(sysconfig.get_paths()["stdlib"], f"{name}.py")).read()
            for name in ("textwrap", "shutil", "json/decoder")),
@@ -29,6 +30,8 @@ TEXTS = [*(open(os.path.join(sysconfig.get_paths()["stdlib"], f"{name}.py")).rea
 def save_bpe(folder, **special):
     """A byte-level BPE of 400 ids trained on TEXTS, its special tokens (eos_token='<eos>',
     ...) as given."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -42,6 +45,8 @@ def save_bpe(folder, **special):
 def save_word_level(folder, n_ids):
     """A word-level tokenizer of n_ids ids: fillers, then the words of TEXTS, then its eos
     <|end|> at the largest id, n_ids - 1, which ends every document in the token files."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
     words = sorted({w for text in TEXTS for w in text.split()})
     first_word = n_ids - 1 - len(words)
     vocab = {"<unk>": 0, **{f"filler{i}": i for i in range(1, first_word)},
@@ -66,8 +71,9 @@ def save_id_past_uint32(folder):
 
 def save_sentencepiece(folder):
     """A sentencepiece unigram model (tokenizer.model), as Llama's tokenizers come."""
+    from sentencepiece import SentencePieceTrainer
     os.makedirs(folder)
-    sentencepiece.SentencePieceTrainer.train(
+    SentencePieceTrainer.train(
         sentence_iterator=iter(line for text in TEXTS for line in text.splitlines()),
         model_prefix=os.path.join(folder, "tokenizer"), vocab_size=600, byte_fallback=True,
         minloglevel=2)
@@ -137,6 +143,7 @@ def encoded(hf, eot):
                                             ("sentencepiece", "</s>", "uint16")])
 def test_prepare_writes_autotokenizers_ids_ended_by_eos_else_pad(kind, eot, dtype,
                                                                    tokenizers_dir, prepared):
+    from transformers import AutoTokenizer
     folders = tokenizers_dir[1]
     data, meta = prepared(kind)
     hf = AutoTokenizer.from_pretrained(folders[kind])
@@ -253,6 +260,7 @@ def test_sample_and_eval_of_the_export_read_the_tokenizer_files_it_carries(from_
 
 @pytest.mark.slow
 def test_the_exports_autotokenizer_encodes_exactly_as_training_did(pipeline, tokenizers_dir):
+    from transformers import AutoTokenizer
     data, _, export = pipeline
     meta = json.loads((data / tokenfile.META_NAME).read_text())
     hf = AutoTokenizer.from_pretrained(export)

@@ -13,7 +13,8 @@ from conftest import TINY, fails, python
 
 # shakespeare_char's 65 characters, in the order its prepare.py gives them ids (sorted)
 CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-TRAIN = [*TINY, "--max_iters=20", "--eval_interval=20", "--eval_iters=2"]
+TRAIN = [*TINY, "--gradient_accumulation_steps=1", "--max_iters=20", "--eval_interval=20",
+         "--eval_iters=2"]
 SEP = "\n---------------\n"
 
 

@@ -10,9 +10,10 @@ import sysconfig
 import pytest
 import torch
 
-os.environ["HF_HUB_OFFLINE"] = "1"  # read when transformers is imported: never the network
-from transformers import (AutoModelForCausalLM, AutoTokenizer, Qwen3Config,  # noqa: E402
-                          Qwen3ForCausalLM)
+# read when transformers is imported: never the network. transformers is imported in the tests
+# that use it, not here: each pytest-xdist worker imports every test file to collect it, and
+# transformers' Qwen3 costs ~7 CPU s, for the worker that runs this file only
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 from conftest import TINY, evals, fails, python, steps, torchrun
 from ddpgpt import checkpoint, hf, optim
@@ -65,6 +66,7 @@ def test_the_modern_block_names_counts_and_flops():
 
 
 def test_the_modern_block_is_qwen3_both_ways_exactly():
+    from transformers import Qwen3ForCausalLM
     ours = perturbed(modern(block_size=64))
     args = {**SMALL, "block_size": 64, "arch": "modern", "rope_theta": 10000.0}
     theirs = Qwen3ForCausalLM(hf.qwen3_config_of(args, 64, 63)).eval()
@@ -191,6 +193,7 @@ def gpt2_data(tmp_path_factory, session_env):
 @pytest.mark.slow
 def test_export_is_a_qwen3_that_transformers_loads_and_init_from_loads_back(
         gpt2_data, tmp_path, env):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
     out, dest, tuned = tmp_path / "out", tmp_path / "exported", tmp_path / "tuned"
     run = [f"--data_dir={gpt2_data}", *TINY, "--gradient_accumulation_steps=1",
            "--eval_interval=2", "--max_iters=2"]
@@ -314,6 +317,7 @@ def test_a_resume_keeps_its_optimizer_and_its_arch(modern_run, env, corpus, tmp_
 
 
 def test_a_qwen3_that_the_modern_block_does_not_compute_is_refused(gpt2_data, tmp_path, env):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
     folder = tmp_path / "gqa"
     Qwen3ForCausalLM(Qwen3Config(
         vocab_size=50257, hidden_size=32, intermediate_size=swiglu_hidden(32),
