@@ -26,8 +26,9 @@ TINY = [*TINY, "--n_layer=1", "--backend=gloo", "--gradient_accumulation_steps=4
         "--lr_decay_iters=300"]
 # a few seconds on 4 CPU ranks: long enough for a signal to land mid-run (a USR1 sent at step 3
 # stopped the job at step 14, at a load of 15 on 2 cores), and for the killed-rank test's two
-# kills and restarts
-MAX_ITERS = 180
+# kills and restarts (at steps 40 and 80, 40 steps before the end); each of these 4-rank jobs
+# trains all of its steps (180 before: a third of them were margin)
+MAX_ITERS = 120
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
                 "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"}
 
@@ -227,7 +228,8 @@ def test_fsdp_on_two_nodes_saves_each_ranks_part_at_usr1_and_resumes_from_it(slu
                                                                              tmp_path):
     """launch/ passes --parallel=fsdp through like any key: 4 ranks on 2 nodes write their
     parts of one checkpoint folder at the USR1 stop, and the requeued job resumes from it."""
-    log, out, iters = str(tmp_path / "job.log"), str(tmp_path / "out"), 60
+    # 40 steps: the USR1 sent at step 3 lands by step ~14 even at a load of 15 (MAX_ITERS)
+    log, out, iters = str(tmp_path / "job.log"), str(tmp_path / "out"), 40
     job_id = sbatch(slurm, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
                     "--parallel=fsdp", f"--max_iters={iters}", f"--eval_interval={iters}",
                     "--log_interval=100")
@@ -296,13 +298,14 @@ def test_a_failing_rank_ends_the_job_at_once_with_its_error(slurm, corpus, tmp_p
 def test_a_killed_rank_restarts_within_the_job_and_goes_on_on_the_same_batches(
         slurm, corpus, uninterrupted, tmp_path):
     """MAX_RESTARTS=2: kill -9 of rank 3 (on n2), then of rank 0 (on n1). Each torchrun restarts
-    its ranks within the job step, they resume from the newest checkpoint, and the steps are
-    the uninterrupted job's, bit for bit."""
+    its ranks within the job step, they resume from the newest checkpoint (a checkpoint every
+    30 steps: one before each kill and one between them), and the steps are the uninterrupted
+    job's, bit for bit."""
     log, out = str(tmp_path / "job.log"), str(tmp_path / "out")
     job_id = sbatch(slurm, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
                     f"--max_iters={MAX_ITERS}", "--eval_interval=30", "--log_interval=100",
                     MAX_RESTARTS="2")
-    kill_at_steps(out, [(50, 3, signal.SIGKILL), (110, 0, signal.SIGKILL)], procs=[])
+    kill_at_steps(out, [(40, 3, signal.SIGKILL), (80, 0, signal.SIGKILL)], procs=[])
     info = wait_done(slurm, job_id, log)
     text = read(log)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", (info, text)
@@ -316,11 +319,12 @@ def test_a_killed_rank_restarts_within_the_job_and_goes_on_on_the_same_batches(
 @pytest.mark.slow
 def test_an_init_from_in_a_config_file_wins_over_the_batch_scripts_auto(slurm, corpus, tmp_path):
     """slurm.sbatch passes --init_from=auto before the user's arguments: a config file's
-    init_from (here resume, in an out_dir with no checkpoint) is the one train.py takes."""
+    init_from (here resume, in an out_dir with no checkpoint) is the one train.py takes (one
+    rank on one node: each rank reads the same arguments)."""
     log, out, config = str(tmp_path / "job.log"), str(tmp_path / "out"), tmp_path / "resume.py"
     config.write_text('init_from = "resume"\n')
     job_id = sbatch(slurm, log, config, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
-                    "--max_iters=10", nodes=1)
+                    "--max_iters=10", nodes=1, NPROC_PER_NODE="1")
     info = wait_done(slurm, job_id, log)
     text = read(log)
     assert info["JobState"] == "FAILED", (info, text)

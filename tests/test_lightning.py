@@ -121,11 +121,12 @@ def test_ranks_read_train_py_batches_and_a_resumed_checkpoint_continues_them(
                                         "data_identity": sources.identity({"train": data.mixture(
                                             [tokenfile.open_split(corpus, "train", 1)])})}
     # on other data, it resumed "at the exact sample" of that data: refused, as train.py does
+    # (each process checks it, before the check of devices below: one process shows it)
     other = tmp_path / "other"
     write_token_files(str(other), {s: np.random.default_rng(1).integers(0, 256, 9000)
                                              for s in ("train", "val")},
                                 tokenizer="byte", vocab_size=257, eot_token=256)
-    err = fails(EXAMPLE, "--devices=2", f"--out_dir={halves}", *args, f"--data_dir={other}",
+    err = fails(EXAMPLE, "--devices=1", f"--out_dir={halves}", *args, f"--data_dir={other}",
                 "--max_steps=6", "--ckpt_path=last", env=env).stderr
     assert f"data_dir='{other}' is not the data the checkpoint {halves / 'last.ckpt'} was " \
            f"trained on" in err and "--allow_data_change=True" in err, err

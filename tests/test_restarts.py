@@ -20,9 +20,9 @@ from test_reliability import wait_for_step
 
 # the restarts in a row of the test below; DDPGPT_TEST_RESTARTS=20 for the long loop
 RESTARTS = int(os.environ.get("DDPGPT_TEST_RESTARTS", "3"))
-# 60 steps, then 30 for each of those restarts (150 with 3): the runs' steps are much of their
-# cost
-MAX_ITERS = 60 + 30 * RESTARTS
+# 30 steps, then 20 for each of those restarts (90 with 3): the runs' steps are much of their
+# cost (it was 60 + 30 each: the first kill lands after a checkpoint all the same)
+MAX_ITERS = 30 + 20 * RESTARTS
 # eval_interval 50: a checkpoint every 50 steps, so that every restart redoes some steps
 ARGS = [*TINY, "--gradient_accumulation_steps=2", f"--max_iters={MAX_ITERS}",
         "--eval_interval=50", "--log_interval=100", "--init_from=auto",
@@ -89,8 +89,8 @@ def test_torchrun_restarts_a_run_again_and_again_and_it_continues_exactly(
     failed nearly always. A checkpoint comes between any two kills, so every restart has one
     to resume from; the evaluations in between change no step."""
     out, log = str(tmp_path / "out"), tmp_path / "log"
-    spacing = (MAX_ITERS - 60) // RESTARTS
-    kills = [(60 + i * spacing, (i + 1) % 2, signal.SIGKILL) for i in range(RESTARTS)]
+    spacing = (MAX_ITERS - 30) // RESTARTS
+    kills = [(30 + i * spacing, (i + 1) % 2, signal.SIGKILL) for i in range(RESTARTS)]
     args = [*ARGS, f"--eval_interval={min(50, spacing - 2)}"]
     with open(log, "w") as f:
         proc = subprocess.Popen([*TORCHRUN, "--standalone", "--nproc_per_node=2",
@@ -169,7 +169,10 @@ def test_ranks_whose_torchrun_is_killed_stop_save_and_free_the_out_dir(env, corp
 def test_two_agents_as_two_nodes_restart_after_a_kill_on_either(env, corpus, uninterrupted,
                                                                tmp_path):
     """Two torchruns of one rank each, a c10d rendezvous as on two nodes: their restart counts
-    differ (each counts the restarts its own ranks caused), and the run still goes on."""
+    differ (each counts the restarts its own ranks caused), and the run still goes on. A
+    checkpoint every 20 steps (20, 40, ...) comes before each kill and between the two; the
+    evaluations change no step, so the uninterrupted run (eval_interval 50) is the one to
+    repeat."""
     out, logs = str(tmp_path / "out"), [tmp_path / "node0.log", tmp_path / "node1.log"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -181,10 +184,10 @@ def test_two_agents_as_two_nodes_restart_after_a_kill_on_either(env, corpus, uni
                 [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
                  f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=two-nodes-{port}",
                  f"--rdzv-conf=is_host={int(node == 0)}", "--max-restarts=2",
-                 *train_args(corpus, out, *ARGS)],
+                 *train_args(corpus, out, *ARGS, "--eval_interval=20")],
                 cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT))
     try:
-        kill_at_steps(out, [(60, 1, signal.SIGKILL), (110, 0, signal.SIGKILL)], procs)
+        kill_at_steps(out, [(30, 1, signal.SIGKILL), (70, 0, signal.SIGKILL)], procs)
         for p, log in zip(procs, logs):
             assert p.wait(timeout=240) == 0, log.read_text()
     finally:
