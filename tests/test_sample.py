@@ -13,7 +13,7 @@ TRAIN = [*TINY, "--n_layer=1", "--gradient_accumulation_steps=1", "--max_iters=3
 
 
 def write_corpus(folder):
-    """Ten small documents of Python, a .txt file each."""
+    """Ten small documents of Python, a .txt file each, for the GPT-2 model."""
     os.makedirs(folder)
     for d in range(10):
         with open(os.path.join(folder, f"doc{d}.txt"), "w") as f:
@@ -32,18 +32,18 @@ def variant(src_dir, dst_dir, change):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, session_env):
-    """out_dirs by name: 'byte' and 'gpt2' models, variants of their
-    checkpoints, and an 'empty' folder."""
+def trained(tmp_path_factory, session_env, corpus):
+    """out_dirs by name: 'byte' (trained on conftest's corpus, Python source in bytes) and
+    'gpt2' models, variants of their checkpoints, and an 'empty' folder."""
     root = tmp_path_factory.mktemp("sample")
     env = session_env
     write_corpus(str(root / "corpus"))
     outs = {"empty": str(root / "empty")}
     os.makedirs(outs["empty"])
-    for name, tokenizer in (("byte", "byte"), ("gpt2", "gpt2")):
-        data_dir, outs[name] = root / f"data_{name}", str(root / f"out_{name}")
-        python("prepare.py", f"--dataset={root / 'corpus'}", f"--tokenizer={tokenizer}",
-               f"--out_dir={data_dir}", "--val_docs=2", "--num_proc=1", env=env)
+    python("prepare.py", f"--dataset={root / 'corpus'}", "--tokenizer=gpt2",
+           f"--out_dir={root / 'data_gpt2'}", "--val_docs=2", "--num_proc=1", env=env)
+    for name, data_dir in (("byte", corpus), ("gpt2", root / "data_gpt2")):
+        outs[name] = str(root / f"out_{name}")
         python("train.py", f"--data_dir={data_dir}", f"--out_dir={outs[name]}", *TRAIN, env=env)
 
     def tokenizer(name):
