@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -170,15 +171,13 @@ def test_a_resume_in_another_sampling_mode_says_so(env, gpt2_sources, epoch_run,
 
 
 @pytest.mark.slow
-def test_index_of_nanogpt_files_is_prepares_and_a_stale_one_is_refused(env, tmp_path):
-    write_corpus(tmp_path / "docs.jsonl", 300, seed=2)
-    ours = prepare(env, tmp_path / "docs.jsonl", tmp_path / "ours", tokenizer="byte")
-    raw = tmp_path / "raw"  # nanoGPT's: train.bin and val.bin, no meta.json
+def test_index_of_nanogpt_files_is_prepares_and_a_stale_one_is_refused(env, corpus, tmp_path):
+    raw = tmp_path / "raw"  # nanoGPT's: the corpus's train.bin and val.bin, no meta.json
     raw.mkdir()
     for split in tokenfile.SPLITS:
-        shutil.copy(os.path.join(ours, f"{split}.bin"), raw)
+        shutil.copy(os.path.join(corpus, f"{split}.bin"), raw)
     python("index_documents.py", f"--data_dir={raw}", "--eot_token=256", env=env)
-    assert indexes(raw) == indexes(tmp_path / "ours")
+    assert indexes(raw) == indexes(Path(corpus))  # what prepare.py wrote beside them
     p = python("index_documents.py", f"--data_dir={raw}", "--eot_token=256", env=env)
     assert "train.docidx matches its token files: kept" in p.stdout
     run = [f"--data_dir={raw}", f"--out_dir={tmp_path / 'out'}", *TINY, "--max_iters=3",
