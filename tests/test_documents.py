@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,11 +109,12 @@ def indexes(folder):
     return {split: (folder / f"{split}.docidx").read_bytes() for split in tokenfile.SPLITS}
 
 
-@pytest.fixture
-def gpt2_sources(env, tmp_path):
+@pytest.fixture(scope="module")
+def gpt2_sources(session_env, tmp_path_factory):
     """Two GPT-2 sources: ddpgpt shards, and llm.c shards without meta.json or index, as
     they come from modded-nanogpt, indexed with index_documents.py; the index it makes is
-    byte for byte the one prepare.py wrote."""
+    byte for byte the one prepare.py wrote. No test changes them."""
+    env, tmp_path = session_env, tmp_path_factory.mktemp("gpt2_sources")
     write_corpus(tmp_path / "web.jsonl", 600, seed=0)
     write_corpus(tmp_path / "code.jsonl", 400, seed=1)
     web = prepare(env, tmp_path / "web.jsonl", tmp_path / "web", "--shard_tokens=20000")
@@ -127,48 +129,55 @@ def gpt2_sources(env, tmp_path):
     return web, str(code)
 
 
+def mix_args(gpt2_sources):
+    web, code = gpt2_sources
+    return [f"--data_mix={web}=0.6,{code}=0.4", *TINY, "--gradient_accumulation_steps=2",
+            "--eval_interval=3", "--sampling=documents"]
+
+
+@pytest.fixture(scope="module")
+def epoch_run(gpt2_sources, session_env, tmp_path_factory):
+    """The mixture trained 1 step with sampling='epoch' (after --sampling=documents, which it
+    overrides): its out_dir, with the checkpoint at iter 1."""
+    epoch = str(tmp_path_factory.mktemp("epoch_run") / "out")
+    python("train.py", *mix_args(gpt2_sources), f"--out_dir={epoch}", "--max_iters=1",
+           "--sampling=epoch", env=session_env)
+    return epoch
+
+
 @pytest.mark.slow
 def test_mixtures_of_shards_and_llmc_shards_train_the_same_batches_on_any_world_size(
-        env, gpt2_sources, tmp_path):
-    web, code = gpt2_sources
-    args = [f"--data_mix={web}=0.6,{code}=0.4", *TINY, "--gradient_accumulation_steps=2",
-            "--eval_interval=3", "--sampling=documents"]
-    one, p = same_on_any_world_size_and_resumed(args, tmp_path, env)
+        env, gpt2_sources, epoch_run, tmp_path):
+    one, p = same_on_any_world_size_and_resumed(mix_args(gpt2_sources), tmp_path, env)
     assert "document starts by max_iters" in p.stdout
     last = evals(one)[-1]  # beside the fixed windows' loss, the document-aligned one
     assert {"val_loss", "val_loss_docs", "val_loss_docs/web", "val_loss_docs/code"} <= set(last)
     assert last["val_loss_docs"] == pytest.approx(
         0.6 * last["val_loss_docs/web"] + 0.4 * last["val_loss_docs/code"], rel=1e-6)
-    epoch = str(tmp_path / "epoch")
-    python("train.py", *args, f"--out_dir={epoch}", "--max_iters=1", "--sampling=epoch",
-           env=env)
-    assert steps(epoch)[0]["batch_fp"] != steps(one)[0]["batch_fp"]
+    assert steps(epoch_run)[0]["batch_fp"] != steps(one)[0]["batch_fp"]
 
 
 @pytest.mark.slow
-def test_a_resume_in_another_sampling_mode_says_so(env, corpus, tmp_path):
+def test_a_resume_in_another_sampling_mode_says_so(env, gpt2_sources, epoch_run, tmp_path):
     """epoch -> documents on a resume: the run goes on from its sample count in another order,
     and says so as a data_mix change does (was: without a word)."""
-    run = [f"--data_dir={corpus}", f"--out_dir={tmp_path / 'out'}", *TINY,
-           "--gradient_accumulation_steps=1", "--eval_interval=2"]
-    python("train.py", *run, "--max_iters=2", env=env)
-    p = python("train.py", *run, "--max_iters=3", "--init_from=resume", "--sampling=documents",
-               env=env)
+    out = str(tmp_path / "out")  # a copy of the 1 step trained with sampling='epoch'
+    shutil.copytree(epoch_run, out)
+    p = python("train.py", *mix_args(gpt2_sources), f"--out_dir={out}", "--max_iters=2",
+               "--init_from=resume", env=env)
     assert "note: sampling was 'epoch' and is now 'documents': the run goes on from the same " \
            "global sample, but from here on its windows are drawn as sampling='documents' draws " \
            "them" in p.stdout
 
 
 @pytest.mark.slow
-def test_index_of_nanogpt_files_is_prepares_and_a_stale_one_is_refused(env, tmp_path):
-    write_corpus(tmp_path / "docs.jsonl", 300, seed=2)
-    ours = prepare(env, tmp_path / "docs.jsonl", tmp_path / "ours", tokenizer="byte")
-    raw = tmp_path / "raw"  # nanoGPT's: train.bin and val.bin, no meta.json
+def test_index_of_nanogpt_files_is_prepares_and_a_stale_one_is_refused(env, corpus, tmp_path):
+    raw = tmp_path / "raw"  # nanoGPT's: the corpus's train.bin and val.bin, no meta.json
     raw.mkdir()
     for split in tokenfile.SPLITS:
-        shutil.copy(os.path.join(ours, f"{split}.bin"), raw)
+        shutil.copy(os.path.join(corpus, f"{split}.bin"), raw)
     python("index_documents.py", f"--data_dir={raw}", "--eot_token=256", env=env)
-    assert indexes(raw) == indexes(tmp_path / "ours")
+    assert indexes(raw) == indexes(Path(corpus))  # what prepare.py wrote beside them
     p = python("index_documents.py", f"--data_dir={raw}", "--eot_token=256", env=env)
     assert "train.docidx matches its token files: kept" in p.stdout
     run = [f"--data_dir={raw}", f"--out_dir={tmp_path / 'out'}", *TINY, "--max_iters=3",

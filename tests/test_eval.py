@@ -149,11 +149,28 @@ def test_hellaswag_counts_match_a_plain_computation_on_1_and_2_ranks(byte_run, s
     assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6)
 
 
-def test_eval_gives_what_training_recorded_at_the_same_checkpoint(byte_run, swag_file, env):
+def offline(env, cache):
+    """env with DDPGPT_CACHE=cache, behind a proxy that refuses every connection: offline, at
+    once."""
+    env.update(DDPGPT_CACHE=str(cache), HTTPS_PROXY="http://127.0.0.1:9",
+               https_proxy="http://127.0.0.1:9", NO_PROXY="", no_proxy="")
+    return env
+
+
+@pytest.fixture(scope="module")
+def cached_eval(byte_run, swag_file, session_env, tmp_path_factory):
+    """eval.py of byte_run given nothing but the device, offline, with HellaSwag's file in the
+    cache as docs/evaluation.md says to put it."""
+    cache = tmp_path_factory.mktemp("cache")
+    shutil.copy(swag_file, cache / "hellaswag_val.jsonl")
+    return python("eval.py", f"--out_dir={byte_run}", "--device=cpu",
+                  env=offline(dict(session_env), cache))
+
+
+def test_eval_gives_what_training_recorded_at_the_same_checkpoint(byte_run, cached_eval):
     # no data_dir, eval_iters, batch_size or block_size: the checkpoint's (TINY's), so the same
     # windows and HellaSwag batches as train.py's evaluation at iter 20
-    p = python("eval.py", f"--out_dir={byte_run}", f"--hellaswag_path={swag_file}",
-               "--device=cpu", env=env)
+    p = cached_eval
     result, trained = last_json(p.stdout), evals(byte_run)[-1]
     for key in ("val_loss", "val_bpb", "hellaswag_acc", "hellaswag_acc_norm"):
         assert result[key] == pytest.approx(trained[key], rel=1e-9), key
@@ -372,11 +389,9 @@ def test_fetched_once_into_the_cache_whole_or_not_at_all(swag_file, tmp_path, mo
 
 
 @pytest.mark.slow
-def test_offline_without_the_file_hellaswag_is_skipped_or_says_how_to_get_it(byte_run, swag_file,
+def test_offline_without_the_file_hellaswag_is_skipped_or_says_how_to_get_it(byte_run, cached_eval,
                                                                              tmp_path, env):
-    # a proxy that refuses every connection: offline, at once
-    env.update(DDPGPT_CACHE=str(tmp_path / "cache"), HTTPS_PROXY="http://127.0.0.1:9",
-               https_proxy="http://127.0.0.1:9", NO_PROXY="", no_proxy="")
+    offline(env, tmp_path / "cache")
     # not asked for: skipped with one line, and the val loss evaluated
     p = python("eval.py", f"--out_dir={byte_run}", "--device=cpu", env=env)
     (line,) = [line for line in p.stderr.splitlines() if "HellaSwag" in line]
@@ -393,10 +408,9 @@ def test_offline_without_the_file_hellaswag_is_skipped_or_says_how_to_get_it(byt
                                   f"data/hellaswag_val.jsonl"), p.stderr
         assert "curl -L -o hellaswag_val.jsonl" in message and "--hellaswag_path=" in message
     assert not [f for f in os.listdir(tmp_path / "cache") if f.endswith((".jsonl", ".tmp"))]
-    # with the file in the cache, as docs/evaluation.md says to put it, the same command works offline
-    shutil.copy(swag_file, tmp_path / "cache" / "hellaswag_val.jsonl")
-    p = python("eval.py", f"--out_dir={byte_run}", "--device=cpu", env=env)
-    assert last_json(p.stdout)["hellaswag_n"] == len(EXAMPLES)
+    # with the file in the cache, as docs/evaluation.md says to put it, the same command works
+    # offline: cached_eval, run so
+    assert last_json(cached_eval.stdout)["hellaswag_n"] == len(EXAMPLES)
 
 
 def test_train_stops_before_the_first_step_on_a_bad_file(corpus, tmp_path, env):

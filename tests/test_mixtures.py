@@ -2,6 +2,7 @@
 each source in its own epoch order, the same global batches on any world size, exact resume,
 per-source evaluation, and clear errors for bad mixtures."""
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -21,11 +22,12 @@ def byte_folder(folder, n_train, seed, tokenizer="byte", vocab=257):
     return str(folder)
 
 
-@pytest.fixture
-def sources(corpus, tmp_path):
-    """Three byte-tokenized sources of different sizes: web (the corpus), code, books."""
-    return [corpus, byte_folder(tmp_path / "code", 40_000, 1),
-            byte_folder(tmp_path / "books", 20_000, 2)]
+@pytest.fixture(scope="module")
+def sources(corpus, tmp_path_factory):
+    """Three byte-tokenized sources of different sizes: web (the corpus), code, books (no test
+    changes them)."""
+    root = tmp_path_factory.mktemp("sources")
+    return [corpus, byte_folder(root / "code", 40_000, 1), byte_folder(root / "books", 20_000, 2)]
 
 
 def mix_arg(folders, weights=WEIGHTS):
@@ -63,11 +65,22 @@ def test_each_source_reads_every_block_once_per_its_own_epoch():
             assert len(np.unique(blocks)) == per_epoch, (s, e)
 
 
+MIX_RUN = [*TINY, "--gradient_accumulation_steps=2", "--eval_interval=3"]
+
+
+@pytest.fixture(scope="module")
+def mixture_run(sources, tmp_path_factory, session_env):
+    """The mixture trained 6 steps on 1 rank, on 2, and on 2 stopped at 3 and resumed, checked to
+    read the same batches (conftest): the 1-rank run's (out_dir, CompletedProcess), whose
+    checkpoint at 6 the test of new weights resumes from a copy of."""
+    return same_on_any_world_size_and_resumed([mix_arg(sources), *MIX_RUN],
+                                              tmp_path_factory.mktemp("mixture"), session_env)
+
+
 @pytest.mark.slow
 def test_mixture_trains_the_same_batches_on_any_world_size_and_resumes_exactly(
-        env, sources, tmp_path):
-    args = [mix_arg(sources), *TINY, "--gradient_accumulation_steps=2", "--eval_interval=3"]
-    one, p = same_on_any_world_size_and_resumed(args, tmp_path, env)
+        sources, mixture_run):
+    one, p = mixture_run
     assert "data: code (" in p.stdout and "20.00% of the samples" in p.stdout
     last = evals(one)[-1]
     names = [os.path.basename(f) for f in sources]
@@ -89,14 +102,14 @@ def test_a_single_source_is_data_dir(env, corpus, tmp_path):
 
 
 @pytest.mark.slow
-def test_new_weights_on_resume_go_on_from_the_same_sample_and_say_so(env, sources, tmp_path):
-    out = str(tmp_path / "out")
-    args = [*TINY, "--gradient_accumulation_steps=1", "--eval_interval=2"]
-    python("train.py", mix_arg(sources), f"--out_dir={out}", *args, "--max_iters=2", env=env)
-    p = python("train.py", mix_arg(sources, (0.1, 0.1, 0.8)), f"--out_dir={out}", *args,
-               "--max_iters=4", "--init_from=resume", env=env)
+def test_new_weights_on_resume_go_on_from_the_same_sample_and_say_so(env, sources, mixture_run,
+                                                                     tmp_path):
+    out = str(tmp_path / "out")  # a copy of the mixture's 1-rank run, stopped at 6 of 6 steps
+    shutil.copytree(mixture_run[0], out)
+    p = python("train.py", mix_arg(sources, (0.1, 0.1, 0.8)), f"--out_dir={out}", *MIX_RUN,
+               "--max_iters=8", "--init_from=resume", env=env)
     assert "note: data_mix was" in p.stdout and "differs from here on" in p.stdout
-    assert sorted(steps(out)) == [0, 1, 2, 3]
+    assert sorted(steps(out)) == list(range(8))
 
 
 @pytest.mark.parametrize("case, named", [

@@ -16,10 +16,10 @@ def test_quick_start_prepares_trains_and_samples(env, tmp_path):
                f"--out_dir={data_dir}", env=env)
     check_undecodable_named(p.stdout)
     p = torchrun(2, "train.py", "config/quickstart.py", f"--data_dir={data_dir}",
-                 f"--out_dir={out_dir}", "--max_iters=20", "--eval_interval=20",
-                 "--eval_iters=2", "--log_interval=10", env=env)
-    assert "world size 2" in p.stdout and "iter 20: train loss" in p.stdout
-    assert os.path.exists(out_dir / "ckpt_0000020.pt")
+                 f"--out_dir={out_dir}", "--max_iters=10", "--eval_interval=10",
+                 "--eval_iters=2", "--log_interval=5", env=env)
+    assert "world size 2" in p.stdout and "iter 10: train loss" in p.stdout
+    assert os.path.exists(out_dir / "ckpt_0000010.pt")
     p = python("sample.py", f"--out_dir={out_dir}", "--start=def ", "--num_samples=2",
                "--max_new_tokens=50", env=env)
     samples = p.stdout.split("---------------\n")
