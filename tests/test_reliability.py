@@ -71,6 +71,13 @@ def one_rank(tmp_path_factory, session_env, corpus):
 RESIZED = ["--gradient_accumulation_steps=2", "--eval_interval=4"]
 
 
+def on_ranks(n, *args, env):
+    """train.py on n ranks as a user starts it: one process with plain python (the README's
+    one-process command, without torchrun's own process), more under torchrun."""
+    return python("train.py", *args, env=env) if n == 1 else \
+        torchrun(n, "train.py", *args, env=env)
+
+
 @pytest.fixture(scope="module")
 def whole_on_two_ranks(tmp_path_factory, session_env, corpus):
     """8 steps on 2 ranks, uninterrupted: what a run resumed on another world size repeats,
@@ -89,10 +96,9 @@ def test_resume_on_another_world_size_reads_the_same_batches(env, corpus, tmp_pa
     if first == 2:  # the whole run's first 4 steps: the same settings, on 2 ranks
         first_steps(whole, 4, resized)
     else:
-        torchrun(first, "train.py", *train_args(corpus, resized, *args, "--max_iters=4"),
-                 env=env)
-    torchrun(then, "train.py", *train_args(corpus, resized, *args, "--max_iters=8",
-                                           "--init_from=resume"), env=env)
+        on_ranks(first, *train_args(corpus, resized, *args, "--max_iters=4"), env=env)
+    on_ranks(then, *train_args(corpus, resized, *args, "--max_iters=8", "--init_from=resume"),
+             env=env)
     same = compare(env, whole, resized)
     assert same.returncode == 0 and "over 8 steps" in same.stdout, same.stdout
     a, b = steps(whole), steps(resized)
