@@ -106,12 +106,24 @@ def test_resume_on_another_world_size_reads_the_same_batches(env, corpus, tmp_pa
         assert a[i]["loss"] == pytest.approx(b[i]["loss"], rel=1e-4)
 
 
+@pytest.fixture(scope="module")
+def killed_mid_row_and_resumed(tmp_path_factory, session_env, corpus, one_rank):
+    """(out_dir, CompletedProcess): one_rank stopped at 2 by a kill in the middle of a row of
+    metrics.jsonl, and resumed to 4 with another seed: launched once, read by the tests of
+    compare_runs.py's first difference and of the resumed run's rows."""
+    out = first_steps(one_rank, 2, tmp_path_factory.mktemp("killed_mid_row") / "out")
+    with open(f"{out}/metrics.jsonl", "a") as f:
+        f.write('{"iter": 2, "loss": 4.9, "batch_')  # killed mid-write
+    p = python("train.py", *train_args(corpus, out, "--max_iters=4", "--eval_interval=4",
+                                       "--init_from=resume", "--seed=5"), env=session_env)
+    return out, p
+
+
 @pytest.mark.slow
-def test_compare_runs_names_the_first_step_that_differs(env, corpus, tmp_path, one_rank):
+def test_compare_runs_names_the_first_step_that_differs(env, one_rank,
+                                                        killed_mid_row_and_resumed):
     """b is one_rank (a) stopped at 2 and resumed with another seed."""
-    a, b = one_rank, first_steps(one_rank, 2, tmp_path / "b")
-    python("train.py", *train_args(corpus, b, "--max_iters=4", "--eval_interval=4",
-                                   "--init_from=resume", "--seed=5"), env=env)
+    a, (b, _) = one_rank, killed_mid_row_and_resumed
     diff = compare(env, a, b)
     assert diff.returncode == 1 and "first difference at iter 2: batch_fp" in diff.stdout
 
@@ -138,18 +150,13 @@ def test_compare_runs_counts_nan_losses_as_equal_and_leaves_out_a_cut_off_line(e
 
 
 @pytest.mark.slow
-def test_a_resume_after_a_kill_mid_row_starts_its_rows_on_a_line_of_their_own(env, corpus,
-                                                                               tmp_path,
-                                                                               one_rank):
+def test_a_resume_after_a_kill_mid_row_starts_its_rows_on_a_line_of_their_own(
+        env, killed_mid_row_and_resumed):
     """The resumed run's start row was written onto the cut-off line: the file was no longer
     JSON lines, and compare_runs.py and plot.py refused it from then on."""
-    out = first_steps(one_rank, 2, tmp_path / "out")
-    with open(f"{out}/metrics.jsonl", "a") as f:
-        f.write('{"iter": 2, "loss": 4.9, "batch_')  # killed mid-write
-    p = python("train.py", *train_args(corpus, out, "--max_iters=3", "--init_from=resume"),
-               env=env)
+    out, p = killed_mid_row_and_resumed
     assert [r["run"] for r in metrics(out) if "run" in r] == ["fresh", "resumed"]
-    assert sorted(steps(out)) == [0, 1, 2]
+    assert sorted(steps(out)) == [0, 1, 2, 3]
     assert compare(env, out, out).returncode == 0
     assert f"note: {out}/metrics.jsonl ended in a line cut off when a run was stopped (" \
         in p.stdout
