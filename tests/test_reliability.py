@@ -308,21 +308,6 @@ def fill(path):
 
 
 @pytest.mark.slow
-def test_two_trainings_in_one_out_dir_the_second_is_refused(env, corpus, tmp_path):
-    out = str(tmp_path / "out")
-    first = subprocess.Popen([sys.executable, "train.py", *train_args(
-        corpus, out, "--max_iters=100000", "--eval_interval=100000")], cwd=ROOT, env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_step(out, 1, first)
-        err = fails("train.py", *train_args(corpus, out, "--max_iters=2"), env=env).stderr
-    finally:
-        first.kill()
-        first.wait()
-    assert f"{out} is being written by train.py (pid {first.pid}" in err
-
-
-@pytest.mark.slow
 def test_a_failing_rank_ends_the_whole_run_within_seconds(env, corpus, tmp_path):
     """Rank 1 meets a corrupt token at step 5, rank 0 does not: both must end promptly."""
     bad = tmp_path / "bad"
@@ -373,19 +358,43 @@ def test_leaving_the_process_group_ends_its_threads(env, tmp_path):
         assert not [t for t in found["threads"] if "gloo" in t], found["threads"]
 
 
-@pytest.mark.slow
-def test_ctrl_c_saves_at_one_step_and_says_how_to_resume(env, corpus, tmp_path):
-    out = str(tmp_path / "out")
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory, session_env, corpus):
+    """A run of 1 rank, asked to train 100000 steps: while it trains, a second train.py into
+    its out_dir (which must be refused); then Ctrl-C. (out_dir, the first run's pid, its exit
+    code and what it printed, the second's stderr): launched once, read by the tests of two
+    trainings in one out_dir and of Ctrl-C."""
+    root = tmp_path_factory.mktemp("interrupted")
+    out = str(root / "out")
     args = train_args(corpus, out, "--max_iters=100000", "--eval_interval=100000")
-    with open(tmp_path / "log", "w+") as log:
-        proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env,
+    with open(root / "log", "w+") as log:
+        proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=session_env,
                                 stdout=log, stderr=subprocess.STDOUT)
-        wait_for_step(out, 3, proc)
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        try:
+            wait_for_step(out, 1, proc)
+            second = fails("train.py", *train_args(corpus, out, "--max_iters=2"),
+                           env=session_env).stderr
+            wait_for_step(out, 3, proc)
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+        finally:
+            proc.kill()
+            proc.wait()
         log.seek(0)
         text = log.read()
-    assert proc.returncode == 0 and "Traceback" not in text, text
+    return out, proc.pid, proc.returncode, text, second
+
+
+@pytest.mark.slow
+def test_two_trainings_in_one_out_dir_the_second_is_refused(interrupted):
+    out, pid, _, _, err = interrupted
+    assert f"{out} is being written by train.py (pid {pid}" in err
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_at_one_step_and_says_how_to_resume(env, corpus, interrupted):
+    out, _, returncode, text, _ = interrupted
+    assert returncode == 0 and "Traceback" not in text, text
     stopped = int(re.search(r"interrupted at iter (\d+); resume with --init_from=resume",
                             text).group(1))
     assert checkpoint.list_checkpoints(out) == [checkpoint.path_for(out, stopped)]
