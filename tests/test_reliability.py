@@ -190,29 +190,35 @@ def test_a_writer_killed_mid_checkpoint_leaves_the_previous_one_loadable(tmp_pat
     assert sorted(os.listdir(out)) == ["ckpt_0000001.pt", "ckpt_0000003.pt"]
 
 
-@pytest.mark.slow
-def test_a_truncated_newest_checkpoint_is_reported_and_the_previous_one_used(
-        env, corpus, tmp_path, one_rank):
-    out = first_steps(one_rank, 4, tmp_path / "out", 2)  # saved at 2 and 4
-    newest = checkpoint.path_for(out, 4)
-    os.truncate(newest, os.path.getsize(newest) // 2)
-    p = python("train.py", *train_args(corpus, out, "--max_iters=6", "--eval_interval=2",
-                                       "--init_from=resume"), env=env)
-    assert f"{newest} cannot be loaded" in p.stdout
-    assert f"resuming from {checkpoint.path_for(out, 2)} (iter 2)" in p.stdout
-
-
-@pytest.mark.slow
-def test_keeping_few_checkpoints_never_keeps_a_damaged_one_over_the_good(env, corpus, tmp_path,
-                                                                        one_rank):
-    """ckpt 6 and 8, a damaged 10: a resume with keep_checkpoints=1 loads 8 and saves 9, which
-    it keeps, with 10 left as it is (was: 10 kept by its number, 9 and 8 deleted: nothing
-    loaded any more)."""
-    out = first_steps(one_rank, 10, tmp_path / "out", 6, 8)  # a run of 10 that kept 3
+@pytest.fixture(scope="module")
+def damaged_newest(tmp_path_factory, session_env, corpus, one_rank):
+    """(out_dir, CompletedProcess): a run of 10 that kept 3 checkpoints (6, 8 and 10, a copy
+    of one_rank's), the newest truncated to half, resumed to 9 with keep_checkpoints=1:
+    launched once, read by the tests of a truncated newest checkpoint and of keeping few."""
+    out = first_steps(one_rank, 10, tmp_path_factory.mktemp("damaged_newest") / "out", 6, 8)
     damaged = checkpoint.path_for(out, 10)
     os.truncate(damaged, os.path.getsize(damaged) // 2)
     p = python("train.py", *train_args(corpus, out, "--max_iters=9", "--eval_interval=2",
-                                       "--init_from=resume", "--keep_checkpoints=1"), env=env)
+                                       "--init_from=resume", "--keep_checkpoints=1"),
+               env=session_env)
+    return out, p
+
+
+@pytest.mark.slow
+def test_a_truncated_newest_checkpoint_is_reported_and_the_previous_one_used(damaged_newest):
+    out, p = damaged_newest
+    newest = checkpoint.path_for(out, 10)
+    assert f"{newest} cannot be loaded" in p.stdout
+    assert f"resuming from {checkpoint.path_for(out, 8)} (iter 8)" in p.stdout
+
+
+@pytest.mark.slow
+def test_keeping_few_checkpoints_never_keeps_a_damaged_one_over_the_good(damaged_newest):
+    """ckpt 6 and 8, a damaged 10: a resume with keep_checkpoints=1 loads 8 and saves 9, which
+    it keeps, with 10 left as it is (was: 10 kept by its number, 9 and 8 deleted: nothing
+    loaded any more)."""
+    out, p = damaged_newest
+    damaged = checkpoint.path_for(out, 10)
     assert f"resuming from {checkpoint.path_for(out, 8)} (iter 8)" in p.stdout
     assert checkpoint.list_checkpoints(out) == [damaged, checkpoint.path_for(out, 9)]
     state, path = checkpoint.load_latest(out)
