@@ -5,6 +5,7 @@ ddpgpt.metrics.read) takes the rows of the run as it stands."""
 import hashlib
 import json
 import os
+import shutil
 
 import pytest
 
@@ -20,12 +21,24 @@ def digest(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory, session_env, corpus):
+    """The out_dir of 4 steps on 1 process, saved at 2 and 4: trained once, copied by the test
+    of a fresh start beside its checkpoints, and the reference run of the test of a run that
+    left no checkpoint (its first 3 steps)."""
+    out = tmp_path_factory.mktemp("four_steps") / "out"
+    python("train.py", f"--data_dir={corpus}", f"--out_dir={out}", *ARGS, "--max_iters=4",
+           "--eval_interval=2", env=session_env)
+    return out
+
+
 @pytest.mark.slow
-def test_a_fresh_start_beside_an_earlier_runs_checkpoints_is_refused(env, corpus, tmp_path):
+def test_a_fresh_start_beside_an_earlier_runs_checkpoints_is_refused(env, corpus, tmp_path,
+                                                                    four_steps):
     out = str(tmp_path / "out")
     command = [f"--data_dir={corpus}", f"--out_dir={out}", *ARGS, "--max_iters=4",
                "--eval_interval=2"]
-    python("train.py", *command, env=env)
+    shutil.copytree(four_steps, out)  # what `python train.py *command` left
     before = {name: digest(os.path.join(out, name)) for name in os.listdir(out)}
     # the same command again, as after a Ctrl-C: init_from is scratch by default
     message = fails("train.py", *command, env=env).stderr.strip().splitlines()[-1]
@@ -55,18 +68,19 @@ def test_auto_beside_checkpoints_none_of_which_loads_is_refused(env, corpus, tmp
 
 
 @pytest.mark.slow
-def test_a_run_that_left_no_checkpoint_is_told_apart_from_the_next(env, corpus, tmp_path):
+def test_a_run_that_left_no_checkpoint_is_told_apart_from_the_next(env, corpus, tmp_path,
+                                                                   four_steps):
     """The first run's checkpoints are removed, as the refusal suggests; its rows stay in
     metrics.jsonl, and the next fresh run's follow its start row: compare_runs.py compares that
-    run alone, and says so."""
-    out, ref = str(tmp_path / "out"), str(tmp_path / "ref")
+    run alone, and says so. The reference is four_steps, whose first 3 steps are those of the
+    same settings' run of 3 (the learning rate's schedule does not depend on max_iters)."""
+    out, ref = str(tmp_path / "out"), str(four_steps)
     common = [f"--data_dir={corpus}", *ARGS, "--max_iters=3", "--eval_interval=100"]
     python("train.py", *common, f"--out_dir={out}", "--seed=7", env=env)
     for path in checkpoint.list_checkpoints(out):
         os.remove(path)
     p = python("train.py", *common, f"--out_dir={out}", env=env)
     assert f"note: {out}/metrics.jsonl holds the rows of an earlier run" in p.stdout
-    python("train.py", *common, f"--out_dir={ref}", env=env)
     rows = metrics(out)
     assert [r["run"] for r in rows if "run" in r] == ["fresh", "fresh"]
     assert sum(1 for r in rows if r.get("iter") == 0 and "loss" in r) == 2  # both runs' iter 0

@@ -71,6 +71,13 @@ def one_rank(tmp_path_factory, session_env, corpus):
 RESIZED = ["--gradient_accumulation_steps=2", "--eval_interval=4"]
 
 
+def on_ranks(n, *args, env):
+    """train.py on n ranks as a user starts it: one process with plain python (the README's
+    one-process command, without torchrun's own process), more under torchrun."""
+    return python("train.py", *args, env=env) if n == 1 else \
+        torchrun(n, "train.py", *args, env=env)
+
+
 @pytest.fixture(scope="module")
 def whole_on_two_ranks(tmp_path_factory, session_env, corpus):
     """8 steps on 2 ranks, uninterrupted: what a run resumed on another world size repeats,
@@ -89,10 +96,9 @@ def test_resume_on_another_world_size_reads_the_same_batches(env, corpus, tmp_pa
     if first == 2:  # the whole run's first 4 steps: the same settings, on 2 ranks
         first_steps(whole, 4, resized)
     else:
-        torchrun(first, "train.py", *train_args(corpus, resized, *args, "--max_iters=4"),
-                 env=env)
-    torchrun(then, "train.py", *train_args(corpus, resized, *args, "--max_iters=8",
-                                           "--init_from=resume"), env=env)
+        on_ranks(first, *train_args(corpus, resized, *args, "--max_iters=4"), env=env)
+    on_ranks(then, *train_args(corpus, resized, *args, "--max_iters=8", "--init_from=resume"),
+             env=env)
     same = compare(env, whole, resized)
     assert same.returncode == 0 and "over 8 steps" in same.stdout, same.stdout
     a, b = steps(whole), steps(resized)
@@ -100,12 +106,24 @@ def test_resume_on_another_world_size_reads_the_same_batches(env, corpus, tmp_pa
         assert a[i]["loss"] == pytest.approx(b[i]["loss"], rel=1e-4)
 
 
+@pytest.fixture(scope="module")
+def killed_mid_row_and_resumed(tmp_path_factory, session_env, corpus, one_rank):
+    """(out_dir, CompletedProcess): one_rank stopped at 2 by a kill in the middle of a row of
+    metrics.jsonl, and resumed to 4 with another seed: launched once, read by the tests of
+    compare_runs.py's first difference and of the resumed run's rows."""
+    out = first_steps(one_rank, 2, tmp_path_factory.mktemp("killed_mid_row") / "out")
+    with open(f"{out}/metrics.jsonl", "a") as f:
+        f.write('{"iter": 2, "loss": 4.9, "batch_')  # killed mid-write
+    p = python("train.py", *train_args(corpus, out, "--max_iters=4", "--eval_interval=4",
+                                       "--init_from=resume", "--seed=5"), env=session_env)
+    return out, p
+
+
 @pytest.mark.slow
-def test_compare_runs_names_the_first_step_that_differs(env, corpus, tmp_path, one_rank):
+def test_compare_runs_names_the_first_step_that_differs(env, one_rank,
+                                                        killed_mid_row_and_resumed):
     """b is one_rank (a) stopped at 2 and resumed with another seed."""
-    a, b = one_rank, first_steps(one_rank, 2, tmp_path / "b")
-    python("train.py", *train_args(corpus, b, "--max_iters=4", "--eval_interval=4",
-                                   "--init_from=resume", "--seed=5"), env=env)
+    a, (b, _) = one_rank, killed_mid_row_and_resumed
     diff = compare(env, a, b)
     assert diff.returncode == 1 and "first difference at iter 2: batch_fp" in diff.stdout
 
@@ -132,18 +150,13 @@ def test_compare_runs_counts_nan_losses_as_equal_and_leaves_out_a_cut_off_line(e
 
 
 @pytest.mark.slow
-def test_a_resume_after_a_kill_mid_row_starts_its_rows_on_a_line_of_their_own(env, corpus,
-                                                                               tmp_path,
-                                                                               one_rank):
+def test_a_resume_after_a_kill_mid_row_starts_its_rows_on_a_line_of_their_own(
+        env, killed_mid_row_and_resumed):
     """The resumed run's start row was written onto the cut-off line: the file was no longer
     JSON lines, and compare_runs.py and plot.py refused it from then on."""
-    out = first_steps(one_rank, 2, tmp_path / "out")
-    with open(f"{out}/metrics.jsonl", "a") as f:
-        f.write('{"iter": 2, "loss": 4.9, "batch_')  # killed mid-write
-    p = python("train.py", *train_args(corpus, out, "--max_iters=3", "--init_from=resume"),
-               env=env)
+    out, p = killed_mid_row_and_resumed
     assert [r["run"] for r in metrics(out) if "run" in r] == ["fresh", "resumed"]
-    assert sorted(steps(out)) == [0, 1, 2]
+    assert sorted(steps(out)) == [0, 1, 2, 3]
     assert compare(env, out, out).returncode == 0
     assert f"note: {out}/metrics.jsonl ended in a line cut off when a run was stopped (" \
         in p.stdout
@@ -177,29 +190,35 @@ def test_a_writer_killed_mid_checkpoint_leaves_the_previous_one_loadable(tmp_pat
     assert sorted(os.listdir(out)) == ["ckpt_0000001.pt", "ckpt_0000003.pt"]
 
 
-@pytest.mark.slow
-def test_a_truncated_newest_checkpoint_is_reported_and_the_previous_one_used(
-        env, corpus, tmp_path, one_rank):
-    out = first_steps(one_rank, 4, tmp_path / "out", 2)  # saved at 2 and 4
-    newest = checkpoint.path_for(out, 4)
-    os.truncate(newest, os.path.getsize(newest) // 2)
-    p = python("train.py", *train_args(corpus, out, "--max_iters=6", "--eval_interval=2",
-                                       "--init_from=resume"), env=env)
-    assert f"{newest} cannot be loaded" in p.stdout
-    assert f"resuming from {checkpoint.path_for(out, 2)} (iter 2)" in p.stdout
-
-
-@pytest.mark.slow
-def test_keeping_few_checkpoints_never_keeps_a_damaged_one_over_the_good(env, corpus, tmp_path,
-                                                                        one_rank):
-    """ckpt 6 and 8, a damaged 10: a resume with keep_checkpoints=1 loads 8 and saves 9, which
-    it keeps, with 10 left as it is (was: 10 kept by its number, 9 and 8 deleted: nothing
-    loaded any more)."""
-    out = first_steps(one_rank, 10, tmp_path / "out", 6, 8)  # a run of 10 that kept 3
+@pytest.fixture(scope="module")
+def damaged_newest(tmp_path_factory, session_env, corpus, one_rank):
+    """(out_dir, CompletedProcess): a run of 10 that kept 3 checkpoints (6, 8 and 10, a copy
+    of one_rank's), the newest truncated to half, resumed to 9 with keep_checkpoints=1:
+    launched once, read by the tests of a truncated newest checkpoint and of keeping few."""
+    out = first_steps(one_rank, 10, tmp_path_factory.mktemp("damaged_newest") / "out", 6, 8)
     damaged = checkpoint.path_for(out, 10)
     os.truncate(damaged, os.path.getsize(damaged) // 2)
     p = python("train.py", *train_args(corpus, out, "--max_iters=9", "--eval_interval=2",
-                                       "--init_from=resume", "--keep_checkpoints=1"), env=env)
+                                       "--init_from=resume", "--keep_checkpoints=1"),
+               env=session_env)
+    return out, p
+
+
+@pytest.mark.slow
+def test_a_truncated_newest_checkpoint_is_reported_and_the_previous_one_used(damaged_newest):
+    out, p = damaged_newest
+    newest = checkpoint.path_for(out, 10)
+    assert f"{newest} cannot be loaded" in p.stdout
+    assert f"resuming from {checkpoint.path_for(out, 8)} (iter 8)" in p.stdout
+
+
+@pytest.mark.slow
+def test_keeping_few_checkpoints_never_keeps_a_damaged_one_over_the_good(damaged_newest):
+    """ckpt 6 and 8, a damaged 10: a resume with keep_checkpoints=1 loads 8 and saves 9, which
+    it keeps, with 10 left as it is (was: 10 kept by its number, 9 and 8 deleted: nothing
+    loaded any more)."""
+    out, p = damaged_newest
+    damaged = checkpoint.path_for(out, 10)
     assert f"resuming from {checkpoint.path_for(out, 8)} (iter 8)" in p.stdout
     assert checkpoint.list_checkpoints(out) == [damaged, checkpoint.path_for(out, 9)]
     state, path = checkpoint.load_latest(out)
@@ -295,21 +314,6 @@ def fill(path):
 
 
 @pytest.mark.slow
-def test_two_trainings_in_one_out_dir_the_second_is_refused(env, corpus, tmp_path):
-    out = str(tmp_path / "out")
-    first = subprocess.Popen([sys.executable, "train.py", *train_args(
-        corpus, out, "--max_iters=100000", "--eval_interval=100000")], cwd=ROOT, env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_step(out, 1, first)
-        err = fails("train.py", *train_args(corpus, out, "--max_iters=2"), env=env).stderr
-    finally:
-        first.kill()
-        first.wait()
-    assert f"{out} is being written by train.py (pid {first.pid}" in err
-
-
-@pytest.mark.slow
 def test_a_failing_rank_ends_the_whole_run_within_seconds(env, corpus, tmp_path):
     """Rank 1 meets a corrupt token at step 5, rank 0 does not: both must end promptly."""
     bad = tmp_path / "bad"
@@ -360,19 +364,43 @@ def test_leaving_the_process_group_ends_its_threads(env, tmp_path):
         assert not [t for t in found["threads"] if "gloo" in t], found["threads"]
 
 
-@pytest.mark.slow
-def test_ctrl_c_saves_at_one_step_and_says_how_to_resume(env, corpus, tmp_path):
-    out = str(tmp_path / "out")
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory, session_env, corpus):
+    """A run of 1 rank, asked to train 100000 steps: while it trains, a second train.py into
+    its out_dir (which must be refused); then Ctrl-C. (out_dir, the first run's pid, its exit
+    code and what it printed, the second's stderr): launched once, read by the tests of two
+    trainings in one out_dir and of Ctrl-C."""
+    root = tmp_path_factory.mktemp("interrupted")
+    out = str(root / "out")
     args = train_args(corpus, out, "--max_iters=100000", "--eval_interval=100000")
-    with open(tmp_path / "log", "w+") as log:
-        proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env,
+    with open(root / "log", "w+") as log:
+        proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=session_env,
                                 stdout=log, stderr=subprocess.STDOUT)
-        wait_for_step(out, 3, proc)
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        try:
+            wait_for_step(out, 1, proc)
+            second = fails("train.py", *train_args(corpus, out, "--max_iters=2"),
+                           env=session_env).stderr
+            wait_for_step(out, 3, proc)
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+        finally:
+            proc.kill()
+            proc.wait()
         log.seek(0)
         text = log.read()
-    assert proc.returncode == 0 and "Traceback" not in text, text
+    return out, proc.pid, proc.returncode, text, second
+
+
+@pytest.mark.slow
+def test_two_trainings_in_one_out_dir_the_second_is_refused(interrupted):
+    out, pid, _, _, err = interrupted
+    assert f"{out} is being written by train.py (pid {pid}" in err
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_at_one_step_and_says_how_to_resume(env, corpus, interrupted):
+    out, _, returncode, text, _ = interrupted
+    assert returncode == 0 and "Traceback" not in text, text
     stopped = int(re.search(r"interrupted at iter (\d+); resume with --init_from=resume",
                             text).group(1))
     assert checkpoint.list_checkpoints(out) == [checkpoint.path_for(out, stopped)]

@@ -16,21 +16,27 @@ from ddpgpt.errors import UserError
 from ddpgpt.runtime import Ranks
 
 
+# 2 micro-steps of 4 per rank on 2 ranks (1 on 4), and dropout: what a resume must repeat
+# exactly, the gradients accumulated without a reduction and the dropout's random numbers
+RESUMABLE = [*TINY, "--gradient_accumulation_steps=4", "--dropout=0.1"]
+TWO_RANK_RUN = [*RESUMABLE, "--max_iters=40", "--eval_interval=20", "--log_interval=10"]
+
+
 @pytest.fixture(scope="module")
 def two_rank_run(corpus, tmp_path_factory, session_env):
     """(out_dir, CompletedProcess) of 40 steps on 2 ranks, evaluated and saved at 20 and 40:
-    trained once, read by the tests of training and of eval_only."""
+    trained once, read by the tests of training, of eval_only and of an exact resume on 2
+    ranks (from a copy of its checkpoint at 20)."""
     out = tmp_path_factory.mktemp("two_ranks") / "out"
-    p = torchrun(2, "train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
-                 "--gradient_accumulation_steps=2", "--max_iters=40", "--eval_interval=20",
-                 "--log_interval=10", env=session_env)
+    p = torchrun(2, "train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TWO_RANK_RUN,
+                 env=session_env)
     return out, p
 
 
 @pytest.mark.slow
 def test_two_ranks_train_save_and_the_loss_falls(two_rank_run):
     out, p = two_rank_run
-    assert "world size 2" in p.stdout and "(1 micro-step of 4 per rank)" in p.stdout
+    assert "world size 2" in p.stdout and "(2 micro-steps of 4 per rank)" in p.stdout
     rows = steps(out)
     assert sorted(rows) == list(range(40))
     first, last = rows[0]["loss"], sum(rows[i]["loss"] for i in range(35, 40)) / 5
@@ -44,22 +50,29 @@ def test_two_ranks_train_save_and_the_loss_falls(two_rank_run):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 4])  # with 4, a sum's rounding depends on DDP's buckets
-def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(ranks, env, corpus, tmp_path):
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(ranks, env, corpus, tmp_path,
+                                                            request):
     """The second half, resumed from a copy of the whole run's checkpoint at its midpoint,
-    repeats the whole run's steps and its last evaluation."""
-    args = [f"--data_dir={corpus}", *TINY, "--gradient_accumulation_steps=4",
-            "--eval_interval=6", "--dropout=0.1", "--max_iters=12"]
-    whole, half = tmp_path / "whole", tmp_path / "half"
-    torchrun(ranks, "train.py", *args, f"--out_dir={whole}", env=env)
+    repeats the whole run's steps and its last evaluation. On 2 ranks the whole run is
+    two_rank_run (40 steps, resumed from 20); on 4, one of 12 steps (resumed from 6)."""
+    if ranks == 2:
+        whole, _ = request.getfixturevalue("two_rank_run")
+        args, middle, end = [f"--data_dir={corpus}", *TWO_RANK_RUN], 20, 40
+    else:
+        whole, middle, end = tmp_path / "whole", 6, 12
+        args = [f"--data_dir={corpus}", *RESUMABLE, "--eval_interval=6", "--max_iters=12"]
+        torchrun(ranks, "train.py", *args, f"--out_dir={whole}", env=env)
+    half = tmp_path / "half"
     half.mkdir()
-    shutil.copy(whole / "ckpt_0000006.pt", half / "ckpt_0000006.pt")
+    ckpt = f"ckpt_{middle:07d}.pt"
+    shutil.copy(whole / ckpt, half / ckpt)
     p = torchrun(ranks, "train.py", *args, f"--out_dir={half}", "--init_from=resume", env=env)
-    assert "resuming from" in p.stdout and "ckpt_0000006.pt" in p.stdout
+    assert "resuming from" in p.stdout and ckpt in p.stdout
     a, b = steps(whole), steps(half)
-    assert sorted(a) == list(range(12)) and sorted(b) == list(range(6, 12))
-    for i in range(6, 12):
+    assert sorted(a) == list(range(end)) and sorted(b) == list(range(middle, end))
+    for i in range(middle, end):
         assert (a[i]["loss"], a[i]["batch_fp"]) == (b[i]["loss"], b[i]["batch_fp"]), i
-    assert evals(whole)[-1] == evals(half)[-1] and evals(whole)[-1]["iter"] == 12
+    assert evals(whole)[-1] == evals(half)[-1] and evals(whole)[-1]["iter"] == end
 
 
 @pytest.mark.slow
@@ -73,7 +86,7 @@ def test_eval_only_reports_the_same_losses_on_any_world_size(two_rank_run, env, 
     shutil.copy(trained / "ckpt_0000040.pt", out / "ckpt_0000040.pt")
     at_two = evals(trained)[-1]
     python("train.py", "config/eval_owt.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
-           "--eval_iters=4", "--gradient_accumulation_steps=2", env=env)
+           "--eval_iters=4", "--gradient_accumulation_steps=4", "--dropout=0.1", env=env)
     at_one = evals(out)[-1]
     assert at_one["iter"] == at_two["iter"] == 40
     assert at_one["val_loss"] == pytest.approx(at_two["val_loss"], rel=1e-6)
