@@ -21,15 +21,18 @@ import os
 import sys
 import time
 
-from ddpgpt import cpu
+from ddpgpt import configurator, cpu
+from ddpgpt.settings import EvalConfig
 
 cpu.wait_passively()  # before torch is imported
+if __name__ == "__main__":  # a mistyped key ends before torch's import, which takes seconds
+    configurator.end_now_if_unreadable(EvalConfig, sys.argv[1:], "eval.py")
 
-from ddpgpt import (configurator, errors, evaluation, hellaswag, logs, peers,  # noqa: E402
-                    runtime, sources, weights)
+from ddpgpt import (errors, evaluation, hellaswag, logs, peers, runtime, sources,  # noqa: E402
+                    weights)
 from ddpgpt.errors import UserError  # noqa: E402
 from ddpgpt.model import GPT, GPTConfig  # noqa: E402
-from ddpgpt.settings import EvalConfig, TrainConfig  # noqa: E402
+from ddpgpt.settings import TrainConfig  # noqa: E402
 from ddpgpt.state import Saved  # noqa: E402
 
 log = logging.getLogger("ddpgpt.eval")

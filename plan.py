@@ -19,10 +19,10 @@ from ddpgpt.settings import PlanConfig, parse_memory
 
 
 def main(argv):
+    cfg = configurator.parse(PlanConfig, argv, "plan.py")  # before torch's import (seconds)
     import torch
 
     from ddpgpt import memplan, parallel, weights
-    cfg = configurator.parse(PlanConfig, argv, "plan.py")
     gpu_memory = parse_memory(cfg.gpu_memory) if cfg.gpu_memory else \
         local_gpu_memory(cfg, torch)
     dtype = memplan.plan_dtype(cfg.dtype, gpu=cfg.device != "cpu" and bool(gpu_memory))

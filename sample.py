@@ -9,16 +9,18 @@ stdout, what was loaded to stderr, so `python sample.py ... > samples.txt` keeps
 import logging
 import sys
 
-from ddpgpt import cpu
+from ddpgpt import configurator, cpu
+from ddpgpt.settings import SampleConfig
 
 cpu.wait_passively()  # before torch is imported
+if __name__ == "__main__":  # a mistyped key ends before torch's import, which takes seconds
+    configurator.end_now_if_unreadable(SampleConfig, sys.argv[1:], "sample.py")
 
 import torch  # noqa: E402
 
-from ddpgpt import configurator, errors, logs, runtime, weights  # noqa: E402
+from ddpgpt import errors, logs, runtime, weights  # noqa: E402
 from ddpgpt.errors import UserError  # noqa: E402
 from ddpgpt.model import GPT, GPTConfig  # noqa: E402
-from ddpgpt.settings import SampleConfig  # noqa: E402
 
 log = logging.getLogger("ddpgpt.sample")
 

@@ -26,19 +26,20 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
 
-from ddpgpt import signals
+from ddpgpt import configurator, signals
+from ddpgpt.settings import TrainConfig
 
 signals.end_at_once_while_importing("train.py")  # one line, not a traceback from each rank
+if __name__ == "__main__":
+    configurator.end_now_if_unreadable(TrainConfig, sys.argv[1:], "train.py")
 
 import torch  # noqa: E402  (the imports that take seconds come after)
 import torch.distributed as dist  # noqa: E402
 
-from ddpgpt import (checkpoint, configurator, data, errors, evaluation, lock, logs,  # noqa: E402
-                    memcheck, metrics, optim, parallel, peers, runtime, sources, watchdog,
-                    weights)
+from ddpgpt import (checkpoint, data, errors, evaluation, lock, logs, memcheck,  # noqa: E402
+                    metrics, optim, parallel, peers, runtime, sources, watchdog, weights)
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
-from ddpgpt.settings import TrainConfig
 from ddpgpt.state import TrainState
 
 log = logging.getLogger("ddpgpt.train")

@@ -21,6 +21,7 @@ import textwrap
 import types
 import typing
 
+from ddpgpt import errors
 from ddpgpt.errors import SettingsError, UserError
 
 HELP = ("-h", "--help")
@@ -184,6 +185,19 @@ def read_settings(config_cls, argv, script):
 def parse(config_cls, argv, script):
     """An instance of config_cls from its defaults, config files and --key=value arguments."""
     return parse_given(config_cls, argv, script)[0]
+
+
+def end_now_if_unreadable(config_cls, argv, script):
+    """Read the settings before the script's slow imports (torch's takes seconds): a mistyped
+    key or a bad value ends the process in a moment, reported as errors.run reports it in
+    main(), and --help prints at once. main() reads them again, after the imports."""
+    def read(argv):
+        parse_given(config_cls, argv, script)
+        return 0
+
+    status = errors.run(read, script, argv)
+    if status:
+        raise SystemExit(status)
 
 
 # ---- describing ----
