@@ -3,13 +3,15 @@ range, default and one line of help, in the order of the settings class that par
 there is no second list to keep in step; export.py and compare_runs.py, which take positional
 arguments, answer argparse's usage. A mistyped key points at --help."""
 import dataclasses
+import os
+import sys
 import textwrap
 import typing
 
 import pytest
 
 from ddpgpt import configurator, settings
-from conftest import fails, python
+from conftest import ROOT, fails, python, run
 
 SCRIPTS = {"train.py": settings.TrainConfig, "sample.py": settings.SampleConfig,
            "eval.py": settings.EvalConfig, "prepare.py": settings.PrepareConfig,
@@ -94,3 +96,17 @@ def test_a_mistyped_key_points_at_the_right_one_and_at_help(script, typo, key, e
     message = fails(script, typo, env=env).stderr.strip().splitlines()[-1]
     assert f"did you mean {key}" in message and f"`python {script} --help` lists the keys" \
         in message, message
+
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "eval.py", "plan.py"])
+def test_a_mistyped_key_is_answered_before_torch_is_imported(script, env):
+    """The scripts that import torch read their settings first: a typo is answered in a
+    moment, not after torch's import (seconds). `-X importtime` lists each module imported."""
+    p = run([sys.executable, "-X", "importtime", os.path.join(ROOT, script), "--no_such_key=1"],
+            env, check=False)
+    assert p.returncode == 1 and f"{script}: error: argument --no_such_key=1: unknown key " \
+        f"'no_such_key'" in p.stderr, p.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines()
+                if line.startswith("import time:")]
+    assert "ddpgpt.configurator" in imported and "torch" not in imported, imported
