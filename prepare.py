@@ -184,7 +184,7 @@ class SplitWriter:
             last = min(int(np.searchsorted(ends, ends[done] - lengths[done] - self.tokens
                                            + self.shard_tokens)), len(lengths) - 1)
             first_token, end_token = int(ends[done] - lengths[done]), int(ends[last])
-            ids[first_token:end_token].tofile(self.file)
+            fileio.write_array(self.file, ids[first_token:end_token])
             self.tokens += end_token - first_token
             self.documents += last + 1 - done
             done = last + 1

@@ -158,7 +158,7 @@ class Writer:
 
     def add(self, starts):
         """First tokens of the next documents, in the split's token space."""
-        np.asarray(starts, dtype="<i8").tofile(self.file)
+        fileio.write_array(self.file, np.asarray(starts, dtype="<i8"))
         self.documents += len(starts)
 
     def finish(self, token_split, eot):
@@ -171,7 +171,7 @@ class Writer:
             with open(tmp, "wb") as out:
                 out.write(bytes(DOCS_HEADER_BYTES))  # written last, with fingerprints
                 self.write_by_length(out, lengths, counts, token_split.n_tokens)
-                np.concatenate([lengths, counts]).astype("<i8").tofile(out)
+                fileio.write_array(out, np.concatenate([lengths, counts]).astype("<i8"))
             own = tokenfile.sampled_fingerprint([tmp], DOCS_HEADER_BYTES)
             with open(tmp, "r+b") as out:
                 out.write(doc_header(self.documents, len(lengths), token_split, eot, own))
@@ -231,7 +231,7 @@ class Writer:
                 inside = (place >= 0) & (place < len(window))
                 window[place[inside]] = starts[order[inside]]
                 seen += np.bincount(bucket, minlength=len(lengths))
-            window.tofile(out)
+            fileio.write_array(out, window)
 
 
 def scan(token_split, k, eot, on_chunk=lambda n_tokens: None):
