@@ -78,12 +78,9 @@ def run(small, device, workdir):
     settings = SMALL if small else FULL
     results = [measure_memory(kind, n, settings, workdir)
                for n in settings["ranks"] for kind in ("ddp", "fsdp")]
-    shared = settings.get("losses_from_saves", False)  # the save runs are the losses' runs
-    losses = None if shared else compare_losses(settings, workdir)
     saves = [measure_saves(kind, background, settings, workdir)
              for kind in ("ddp", "fsdp") for background in (False, True)]
-    if shared:
-        losses = compare_losses(settings, workdir)
+    losses = compare_losses(settings, workdir)  # after the saves: small mode reads their runs
     same = same_checkpoints(workdir)
     per_param = bytes_per_param(results)
     fits = [fit(name, layers, heads, width, per_param) for name, layers, heads, width in SHAPES]
