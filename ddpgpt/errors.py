@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 
-from ddpgpt.signals import EXIT_AT_ONCE as STOP_SIGNALS, Interrupted, say_once, \
+from ddpgpt.signals import EXIT_AT_ONCE as STOP_SIGNALS, Interrupted, say, say_once, \
     say_torchrun_reports_next
 
 
@@ -33,14 +33,14 @@ def run(main, script, argv):
         return main(argv)
     except SettingsError as e:
         if os.environ.get("RANK", "0") == "0":
-            print(f"{script}: error: {e}", file=sys.stderr)
+            say(f"{script}: error: {e}")
             say_torchrun_reports_next()
         else:
             wait_for_the_launcher()
         return 1
     except UserError as e:
         where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
-        print(f"{script}: error{where}: {e}", file=sys.stderr)
+        say(f"{script}: error{where}: {e}")
         if where:
             exit_now(1)
         return 1

@@ -48,7 +48,7 @@ def catch_stop_signals(script="train.py"):
             received.append(signum)
             raise Interrupted(signum, before_steps(script, signum))
         if signum == signal.SIGINT and signal.SIGINT in received:
-            print(f"{script}: interrupted again: stopping now, without saving", file=sys.stderr)
+            say(f"{script}: interrupted again: stopping now, without saving")
             os._exit(130)
         received.append(signum)
 
@@ -124,8 +124,8 @@ def stop_when_the_launcher_dies(script="train.py"):
             time.sleep(LAUNCHER_POLL_S)
         # every rank that sees it says so: the first to see it may stop the others (the
         # ranks agree on the stop) before they look again
-        print(f"{script} (rank {os.environ['RANK']}): its launcher (pid {parent}) is gone: "
-              f"stopping as for SIGTERM", file=sys.stderr, flush=True)
+        say(f"{script} (rank {os.environ['RANK']}): its launcher (pid {parent}) is gone: "
+            f"stopping as for SIGTERM")
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
@@ -146,14 +146,22 @@ def say_torchrun_reports_next():
     then print a traceback of its own (ChildFailedError; its SignalException on Ctrl-C) that
     would read as the answer."""
     if os.environ.get("RANK") == "0" and "TORCHELASTIC_RUN_ID" in os.environ:
-        print("(torchrun's own report of how the ranks ended may follow: what happened is "
-              "said above)", file=sys.stderr, flush=True)
+        say("(torchrun's own report of how the ranks ended may follow: what happened is said "
+            "above)")
 
 
 def say_once(line):
     """Print the line to stderr unless it was said already."""
     if _said.acquire(blocking=False):
-        print(line, file=sys.stderr, flush=True)
+        say(line)
+
+
+def say(line):
+    """Print the line to stderr in one write. The ranks of a launch share their launcher's
+    stderr, and print() writes a line and its newline apart (stderr is unbuffered): two ranks
+    saying their line at once came out as one line and then two newlines."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 class Interrupted(KeyboardInterrupt):

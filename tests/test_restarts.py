@@ -2,6 +2,7 @@
 and two agents as two nodes), the paragraph with which the survivors of a dead rank end, a
 stop signal before the first step, and what a failed collective's words say (peers.py)."""
 import contextlib
+import io
 import os
 import re
 import signal
@@ -14,7 +15,7 @@ import psutil
 import torch
 import pytest
 
-from ddpgpt import checkpoint, peers
+from ddpgpt import checkpoint, peers, signals
 from conftest import ROOT, TINY, metrics, python, torchrun
 from test_reliability import wait_for_step
 
@@ -360,6 +361,26 @@ def test_ctrl_c_while_the_ranks_import_torch_is_one_line_from_each(env, corpus, 
         assert f"train.py: stopped by SIGINT (rank {rank}) before the first step: nothing to " \
                f"save yet\n" in text, text
     assert "KeyboardInterrupt" not in text and f'File "{ROOT}' not in text, text
+
+
+def test_a_line_to_stderr_is_written_whole():
+    """Ranks that say their line at once share one stderr: print() wrote a line and its
+    newline apart, and CI saw two ranks' lines run together, then two newlines (the test
+    above). Python's stderr writes each write() through to its file, as this one does."""
+    writes = []
+
+    class File(io.RawIOBase):
+        def writable(self):
+            return True
+
+        def write(self, b):
+            writes.append(bytes(b))
+            return len(b)
+
+    stderr = io.TextIOWrapper(File(), line_buffering=True, write_through=True)
+    with contextlib.redirect_stderr(stderr):
+        signals.say("train.py: error (rank 1): a paragraph")
+    assert writes == [b"train.py: error (rank 1): a paragraph\n"]
 
 
 @pytest.mark.slow
