@@ -45,7 +45,8 @@ OPTIMIZER = {"Optstate", "OptState"}
 STEPS, MICRO_STEPS = 2, 2
 # settings that take less memory at the same batch, each planned when a run does not fit
 LEANER = ({"parallel": "fsdp"}, {"parallel": "fsdp", "reduce_every_micro_step": True},
-          {"activation_checkpointing": "selective"}, {"activation_checkpointing": "full"})
+          {"activation_checkpointing": "selective"}, {"activation_checkpointing": "full"},
+          {"activation_checkpointing": "full", "loss_chunks": 8})
 
 
 class Plan(NamedTuple):

@@ -17,6 +17,7 @@ from typing import get_args
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ddpgpt.errors import UserError
 from ddpgpt.settings import Arch
@@ -198,6 +199,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    loss_chunks = 1  # the training loss's slices of positions (chunked_loss); 1: one piece
 
     def __init__(self, config):
         super().__init__()
@@ -246,7 +248,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None):
         """idx, targets: (B, T) token ids, T <= block_size; targets of -1 are not scored.
-        With targets: (logits (B, T, vocab_size), mean cross-entropy loss).
+        With targets: (logits (B, T, vocab_size), mean cross-entropy loss); in training with
+        loss_chunks > 1 (recompute.apply sets it), (None, that loss from chunked_loss).
         Without: (logits (B, 1, vocab_size) for the last position only, None), which spares
         inference the vocabulary-sized matmul at every other position."""
         b, t = idx.size()
@@ -263,6 +266,8 @@ class GPT(nn.Module):
             x = block(x, *positions)
         x = self.transformer.ln_f(x)
 
+        if targets is not None and self.training and self.loss_chunks > 1:
+            return None, chunked_loss(self.lm_head, x, targets, self.loss_chunks)
         if targets is not None:
             logits = self.lm_head(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
@@ -315,3 +320,20 @@ class GPT(nn.Module):
             idx_next = torch.multinomial(probs, num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
+
+
+def chunked_loss(head, x, targets, chunks):
+    """The mean cross-entropy of head(x) against targets (-1: not scored), computed in `chunks`
+    slices of the positions, each checkpointed: the forward keeps no logits, and the backward
+    computes one slice's logits again at a time. The vocabulary-sized tensors (the logits,
+    their log-softmax and its gradient: at GPT-2's vocabulary each is 50,304 floats a position,
+    more than a block keeps) then take 1/chunks of the memory, for one more output-layer matmul
+    in the backward. The sum's rounding differs from one piece's in the last bits."""
+    x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
+
+    def summed(xs, ts):
+        return F.cross_entropy(head(xs), ts, ignore_index=-1, reduction="sum")
+
+    total = sum(checkpoint(summed, xs, ts, use_reentrant=False)
+                for xs, ts in zip(x.chunk(chunks), targets.chunk(chunks)))
+    return total / (targets != -1).sum()

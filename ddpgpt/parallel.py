@@ -61,7 +61,7 @@ def wrap(model, cfg, ranks, device, precision):
     them), each block recomputing in its backward what activation_checkpointing says
     (recompute.py, before fsdp and compile wrap the blocks, as torchtitan orders them). Its
     gradients are None."""
-    recompute.apply(model, cfg.activation_checkpointing)
+    recompute.apply(model, cfg.activation_checkpointing, cfg.loss_chunks)
     if sharded(cfg, ranks):
         shard(model, device, precision.dtype, cfg.reshard_after_forward, cfg.compile)
         return Wrapped(model, model, model)

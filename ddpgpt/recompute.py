@@ -47,8 +47,10 @@ def selective_contexts():
     return create_selective_checkpoint_contexts(keep_matmuls)
 
 
-def apply(model, mode):
-    """Each block of model recomputes in its backward what `mode` says; 'none' leaves it."""
+def apply(model, mode, loss_chunks=1):
+    """Each block of model recomputes in its backward what `mode` says ('none' leaves them),
+    and its training loss is computed in loss_chunks checkpointed slices (model.chunked_loss)."""
+    model.loss_chunks = loss_chunks
     if mode == "none":
         return
     options = dict(use_reentrant=False)

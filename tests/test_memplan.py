@@ -17,16 +17,18 @@ from conftest import fails, python, run
 SMALL = ["--n_layer=2", "--n_head=4", "--n_embd=64", "--block_size=64", "--batch_size=4",
          "--vocab_size=512", "--gradient_accumulation_steps=4", "--device=cpu",
          "--dtype=float32"]
-# (parallel, ranks, optimizer, arch, activation_checkpointing)
+# (parallel, ranks, optimizer, arch, activation_checkpointing[+loss_chunks=N])
 RUNS = [("ddp", 1, "adamw", "gpt2", "none"), ("ddp", 2, "muon", "modern", "none"),
         ("fsdp", 2, "adamw", "gpt2", "full"), ("fsdp", 2, "muon", "modern", "none"),
-        ("ddp", 1, "adamw", "modern", "selective")]
+        ("ddp", 1, "adamw", "modern", "selective"),
+        ("ddp", 1, "adamw", "gpt2", "full+loss_chunks=4")]
 RTOL = 0.10  # the plan's peak against the measured one
 
 
 def settings(kind, optimizer, arch, recompute="none"):
+    mode, *chunks = recompute.split("+")
     return [*SMALL, f"--parallel={kind}", f"--optimizer={optimizer}", f"--arch={arch}",
-            f"--activation_checkpointing={recompute}"]
+            f"--activation_checkpointing={mode}", *(f"--{c}" for c in chunks)]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
-"""activation_checkpointing under torchrun (gloo, CPU), as a user runs it: full and selective
-train with the losses of none bit for bit in float32, with dropout (the recompute must draw its
-masks again) and without, under ddp and fsdp, and a run resumes exactly under another mode than the one
-that saved its checkpoint."""
+"""activation_checkpointing and loss_chunks under torchrun (gloo, CPU), as a user runs them:
+full and selective train with the losses of none bit for bit in float32, with dropout (the
+recompute must draw its masks again) and without, under ddp and fsdp, with the loss in one piece
+and in chunks; a run resumes exactly under another mode than the one that saved its checkpoint;
+the loss in chunks trains as in one piece but for the sums' rounding."""
 import os
 import shutil
 
@@ -13,19 +14,21 @@ from ddpgpt.errors import UserError
 from ddpgpt.settings import TrainConfig
 
 MODES = ("none", "full", "selective")
-# each parallel with dropout, and one without; the architecture alternates so that both are
-# trained
-CASES = {"ddp-dropout": ("ddp", 0.1, "gpt2"), "fsdp-dropout": ("fsdp", 0.1, "modern"),
-         "ddp": ("ddp", 0.0, "modern")}
+# each parallel with dropout, and one without; both architectures (gpt2's head tied to its
+# embeddings); the loss in one piece, and in chunks (loss_chunks) under each parallel:
+# (parallel, dropout, arch, loss_chunks)
+CASES = {"ddp-dropout": ("ddp", 0.1, "gpt2", 1), "fsdp-dropout": ("fsdp", 0.1, "modern", 3),
+         "ddp": ("ddp", 0.0, "gpt2", 2)}
 STEPS = 4  # saving at STEPS // 2 and STEPS
 
 
 def train_args(corpus, out, case, mode, *extra):
-    parallel, dropout, arch = CASES[case]
+    parallel, dropout, arch, loss_chunks = CASES[case]
     return [f"--data_dir={corpus}", f"--out_dir={out}", *TINY, "--eval_iters=1",
             "--gradient_accumulation_steps=4", f"--max_iters={STEPS}",
             f"--eval_interval={STEPS // 2}", f"--parallel={parallel}", f"--dropout={dropout}",
-            f"--arch={arch}", f"--activation_checkpointing={mode}", *extra]
+            f"--arch={arch}", f"--activation_checkpointing={mode}",
+            f"--loss_chunks={loss_chunks}", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +79,26 @@ def test_a_run_resumes_exactly_under_another_mode(runs, corpus, tmp_path, env):
         assert losses(out) == losses(runs[case, "none"])[STEPS // 2:]
 
 
+@pytest.mark.slow
+def test_the_loss_in_chunks_trains_as_in_one_piece_but_for_rounding(runs, corpus, tmp_path, env):
+    """The ddp case's loss in 2 chunks against the same run with the loss in one piece: the
+    same batches, losses and gradient norms within float32's rounding of the sums."""
+    one_piece = tmp_path / "one_piece"
+    torchrun(2, "train.py", *train_args(corpus, one_piece, "ddp", "none", "--loss_chunks=1"),
+             env=env)
+    chunked, whole = losses(runs["ddp", "none"]), losses(one_piece)
+    assert [fp for fp, _, _ in chunked] == [fp for fp, _, _ in whole]
+    for (_, loss, norm), (_, loss1, norm1) in zip(chunked, whole):
+        assert loss == pytest.approx(loss1, rel=1e-5) and norm == pytest.approx(norm1, rel=1e-4)
+    assert val_losses(runs["ddp", "none"]) == pytest.approx(val_losses(one_piece), rel=1e-5)
+
+
 def test_an_unknown_mode_is_a_clear_error():
     with pytest.raises(UserError, match="activation_checkpointing='some' is not one of "
                                         "'none', 'full', 'selective'"):
         configurator.parse(TrainConfig, ["--activation_checkpointing=some"], "train.py")
+
+
+def test_fewer_than_one_loss_chunk_is_a_clear_error():
+    with pytest.raises(UserError, match="loss_chunks=0 must be at least 1"):
+        configurator.parse(TrainConfig, ["--loss_chunks=0"], "train.py")
