@@ -39,7 +39,7 @@ TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_
 TWO_RANKS = ["--backend=gloo", "--gradient_accumulation_steps=4"]  # 2 micro-steps per rank
 UNEVEN_EVALUATION = ["--eval_iters=3"]  # for 2 ranks: one has a batch fewer
 RECIPE = ["--arch=modern", "--optimizer=muon"]  # the same FLOPs per token as GPT-2's
-SELECTIVE = ["--activation_checkpointing=selective"]
+SELECTIVE = ["--activation_checkpointing=selective", "--loss_chunks=4"]  # the loss in chunks too
 # What each mode runs: train.py's arguments for GPT-2 124M ("main") and for the 2-rank run
 # (a small model, as gloo carries every gradient through host memory); the steps, the
 # checkpoint the resume starts from, the first steps not counted (start-up, compilation); the
