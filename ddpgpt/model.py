@@ -327,8 +327,9 @@ def chunked_loss(head, x, targets, chunks):
     slices of the positions, each checkpointed: the forward keeps no logits, and the backward
     computes one slice's logits again at a time. The vocabulary-sized tensors (the logits,
     their log-softmax and its gradient: at GPT-2's vocabulary each is 50,304 floats a position,
-    more than a block keeps) then take 1/chunks of the memory, for one more output-layer matmul
-    in the backward. The sum's rounding differs from one piece's in the last bits."""
+    more than a block keeps) then take 1/chunks of the memory; the backward pays the
+    output-layer matmul again and makes the head's weight gradient once per slice, summed. The
+    sum's rounding differs from one piece's in the last bits."""
     x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
 
     def summed(xs, ts):

@@ -47,7 +47,7 @@ def selective_contexts():
     return create_selective_checkpoint_contexts(keep_matmuls)
 
 
-def apply(model, mode, loss_chunks=1):
+def apply(model, mode, loss_chunks):
     """Each block of model recomputes in its backward what `mode` says ('none' leaves them),
     and its training loss is computed in loss_chunks checkpointed slices (model.chunked_loss)."""
     model.loss_chunks = loss_chunks
