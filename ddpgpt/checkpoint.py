@@ -22,7 +22,6 @@ import os
 import pickle
 import re
 import shutil
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,6 +30,7 @@ import torch.distributed as dist
 
 from ddpgpt import fileio, parallel, runtime
 from ddpgpt.errors import UserError
+from ddpgpt.signals import say
 
 log = logging.getLogger(__name__)
 
@@ -378,7 +378,7 @@ class Saver:
         except UserError as e:
             if kind is None:
                 raise
-            print(f"train.py: error: {e}", file=sys.stderr)
+            say(f"train.py: error: {e}")
         finally:
             if self.background is not None:
                 self.background.shutdown()
