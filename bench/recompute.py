@@ -80,8 +80,7 @@ def measure(mode, loss_chunks, model, steps, workdir):
 
 
 def targets(rows):
-    none, selective, full, chunked = (next(r for r in rows if r["mode"] == label(*c))
-                                      for c in CONFIGS)
+    none, selective, full, chunked = rows  # in CONFIGS' order
     return [{"target": f"full's activations at most {FULL_SHARE:.2f} of none's (with "
                        f"loss_chunks={LOSS_CHUNKS}: the logits outside the blocks, whose "
                        f"memory no block's recompute touches, in chunks)",

@@ -208,8 +208,9 @@ class TrainConfig:
     loss_chunks: int = key(
         1, "compute the training loss in this many slices of the positions, each recomputed in "
            "the backward: the logits and their gradients (at GPT-2's vocabulary, more than a "
-           "block keeps) take 1/loss_chunks of the memory, for one more output-layer matmul; "
-           "with activation_checkpointing=full, the least memory", at_least=1)
+           "block keeps) take 1/loss_chunks of the memory, for the output layer's matmul again "
+           "and its weight's gradient made per slice; with activation_checkpointing=full, the "
+           "least memory", at_least=1)
     async_save: bool = key(True, "write checkpoints in the background while training goes on "
                                  "(one at a time; a run's last save waits), when the host has "
                                  "memory for their copy")
