@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from ddpgpt import data, hellaswag
+from ddpgpt import data, hellaswag, runtime
 from ddpgpt.errors import UserError
 from ddpgpt.tokenizer import TokenizerChanged, byte_lengths, tokenizer_of
 
@@ -126,7 +126,7 @@ def split_loss(model, token_split, offsets, ev, ranks, autocast, device, bpb=Tru
                             ev.block_size, ev.vocab_size)
         y[len(chunk):] = -1
         with autocast:
-            _, loss = model(x.to(device), y.to(device))
+            _, loss = model(runtime.to_device(x, device), runtime.to_device(y, device))
         if not len(chunk):
             continue
         # the mean over the chunk's targets, weighed by them in windows: fewer than the chunk's

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ddpgpt import fileio
+from ddpgpt import fileio, runtime
 from ddpgpt.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class Batch(NamedTuple):
     x: torch.Tensor  # (4 x examples, width) int32 inputs
     y: torch.Tensor  # the same shape: the ending tokens to score, else -1
     labels: torch.Tensor  # (examples,)
+    scored: torch.Tensor  # the flat indices of y's scored places, in order (int64)
 
 
 class HellaSwag(NamedTuple):
@@ -193,7 +194,7 @@ def make_batch(rendered, labels):
         n = len(row) - 1
         x[i, :n] = torch.tensor(row[:-1], dtype=torch.int32)
         y[i, n - s:n] = torch.tensor(row[-s:], dtype=torch.int32)
-    return Batch(x, y, torch.tensor(labels, dtype=torch.long))
+    return Batch(x, y, torch.tensor(labels, dtype=torch.long), (y.view(-1) >= 0).nonzero()[:, 0])
 
 
 def pack(rendered, labels, budget):
@@ -230,16 +231,18 @@ def prepare(path, tok, block_size, budget):
 
 def score(model, batch, autocast, device):
     """(right by the summed loss, right by the mean loss) in one batch, on the device. Only the
-    scored positions' logits are taken to float32 for the cross-entropy."""
-    x, y = batch.x.to(device).long(), batch.y.to(device).long()
+    scored positions' logits are taken to float32 for the cross-entropy. They are picked by the
+    indices make_batch listed, not by a mask: indexing with a mask asks the device how many
+    places it holds, a wait for the GPU on every batch, as a copy from pageable memory is."""
+    x, y, labels, scored = (runtime.to_device(t, device) for t in batch)
+    x, y = x.long(), y.long()
     with autocast:
         logits, _ = model(x, y)
-    scored = y >= 0
-    losses = torch.zeros(y.shape, dtype=torch.float32, device=device)
-    losses[scored] = F.cross_entropy(logits[scored].float(), y[scored], reduction="none")
-    total = losses.sum(dim=1).view(-1, ENDINGS)
-    mean = total / scored.sum(dim=1).view(-1, ENDINGS)
-    labels = batch.labels.to(device)
+    losses = torch.zeros(y.numel(), dtype=torch.float32, device=device)
+    losses[scored] = F.cross_entropy(logits.flatten(0, 1)[scored].float(), y.view(-1)[scored],
+                                     reduction="none")
+    total = losses.view(y.shape).sum(dim=1).view(-1, ENDINGS)
+    mean = total / (y >= 0).sum(dim=1).view(-1, ENDINGS)
     return torch.stack([(total.argmin(dim=1) == labels).sum(),
                         (mean.argmin(dim=1) == labels).sum()])
 

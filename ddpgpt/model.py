@@ -315,7 +315,8 @@ class GPT(nn.Module):
             logits = logits[:, -1, :] / temperature
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float("inf")
+                # masked_fill, not logits[mask] = ...: indexing with a mask waits for the GPU
+                logits = logits.masked_fill(logits < v[:, [-1]], -float("inf"))
             probs = F.softmax(logits, dim=-1)
             idx_next = torch.multinomial(probs, num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
