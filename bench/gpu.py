@@ -1,13 +1,19 @@
 """The GPU path, checked on one GPU by one command and recorded: `python bench.py
-gpu`, at most 8 minutes, no network, its data made here. Seven checks, each with pass or fail
+gpu`, at most 9 minutes, no network, its data made here. Fourteen checks, each with pass or fail
 and its numbers: the versions; GPT-2 124M (config/owt.py) in bf16 with torch.compile through
 train.py as a user runs it, and bench/minimal_loop.py, nanoGPT's loop at its barest on the same
 model and GPU (the ceiling); recompiles and graph breaks, counted in TORCH_LOGS's lines, in a
 fresh run and after a resume; a checkpoint's save time and a resume that goes on with the same
-batches and losses; sample.py on the GPU; two ranks of DDP + compile on the one GPU with gloo,
-and two of fsdp (FSDP2, bf16 mixed precision, compiled blocks, a sharded checkpoint) the same
-way; and the recipe's two keys (arch=modern, optimizer=muon) on the same model and batch, whose
-step must stay within 10% of GPT-2's with AdamW.
+batches and losses; on the quick start's model: two ranks of DDP + compile on the one GPU with
+gloo (two processes cannot share a GPU under NCCL); one rank under torchrun over NCCL in
+float16 with the GradScaler, document-aligned windows and an evaluation and background save
+every other step, its peak memory flat across the evaluations; sample.py, and eval.py with
+HellaSwag, on the GPU; two ranks of fsdp (FSDP2, bf16 mixed precision, compiled blocks, a
+sharded checkpoint saved in the background midway), resumed from that folder, and their
+losses and gradient norms against DDP's; and the recipe's two keys (arch=modern,
+optimizer=muon) on GPT-2 124M's model and batch, whose step must stay within 10% of GPT-2's
+with AdamW, and under fsdp on two ranks with selective recomputation, the loss in chunks and
+fsdp's two non-default keys.
 
 A dry run (`--dry-run`, as `--small`) does every step on a tiny model on the CPU, in float32
 without compile (TORCH_LOGS still set and read), so that CI tests the plumbing. Without a GPU
@@ -25,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from bench import common, report
+from bench import common, evaluating, report
 from ddpgpt import checkpoint, configurator, runtime, tokenfile, weights
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import TrainConfig
@@ -40,6 +46,9 @@ TWO_RANKS = ["--backend=gloo", "--gradient_accumulation_steps=4"]  # 2 micro-ste
 UNEVEN_EVALUATION = ["--eval_iters=3"]  # for 2 ranks: one has a batch fewer
 RECIPE = ["--arch=modern", "--optimizer=muon"]  # the same FLOPs per token as GPT-2's
 SELECTIVE = ["--activation_checkpointing=selective", "--loss_chunks=4"]  # the loss in chunks too
+FSDP_KEYS = ["--reshard_after_forward=False", "--reduce_every_micro_step=True"]  # not defaults
+EVERY_OTHER_STEP = 2  # the 1-rank check's evaluations and saves
+HELLASWAG_EXAMPLES = 40
 # What each mode runs: train.py's arguments for GPT-2 124M ("main") and for the 2-rank run
 # (a small model, as gloo carries every gradient through host memory); the steps, the
 # checkpoint the resume starts from, the first steps not counted (start-up, compilation); the
@@ -49,20 +58,27 @@ MODES = {
         main=["config/owt.py", "--device=cuda", "--dtype=bfloat16", "--compile=True"],
         ranks=["config/quickstart.py", "--device=cuda", "--dtype=bfloat16", "--compile=True",
                *TWO_RANKS],
-        steps=20, save_at=15, warmup=5, rank_steps=10, vocab=50257, tokens=2_000_000,
-        new_tokens=200,
+        one_rank=["config/quickstart.py", "--device=cuda", "--dtype=float16", "--compile=True",
+                  "--backend=nccl"],
+        steps=20, save_at=15, warmup=5, rank_steps=10, one_rank_steps=10, vocab=50257,
+        tokens=2_000_000, new_tokens=200,
         device="cuda", caps=dict(train=300, minimal=180, resume=180, ranks=180, sample=90),
-        budget_s=480),
+        budget_s=520),
     "dry run": dict(
         main=[*TINY, "--gradient_accumulation_steps=2", *CPU], ranks=[*TINY, *CPU, *TWO_RANKS],
-        steps=6, save_at=4, warmup=2, rank_steps=3, vocab=257, tokens=100_000, new_tokens=20,
+        one_rank=[*TINY, *CPU, "--backend=gloo"],
+        steps=6, save_at=4, warmup=2, rank_steps=3, one_rank_steps=6, vocab=257, tokens=100_000,
+        new_tokens=20,
         device="cpu", caps=dict(train=300, minimal=300, resume=300, ranks=300, sample=300),
         budget_s=1200)}
 MIN_START_S = 20  # a command is not started with less of the budget left
 LOSS_RTOL = 1e-3  # a resumed step's loss against the uninterrupted run's
+PARITY_RTOL = 2e-2  # ddp's and fsdp's losses and gradient norms, each in bf16 on the GPU
+MEMORY_GROWTH = 0.02  # the peak memory's growth from the second evaluation to the run's end
 MFU_TARGET, CEILING_TARGET, RECIPE_TARGET = 0.45, 0.03, 0.10
 CHECKS = ["versions", "train.py", "minimal loop", "recompiles", "checkpoint and resume",
-          "sample.py", "2 ranks", "fsdp, 2 ranks", "modern + muon",
+          "sample.py", "2 ranks", "1 rank: nccl, float16, documents", "eval.py and HellaSwag",
+          "fsdp, 2 ranks", "fsdp resumed, 2 ranks", "ddp vs fsdp", "modern + muon",
           "fsdp + muon + selective, 2 ranks"]
 LOOPS = ("train.py", "minimal loop", "modern + muon")  # the speed table's rows
 RECOMPILE = re.compile(r"\[__recompiles\] Recompiling function")
@@ -171,9 +187,13 @@ def failed_row(check, finished):
     return check_row(check, False, f"{why}: {common.error_line(finished.output)}")
 
 
-def step_rows(out_dir):
+def metrics_rows(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [row for row in map(json.loads, f) if "ms" in row]
+        return list(map(json.loads, f))
+
+
+def step_rows(out_dir):
+    return [row for row in metrics_rows(out_dir) if "ms" in row]
 
 
 def flops_per_token(cfg, data_dir):
@@ -284,13 +304,10 @@ def resume(s):
     s.runs["resumed"] = finished
     if not succeeded(finished):
         return failed_row("checkpoint and resume", finished)
-    before = {r["iter"]: r for r in step_rows(fresh)}
-    after = step_rows(out)
+    after, same_batches, loss_rdiff = went_on(fresh, out)
     if not after or after[0]["iter"] != spec["save_at"]:
         return check_row("checkpoint and resume", False, f"the resumed run's steps are "
                          f"{[r['iter'] for r in after]}, not from {spec['save_at']} on")
-    same_batches = all(r["batch_fp"] == before[r["iter"]]["batch_fp"] for r in after)
-    loss_rdiff = max(abs(r["loss"] / before[r["iter"]]["loss"] - 1) for r in after)
     size = os.path.getsize(ckpt)
     return check_row(
         "checkpoint and resume", same_batches and loss_rdiff <= LOSS_RTOL,
@@ -299,6 +316,16 @@ def resume(s):
         f"{after[-1]['iter']}: {'the same' if same_batches else '**other**'} batches, losses "
         f"within {loss_rdiff:.2e} (relative)", checkpoint_bytes=size, save_s=save_s,
         steps_compared=len(after), same_batches=same_batches, loss_rdiff=loss_rdiff)
+
+
+def went_on(before_dir, after_dir):
+    """(the resumed run's step rows, whether they read the same batches as the run that went on,
+    their losses' largest relative difference from its)."""
+    before = {r["iter"]: r for r in step_rows(before_dir)}
+    after = step_rows(after_dir)
+    same_batches = all(r["batch_fp"] == before[r["iter"]]["batch_fp"] for r in after)
+    loss_rdiff = max((abs(r["loss"] / before[r["iter"]]["loss"] - 1) for r in after), default=0)
+    return after, same_batches, loss_rdiff
 
 
 def compile_events(output):
@@ -385,6 +412,104 @@ def two_ranks(s, parallel="ddp", name="2 ranks", folder="ranks", extra=()):
                      graph_breaks=breaks)
 
 
+def fsdp_resumed(s):
+    """The fsdp 2-rank run resumed on 2 ranks from a copy of its sharded folder of the midway
+    step, which it saved in the background: the same batches and, within rounding, the same
+    losses as the run that went on."""
+    spec, fsdp, out = s.spec, s.out("fsdp"), s.out("fsdp-resumed")
+    middle = spec["rank_steps"] // 2
+    if not succeeded(s.runs.get("fsdp, 2 ranks")):
+        return {"check": "fsdp resumed, 2 ranks", "passed": None,
+                "status": "not run: the fsdp 2-rank run failed"}
+    folder = checkpoint.path_for(fsdp, middle, folder=True)
+    shutil.copytree(folder, os.path.join(out, os.path.basename(folder)))
+    args = [*train_args(spec["ranks"], s.bytes, out, spec["rank_steps"], middle),
+            "--parallel=fsdp", *UNEVEN_EVALUATION, "--init_from=resume"]
+    finished = launch(s, "fsdp resumed, 2 ranks", agents(args, free_port()),
+                      spec["caps"]["ranks"])
+    if not succeeded(finished):
+        return failed_row("fsdp resumed, 2 ranks", finished)
+    after, same_batches, loss_rdiff = went_on(fsdp, out)
+    if not after or after[0]["iter"] != middle:
+        return check_row("fsdp resumed, 2 ranks", False, f"the resumed run's steps are "
+                         f"{[r['iter'] for r in after]}, not from {middle} on")
+    return check_row(
+        "fsdp resumed, 2 ranks", same_batches and loss_rdiff <= LOSS_RTOL,
+        f"from the folder of iter {middle} (saved in the background), steps {after[0]['iter']} "
+        f"to {after[-1]['iter']}: {'the same' if same_batches else '**other**'} batches, "
+        f"losses within {loss_rdiff:.2e} (relative)", same_batches=same_batches,
+        loss_rdiff=loss_rdiff, steps_compared=len(after))
+
+
+def ddp_vs_fsdp(s):
+    """The 2-rank runs under ddp and fsdp, the same keys and batches (bf16 on the GPU): fsdp's
+    losses and gradient norms those of ddp within rounding. A residual stream in another dtype
+    under fsdp than under ddp (issue 35's second finding) shows in the gradient norms first."""
+    if not (succeeded(s.runs.get("2 ranks")) and succeeded(s.runs.get("fsdp, 2 ranks"))):
+        return {"check": "ddp vs fsdp", "passed": None,
+                "status": "not run: the ddp or the fsdp 2-rank run failed"}
+    ddp, fsdp = step_rows(s.out("ranks")), step_rows(s.out("fsdp"))
+    same_batches = [r["batch_fp"] for r in ddp] == [r["batch_fp"] for r in fsdp]
+    loss_rdiff, norm_rdiff = (max(abs(f[key] / d[key] - 1) for d, f in zip(ddp, fsdp))
+                              for key in ("loss", "grad_norm"))
+    passed = same_batches and len(ddp) == len(fsdp) and \
+        max(loss_rdiff, norm_rdiff) <= PARITY_RTOL
+    return check_row("ddp vs fsdp", passed, f"{len(fsdp)} steps: "
+                     f"{'the same' if same_batches else '**other**'} batches, losses within "
+                     f"{loss_rdiff:.2e} and gradient norms within {norm_rdiff:.2e} (relative) of "
+                     f"ddp's", same_batches=same_batches, loss_rdiff=loss_rdiff,
+                     grad_norm_rdiff=norm_rdiff)
+
+
+def one_rank(s):
+    """One rank under torchrun with the keys two ranks on one GPU cannot have (NCCL: one
+    process per GPU) or that no other check sets: float16 with the GradScaler, document-aligned
+    windows, an evaluation and a background save every other step. Its peak memory must not
+    grow from the second evaluation on, across two more."""
+    name, spec, out = "1 rank: nccl, float16, documents", s.spec, s.out("one-rank")
+    args = [*train_args(spec["one_rank"], s.bytes, out, spec["one_rank_steps"],
+                        EVERY_OTHER_STEP), "--sampling=documents"]
+    finished = launch(s, name, [*common.torchrun(1), "train.py", *args], spec["caps"]["ranks"])
+    if not succeeded(finished):
+        return failed_row(name, finished)
+    cfg = parse(args)
+    steps = step_rows(out)
+    evals = [r["iter"] for r in metrics_rows(out) if "val_loss" in r]
+    # the peak after the second evaluation (the first steps allocate the optimizer's state)
+    peaks = [r["rank_mem_mib"][0] for r in steps if len(evals) > 1 and r["iter"] >= evals[1]]
+    growth = peaks[-1] / peaks[0] - 1 if peaks else None
+    passed = "world size 1," in finished.output and len(steps) == spec["one_rank_steps"] and \
+        all(math.isfinite(r["loss"]) for r in steps) and len(evals) >= 4 and \
+        growth <= MEMORY_GROWTH
+    return check_row(name, passed, f"backend {cfg.backend}, {cfg.dtype}, sampling "
+                     f"{cfg.sampling}: {len(steps)} steps, {len(evals)} evaluations (at "
+                     f"{', '.join(map(str, evals))}); peak memory "
+                     f"{report.FORMAT.format('{:+.1%}', growth)} from the second evaluation to "
+                     f"the end", evaluations=len(evals), memory_growth=growth)
+
+
+def eval_hellaswag(s):
+    """eval.py on the 2-rank (ddp) run's checkpoint, on the device: the val loss and
+    HellaSwag's score of examples written here (the byte tokenizer's data)."""
+    name = "eval.py and HellaSwag"
+    if not checkpoint.list_checkpoints(s.out("ranks")):
+        return {"check": name, "passed": None,
+                "status": "not run: the 2-rank run left no checkpoint to evaluate"}
+    examples = evaluating.write_examples(os.path.join(s.workdir, "hellaswag.jsonl"),
+                                         HELLASWAG_EXAMPLES)
+    args = [sys.executable, "eval.py", f"--out_dir={s.out('ranks')}",
+            f"--device={s.spec['device']}", f"--hellaswag_path={examples}"]
+    finished = launch(s, name, args, s.spec["caps"]["sample"])
+    if not succeeded(finished):
+        return failed_row(name, finished)
+    out = json.loads(next(line for line in reversed(finished.output.splitlines())
+                          if line.startswith("{")))
+    passed = out["hellaswag_n"] == HELLASWAG_EXAMPLES and math.isfinite(out["val_loss"])
+    return check_row(name, passed, f"val loss {out['val_loss']:.4f}; HellaSwag acc_norm "
+                     f"{out['hellaswag_acc_norm']:.3f} of {out['hellaswag_n']} examples in "
+                     f"{out['hellaswag_s']:.1f} s", hellaswag_n=out["hellaswag_n"])
+
+
 def sample(s):
     """sample.py from the 2-rank run's checkpoint: its data is the byte tokenizer's."""
     if not checkpoint.list_checkpoints(s.out("ranks")):
@@ -452,12 +577,14 @@ def run(small, device, workdir):
     # run in the order that keeps the most important numbers if time runs out
     order = [("versions", versions), ("train.py", fresh_run), ("minimal loop", minimal_loop),
              ("checkpoint and resume", resume), ("recompiles", recompiles),
-             ("2 ranks", two_ranks), ("sample.py", sample),
+             ("2 ranks", two_ranks), ("1 rank: nccl, float16, documents", one_rank),
+             ("sample.py", sample), ("eval.py and HellaSwag", eval_hellaswag),
              ("fsdp, 2 ranks", lambda s: two_ranks(s, "fsdp", "fsdp, 2 ranks", "fsdp")),
+             ("fsdp resumed, 2 ranks", fsdp_resumed), ("ddp vs fsdp", ddp_vs_fsdp),
              ("modern + muon", modern_muon),
              ("fsdp + muon + selective, 2 ranks",
               lambda s: two_ranks(s, "fsdp", "fsdp + muon + selective, 2 ranks", "fsdp-muon",
-                                  [*RECIPE, *SELECTIVE]))]
+                                  [*RECIPE, *SELECTIVE, *FSDP_KEYS]))]
     rows = {}
     for i, (name, check) in enumerate(order, 1):
         rows[name] = guarded(check, name, s)
@@ -475,10 +602,12 @@ def run(small, device, workdir):
 
 def settings(mode, spec, cfg):
     main = train_args(spec["main"], "<data>", "<out>", spec["steps"], spec["save_at"])
-    ranks = train_args(spec["ranks"], "<byte data>", "<ranks>", spec["rank_steps"],
-                       spec["rank_steps"])
+    ranks = [*train_args(spec["ranks"], "<byte data>", "<ranks>", spec["rank_steps"],
+                         spec["rank_steps"] // 2), "--parallel=ddp", *UNEVEN_EVALUATION]
     recipe = train_args([*spec["main"], *RECIPE], "<data>", "<modern>", spec["steps"],
                         spec["steps"])
+    one_rank = [*train_args(spec["one_rank"], "<byte data>", "<one-rank>",
+                            spec["one_rank_steps"], EVERY_OTHER_STEP), "--sampling=documents"]
     commands = [f"TORCH_LOGS={TORCH_LOGS} python train.py {' '.join(main)}",
                 f"python -m bench.minimal_loop {' '.join(spec['main'])} --data_dir=<data> "
                 f"--max_iters={spec['steps']}",
@@ -487,10 +616,15 @@ def settings(mode, spec, cfg):
                 *(f"TORCH_LOGS={TORCH_LOGS} torchrun --nnodes=2 --nproc_per_node=1 "
                   f"--node_rank={n} --master_addr=127.0.0.1 --master_port=<port> train.py "
                   f"{' '.join(ranks)}{' &' if n else ''}" for n in (1, 0)),
-                "   # and the same two with --parallel=fsdp --out_dir=<fsdp>, and with "
-                f"--parallel=fsdp {' '.join([*RECIPE, *SELECTIVE])} --out_dir=<fsdp-muon>",
+                "   # and the same two with --parallel=fsdp --out_dir=<fsdp>; again from a copy "
+                f"of its folder of iter {spec['rank_steps'] // 2} in <fsdp-resumed> with "
+                f"--init_from=resume; and with --parallel=fsdp "
+                f"{' '.join([*RECIPE, *SELECTIVE, *FSDP_KEYS])} --out_dir=<fsdp-muon>",
+                f"torchrun --standalone --nproc_per_node=1 train.py {' '.join(one_rank)}",
                 f"python sample.py --out_dir=<ranks> --device={spec['device']} --num_samples=2 "
                 f"--max_new_tokens={spec['new_tokens']} --start='def '",
+                f"python eval.py --out_dir=<ranks> --device={spec['device']} "
+                f"--hellaswag_path=<{HELLASWAG_EXAMPLES} examples>",
                 f"TORCH_LOGS={TORCH_LOGS} python train.py {' '.join(recipe)}"]
     return {"mode": mode, "about": ABOUT[mode], "steps": spec["steps"],
             "save_at": spec["save_at"], "warmup": spec["warmup"],

@@ -45,8 +45,21 @@ def test_gpu_dry_run(env, tmp_path):
     assert checks["sample.py"]["samples"] == 2
     assert "world size 2 on cpu, gloo" in checks["2 ranks"]["measured"]
     assert checks["modern + muon"]["recompiles_after"] == 0
+    one_rank = checks["1 rank: nccl, float16, documents"]
+    assert one_rank["evaluations"] == 4 and one_rank["memory_growth"] <= gpu.MEMORY_GROWTH
+    assert "backend gloo, float32, sampling documents" in one_rank["measured"]
+    assert checks["eval.py and HellaSwag"]["hellaswag_n"] == gpu.HELLASWAG_EXAMPLES
+    fsdp_resumed, parity = checks["fsdp resumed, 2 ranks"], checks["ddp vs fsdp"]
+    # float32 on a CPU: fsdp resumed from its folder repeats its run bit for bit, and its
+    # losses are ddp's but for the order of the reductions
+    assert fsdp_resumed["same_batches"] and fsdp_resumed["loss_rdiff"] == 0
+    assert fsdp_resumed["steps_compared"] == result["settings"]["rank_steps"] - \
+        result["settings"]["rank_steps"] // 2
+    assert parity["same_batches"] and parity["loss_rdiff"] < 1e-5 and \
+        parity["grad_norm_rdiff"] < 1e-5
     assert [r["loop"] for r in result["speed"]] == list(gpu.LOOPS)
     assert "A dry run" in page and "python sample.py --out_dir=<ranks> --device=cpu" in page
+    assert "python eval.py --out_dir=<ranks> --device=cpu" in page
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it would run the checks")
