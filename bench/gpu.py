@@ -359,8 +359,8 @@ def recompiles(s):
     numbers = {f"{name}_{key}": value for name, counts in events.items()
                for key, value in zip(("recompiles_first_step", "recompiles_after",
                                       "graph_breaks"), counts)}
-    return check_row("recompiles", all(after == 0 for _, after, _ in events.values()), measured,
-                     compiled=s.cfg.compile, **numbers)
+    passed = all(after == 0 and breaks == 0 for _, after, breaks in events.values())
+    return check_row("recompiles", passed, measured, compiled=s.cfg.compile, **numbers)
 
 
 def free_port():
@@ -398,7 +398,7 @@ def two_ranks(s, parallel="ddp", name="2 ranks", folder="ranks", extra=()):
     show(name, compile_lines(finished.output))
     ms = float(np.median([r["ms"] for r in steps[1:]])) if len(steps) > 1 else None
     passed = "world size 2," in finished.output and len(steps) == spec["rank_steps"] and \
-        all(math.isfinite(r["loss"]) for r in steps) and after == 0
+        all(math.isfinite(r["loss"]) for r in steps) and after == 0 and breaks == 0
     if parallel == "fsdp":
         folder = checkpoint.path_for(out, spec["rank_steps"], folder=True)
         passed = passed and sorted(os.listdir(folder))[:3] == [".metadata", "__0_0.distcp",
@@ -547,7 +547,8 @@ def modern_muon(s):
     ours = s.speed.get("train.py")
     versus = f" ({stats['ms_per_step'] / ours['ms_per_step'] - 1:+.1%} against gpt2+adamw's)" \
         if ours else ""
-    passed = len(steps) == spec["steps"] and all(math.isfinite(r["loss"]) for r in steps)
+    passed = len(steps) == spec["steps"] and all(math.isfinite(r["loss"]) for r in steps) and \
+        after == 0 and breaks == 0
     return check_row("modern + muon", passed, f"{len(steps)} steps, loss {steps[0]['loss']:.3f} "
                      f"-> {steps[-1]['loss']:.3f}; {stats['ms_per_step']:,.1f} ms/step{versus}, "
                      f"MFU {report.FORMAT.format('{:.1%}', stats['mfu'])}; {after} recompile(s) "
