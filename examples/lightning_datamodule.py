@@ -31,22 +31,16 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-import lightning as L
-import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import TensorBoardLogger
-from torch.utils.data import DataLoader
-
 # run as a script, this file's folder is on sys.path, not the checkout that holds ddpgpt/
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ddpgpt import configurator, data, errors, logs, metrics, optim, sources, tokenfile
-from ddpgpt.configurator import key
-from ddpgpt.errors import UserError
-from ddpgpt.model import GPT, GPTConfig
-from ddpgpt.settings import (ROPE_THETA_RANGE, Arch, Sampling, TrainConfig, check_bias,
+from ddpgpt import configurator, errors  # noqa: E402
+from ddpgpt.configurator import key  # noqa: E402
+from ddpgpt.errors import UserError  # noqa: E402
+from ddpgpt.settings import (ROPE_THETA_RANGE, Arch, Sampling, check_bias,  # noqa: E402
                              check_only_for)
-from ddpgpt.weights import model_args
+
+SCRIPT = "examples/lightning_datamodule.py"  # as the user runs it: its help and errors say so
 
 
 @dataclass
@@ -102,6 +96,21 @@ class LightningConfig:
             raise UserError(
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps} is the global "
                 f"number of micro-steps and must be a multiple of devices={self.devices}.")
+
+
+if __name__ == "__main__":  # a bad setting is said in a moment, before Lightning's imports
+    configurator.end_now_if_unreadable(LightningConfig, sys.argv[1:], SCRIPT)
+
+import lightning as L  # noqa: E402  (the imports that take seconds come after)
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from ddpgpt import data, logs, metrics, optim, sources, tokenfile  # noqa: E402
+from ddpgpt.model import GPT, GPTConfig  # noqa: E402
+from ddpgpt.settings import TrainConfig  # noqa: E402
+from ddpgpt.weights import model_args  # noqa: E402
 
 
 class IndexedBlocks(data.BlockDataset):
@@ -306,11 +315,11 @@ def build(cfg):
 
 
 def main(argv):
-    cfg = configurator.parse(LightningConfig, argv, "examples/lightning_datamodule.py")
+    cfg = configurator.parse(LightningConfig, argv, SCRIPT)
     datamodule, module = build(cfg)
     make_trainer(cfg).fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path or None)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(errors.run(main, "lightning_datamodule.py", sys.argv[1:]))
+    sys.exit(errors.run(main, SCRIPT, sys.argv[1:]))

@@ -138,7 +138,7 @@ def test_ranks_read_train_py_batches_and_a_resumed_checkpoint_continues_them(
     lightning(2, halves, *args, "--max_steps=6", "--num_workers=0", "--ckpt_path=last", env=env)
     err = fails(EXAMPLE, f"--out_dir={halves}", "--ckpt_path=lats", env=env).stderr
     assert err.strip().splitlines()[-1] == (  # it was Lightning's FileNotFoundError
-        f"lightning_datamodule.py: error: ckpt_path='lats' is not a file: give a checkpoint that "
+        f"{EXAMPLE}: error: ckpt_path='lats' is not a file: give a checkpoint that "
         f"Lightning saved (such as {halves / 'step=0000050.ckpt'}), 'last' for the newest in "
         f"out_dir, or '' to train from scratch.")
 
