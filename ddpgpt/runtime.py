@@ -195,8 +195,8 @@ def on_device(device):
 
 def to_device(t, device):
     """The host tensor t on device. To a GPU from pinned memory, asynchronously: a copy from
-    pageable memory first waits for all the work queued on the GPU, so that the host could not
-    read the next batch while the GPU runs the last."""
+    pageable memory waits for all the work queued on the GPU first, which keeps the host from
+    reading the next batch while the GPU runs the last."""
     if device_type(device) != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
