@@ -452,9 +452,8 @@ def rank_batches(mix, *, block_size, batch_size, micro_steps, rank, world_size, 
         x, y = read_mixture_xy(mix, source, offsets, block_size, vocab_size)
         return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
 
-    def on_device(batch):
-        x, y = batch
-        return x.to(device, non_blocking=pin), y.to(device, non_blocking=pin)
+    def on_device(batch):  # load() pinned it for a GPU already: to_device only copies
+        return tuple(runtime.to_device(t, device) for t in batch)
 
     if not prefetch:
         while True:
