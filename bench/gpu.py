@@ -179,6 +179,11 @@ def check_row(check, passed, measured, **numbers):
             "result": "pass" if passed else "**fail**", "measured": measured, **numbers}
 
 
+def not_run_row(check, why):
+    """A check not run because an earlier one it needs failed."""
+    return {"check": check, "status": f"not run: {why}", "passed": None}
+
+
 def failed_row(check, finished):
     """A check whose command did not succeed (or was not started)."""
     if finished is None:
@@ -290,8 +295,7 @@ def resume(s):
     batches (batch_fp) and, within rounding, the same losses as the run that went on."""
     spec, fresh, out = s.spec, s.out("fresh"), s.out("resumed")
     if not succeeded(s.runs.get("fresh")):
-        return {"check": "checkpoint and resume", "status": "not run: train.py's run failed",
-                "passed": None}
+        return not_run_row("checkpoint and resume", "train.py's run failed")
     saved = {path: float(seconds) for path, seconds in SAVED.findall(s.runs["fresh"].output)}
     ckpt = checkpoint.path_for(fresh, spec["save_at"])
     save_s = saved.get(ckpt)
@@ -348,8 +352,7 @@ def compile_lines(output):
 def recompiles(s):
     runs = {"fresh": s.runs.get("fresh"), "resumed": s.runs.get("resumed")}
     if not all(map(succeeded, runs.values())):
-        return {"check": "recompiles", "passed": None,
-                "status": "not run: needs the fresh and the resumed train.py runs"}
+        return not_run_row("recompiles", "needs the fresh and the resumed train.py runs")
     events = {name: compile_events(run.output) for name, run in runs.items()}
     for name, run in runs.items():
         show(f"train.py, {name}", compile_lines(run.output))
@@ -419,8 +422,7 @@ def fsdp_resumed(s):
     spec, fsdp, out = s.spec, s.out("fsdp"), s.out("fsdp-resumed")
     middle = spec["rank_steps"] // 2
     if not succeeded(s.runs.get("fsdp, 2 ranks")):
-        return {"check": "fsdp resumed, 2 ranks", "passed": None,
-                "status": "not run: the fsdp 2-rank run failed"}
+        return not_run_row("fsdp resumed, 2 ranks", "the fsdp 2-rank run failed")
     folder = checkpoint.path_for(fsdp, middle, folder=True)
     shutil.copytree(folder, os.path.join(out, os.path.basename(folder)))
     args = [*train_args(spec["ranks"], s.bytes, out, spec["rank_steps"], middle),
@@ -446,8 +448,7 @@ def ddp_vs_fsdp(s):
     losses and gradient norms those of ddp within rounding. A residual stream in another dtype
     under fsdp than under ddp (issue 35's second finding) shows in the gradient norms first."""
     if not (succeeded(s.runs.get("2 ranks")) and succeeded(s.runs.get("fsdp, 2 ranks"))):
-        return {"check": "ddp vs fsdp", "passed": None,
-                "status": "not run: the ddp or the fsdp 2-rank run failed"}
+        return not_run_row("ddp vs fsdp", "the ddp or the fsdp 2-rank run failed")
     ddp, fsdp = step_rows(s.out("ranks")), step_rows(s.out("fsdp"))
     same_batches = [r["batch_fp"] for r in ddp] == [r["batch_fp"] for r in fsdp]
     loss_rdiff, norm_rdiff = (max(abs(f[key] / d[key] - 1) for d, f in zip(ddp, fsdp))
@@ -493,8 +494,7 @@ def eval_hellaswag(s):
     HellaSwag's score of examples written here (the byte tokenizer's data)."""
     name = "eval.py and HellaSwag"
     if not checkpoint.list_checkpoints(s.out("ranks")):
-        return {"check": name, "passed": None,
-                "status": "not run: the 2-rank run left no checkpoint to evaluate"}
+        return not_run_row(name, "the 2-rank run left no checkpoint to evaluate")
     examples = evaluating.write_examples(os.path.join(s.workdir, "hellaswag.jsonl"),
                                          HELLASWAG_EXAMPLES)
     args = [sys.executable, "eval.py", f"--out_dir={s.out('ranks')}",
@@ -513,8 +513,7 @@ def eval_hellaswag(s):
 def sample(s):
     """sample.py from the 2-rank run's checkpoint: its data is the byte tokenizer's."""
     if not checkpoint.list_checkpoints(s.out("ranks")):
-        return {"check": "sample.py", "passed": None,
-                "status": "not run: the 2-rank run left no checkpoint to sample from"}
+        return not_run_row("sample.py", "the 2-rank run left no checkpoint to sample from")
     n = 2
     args = [sys.executable, "sample.py", f"--out_dir={s.out('ranks')}",
             f"--device={s.spec['device']}", f"--num_samples={n}",
