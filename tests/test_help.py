@@ -102,7 +102,8 @@ def test_a_mistyped_key_points_at_the_right_one_and_at_help(script, typo, key, e
                                     "examples/lightning_datamodule.py"])
 def test_a_mistyped_key_is_answered_before_torch_is_imported(script, env):
     """The scripts that import torch read their settings first: a typo is answered in a
-    moment, not after torch's import (seconds; Lightning's, ten). `-X importtime` lists each module imported."""
+    moment, not after torch's import (seconds; Lightning's, ten). `-X importtime` lists each
+    module imported."""
     p = run([sys.executable, "-X", "importtime", os.path.join(ROOT, script), "--no_such_key=1"],
             env, check=False)
     assert p.returncode == 1 and f"{script}: error: argument --no_such_key=1: unknown key " \
