@@ -7,9 +7,9 @@ prepare.py should take. prepare.py with tiktoken beside them. preparing.py's fun
 from bench import preparing
 
 TITLE = "Prepare with a Hugging Face tokenizer"
-# pystdlib's first documents, x1 and x3: the memory's flatness in the corpus size, and what a
-# loaded 2-core machine measures in minutes
-FULL = {"copies": [1, 3], "documents": 300, "shard_tokens": 1_000_000}
+# pystdlib's first documents, x1 to x9: the memory's flatness in the corpus size, and prepare.py's
+# rate once started, on the tokens x9 adds to x1
+FULL = {"copies": [1, 3, 9], "documents": 300, "shard_tokens": 1_000_000}
 SMALL = {"copies": [1, 2], "documents": 100, "shard_tokens": 200_000}
 IMPLS = ("ddpgpt", "ddpgpt-hf", preparing.CEILING)  # as text/prepare_hf.md names them
 TABLES = {"table": [row for row in preparing.TABLES["table"] if not row[0].startswith("ref")]}
@@ -21,12 +21,34 @@ def run(small, device, workdir):
 
 
 def targets(rows):
-    return [preparing.speed_target(rows, preparing.CEILING, lambda ratio: ratio >= 0.9,
-                                   "prepare.py with a Hugging Face fast tokenizer at least 0.9x "
-                                   "the tokens/s of the tokenizer's own batch encoding on its "
-                                   "threads (encoding alone), at every corpus size",
-                                   impl="ddpgpt-hf"),
-            preparing.memory_target(rows, "ddpgpt-hf")]
+    return [speed_target(rows), preparing.memory_target(rows, "ddpgpt-hf")]
+
+
+def speed_target(rows):
+    """prepare.py's tokens/s once started, on the tokens the largest corpus adds to the smallest
+    (its start-up, mostly transformers' import, is the same at every size), against the
+    ceiling's at the largest corpus, whose clock starts with the encoding; the whole runs'
+    ratios beside it."""
+    ours = sorted((r for r in rows if r["impl"] == "ddpgpt-hf"), key=lambda r: r["copies"])
+    small, large = ours[0], ours[-1]
+    ceiling = next(r for r in rows if r["impl"] == preparing.CEILING
+                   and r["copies"] == large["copies"])
+    whole = "; ".join(text for text, _ in preparing.compared(rows, preparing.CEILING,
+                                                             "ddpgpt-hf"))
+    target = (f"prepare.py with a Hugging Face fast tokenizer at least 0.9x the tokens/s of the "
+              f"tokenizer's own batch encoding on its threads (encoding alone), once started: "
+              f"on the tokens pystdlib x{large['copies']} adds to x{small['copies']}")
+    added_s = large["wall_s"] - small["wall_s"]
+    if added_s <= 0:  # corpora too small for this machine's noise (the small mode's)
+        return {"target": target, "met": False, "measured": f"x{large['copies']} took no "
+                f"longer than x{small['copies']}: no rate to judge; whole runs: {whole}"}
+    rate = (large["tokens"] - small["tokens"]) / added_s
+    start_s = small["wall_s"] - small["tokens"] / rate
+    return {"target": target,
+            "measured": f"{rate:,.0f} vs {ceiling['tok_per_s']:,.0f} tokens/s "
+                        f"({rate / ceiling['tok_per_s']:.2f}x), after a start-up of "
+                        f"{start_s:.1f} s; whole runs: {whole}",
+            "met": rate >= 0.9 * ceiling["tok_per_s"]}
 
 
 def plot(result):
