@@ -44,7 +44,7 @@ SPECS = {
                                                  seeds=(1337, 1338, 1339)),
                           "pystdlib-gpt2": dict(tokenizer="gpt2", args=QUICK_GPT2,
                                                 seeds=(1337,))},
-                 speed=dict(args=["config/quickstart.py"], steps=20, warmup=5, rounds=2,
+                 speed=dict(args=["config/quickstart.py"], steps=20, warmup=5, rounds=5,
                             combos=COMBOS)),
     "small": dict(corpora={"pystdlib-bytes": dict(tokenizer="byte", seeds=(1,), args=[
                                *TINY, "--max_iters=6", "--lr_decay_iters=6", "--warmup_iters=1",
