@@ -470,8 +470,8 @@ def main(argv):
 
 if __name__ == "__main__":
     # prepare.py never uses torch, and transformers imports it wherever it can find it: half of
-    # a Hugging Face tokenizer's load (bench/text/prepare_hf.md). None in sys.modules hides it,
-    # and transformers' advisory line about its absence is not this script's to say.
+    # a Hugging Face tokenizer's load (bench/text/prepare_hf.md). None in sys.modules hides it;
+    # transformers' advisory line that it found no torch would only puzzle the user.
     sys.modules["torch"] = None
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     sys.exit(errors.run(main, "prepare.py", sys.argv[1:]))
