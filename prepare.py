@@ -39,7 +39,7 @@ from ddpgpt import (configurator, corpus, docindex, errors, fileio, lock, logs, 
 from ddpgpt.errors import UserError
 from ddpgpt.settings import PrepareConfig
 from ddpgpt.signals import Interrupted
-from ddpgpt.tokenizer import GPT2_NAMES, get_tokenizer, no_end_of_document
+from ddpgpt.tokenizer import GPT2_NAMES, get_tokenizer, no_end_of_document, torch_hidden
 
 CHUNK_CHARS = 1 << 20  # text sent to a worker at a time: big enough to amortise the pickling
 
@@ -334,7 +334,8 @@ def complete_output(out_dir, settings):
 def prepare(cfg):
     """(out_dir, meta.json's splits, the corpus's counts) of a complete prepare; splits and
     counts are None when out_dir already held its output."""
-    tokenizer = get_tokenizer(cfg.tokenizer)
+    with torch_hidden():  # prepare.py never uses torch
+        tokenizer = get_tokenizer(cfg.tokenizer)
     if tokenizer.eot is None:  # a Hugging Face tokenizer's: the others by name have one
         raise UserError(no_end_of_document(cfg.tokenizer))
     if cfg.format == "llmc" and tokenizer.name not in GPT2_NAMES:
@@ -469,9 +470,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    # prepare.py never uses torch, and transformers imports it wherever it can find it: half of
-    # a Hugging Face tokenizer's load (bench/text/prepare_hf.md). None in sys.modules hides it;
-    # transformers' advisory line that it found no torch would only puzzle the user.
-    sys.modules["torch"] = None
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     sys.exit(errors.run(main, "prepare.py", sys.argv[1:]))

@@ -12,10 +12,12 @@ which UTF-8 cannot encode: JSON's "\\ud800" escapes make them, and so does a com
 argument that is not UTF-8. Each becomes U+FFFD, the replacement character: tiktoken's
 encode_ordinary does that itself, and _any_str does it for ours and Hugging Face's.
 """
+import contextlib
 import hashlib
 import os
 import re
 import shutil
+import sys
 from typing import Callable, NamedTuple, Optional
 
 import numpy as np
@@ -320,6 +322,29 @@ def from_pretrained(name):
                         f"converts). Save it as a fast tokenizer (AutoTokenizer.from_pretrained("
                         f"..., use_fast=True).save_pretrained(folder)) and give that folder.")
     return hf
+
+
+@contextlib.contextmanager
+def torch_hidden():
+    """For a process that never uses torch (prepare.py): transformers imports it wherever it
+    can find it, half of a tokenizer's load (bench/text/prepare_hf.md), and decides once per
+    process whether it can. Hidden while it decides (None in sys.modules), then shown again,
+    since other libraries take a name in sys.modules for a module (datasets does); its advisory
+    line that it found no torch would only puzzle the user. Nothing where torch is imported."""
+    if "torch" in sys.modules:
+        yield
+        return
+    advice = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
+    sys.modules["torch"], os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = None, "1"
+    try:
+        yield
+    finally:
+        if sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+        if advice is None:
+            del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
+        else:
+            os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = advice
 
 
 def cannot_load(name, error):
