@@ -169,10 +169,15 @@ def compared(rows, ref, impl):
     return out
 
 
+def smallest_and_largest(rows, impl):
+    """impl's rows at the smallest and the largest corpus."""
+    ours = sorted((r for r in rows if r["impl"] == impl), key=lambda r: r["copies"])
+    return ours[0], ours[-1]
+
+
 def memory_target(rows, impl="ddpgpt"):
     """prepare.py's peak memory at the largest corpus within 10% of the smallest."""
-    ours = sorted((r for r in rows if r["impl"] == impl), key=lambda r: r["copies"])
-    small, large = ours[0], ours[-1]
+    small, large = smallest_and_largest(rows, impl)
     parts, met = [], True
     for key, what in (("peak_rss", "peak RSS"), ("peak_private", "peak private")):
         change = large[key] / small[key] - 1

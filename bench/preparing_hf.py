@@ -29,8 +29,7 @@ def speed_target(rows):
     (its start-up, mostly transformers' import, is the same at every size), against the
     ceiling's at the largest corpus, whose clock starts with the encoding; the whole runs'
     ratios beside it."""
-    ours = sorted((r for r in rows if r["impl"] == "ddpgpt-hf"), key=lambda r: r["copies"])
-    small, large = ours[0], ours[-1]
+    small, large = preparing.smallest_and_largest(rows, "ddpgpt-hf")
     ceiling = next(r for r in rows if r["impl"] == preparing.CEILING
                    and r["copies"] == large["copies"])
     whole = "; ".join(text for text, _ in preparing.compared(rows, preparing.CEILING,

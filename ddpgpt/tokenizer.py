@@ -339,8 +339,7 @@ def torch_hidden():
     try:
         yield
     finally:
-        if sys.modules.get("torch", 0) is None:
-            del sys.modules["torch"]
+        sys.modules.pop("torch", None)  # None still: an import of it in the block fails
         if advice is None:
             del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
         else:
