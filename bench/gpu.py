@@ -66,7 +66,7 @@ MODES = {
         budget_s=520),
     "dry run": dict(
         main=[*TINY, "--gradient_accumulation_steps=2", *CPU], ranks=[*TINY, *CPU, *TWO_RANKS],
-        one_rank=[*TINY, *CPU, "--backend=gloo"],
+        one_rank=[*TINY, "--gradient_accumulation_steps=2", *CPU, "--backend=gloo"],
         steps=6, save_at=4, warmup=2, rank_steps=3, one_rank_steps=6, vocab=257, tokens=100_000,
         new_tokens=20,
         device="cpu", caps=dict(train=300, minimal=300, resume=300, ranks=300, sample=300),
