@@ -61,10 +61,17 @@ def list_checkpoints(out_dir):
 
 
 def is_folder(path):
-    """Is path a checkpoint folder (rather than an out_dir)?"""
+    """Is path a checkpoint folder (rather than an out_dir)? Its values.pt says so, or where
+    that is lost, DCP's index: sharded.py is imported for its name only then, not by every
+    sample.py, eval.py and export.py given an out_dir (DCP is a slow import)."""
+    if not os.path.isdir(path):
+        return False
+    if os.path.exists(os.path.join(path, VALUES)):
+        return True
+    if list_checkpoints(path):
+        return False  # an out_dir
     from ddpgpt import sharded
-    return os.path.isdir(path) and any(os.path.exists(os.path.join(path, name))
-                                       for name in (VALUES, sharded.INDEX))
+    return os.path.exists(os.path.join(path, sharded.INDEX))
 
 
 def contents(model, optimizer, train_state):
