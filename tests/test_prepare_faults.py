@@ -45,16 +45,28 @@ def as_in_a_terminal():
 
 
 def tokenizing(env, out, *launcher):
-    """prepare.py of the standard library on 2 workers, once it is writing tokens."""
+    """prepare.py of the standard library on 2 workers, once it is writing tokens, paused
+    there (SIGSTOP): on a loaded machine it would otherwise finish its seconds of work between
+    the test's look and its signal. The test sends its signal, then resume()s it."""
     p = subprocess.Popen([*launcher, sys.executable, os.path.join(ROOT, "prepare.py"),
                           "--dataset=pystdlib", "--tokenizer=byte", "--num_proc=2",
                           "--out_dir", out], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, preexec_fn=as_in_a_terminal)
     deadline = time.time() + 120
-    while not any(os.path.getsize(f) for f in glob.glob(f"{out}/train.bin.*.tmp")):
+    while True:
         assert p.poll() is None and time.time() < deadline, p.communicate()
+        p.send_signal(signal.SIGSTOP)
+        while psutil.Process(p.pid).status() not in (psutil.STATUS_STOPPED,
+                                                     psutil.STATUS_ZOMBIE):  # or ended
+            time.sleep(0.001)
+        if any(os.path.getsize(f) for f in glob.glob(f"{out}/train.bin.*.tmp")):
+            return p
+        resume(p)
         time.sleep(0.05)
-    return p
+
+
+def resume(p):
+    p.send_signal(signal.SIGCONT)
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
@@ -65,6 +77,7 @@ def test_a_stopped_run_publishes_nothing_and_leaves_nothing(stop, env, tmp_path)
     out = tmp_path / "out"
     p = tokenizing(env, out)
     p.send_signal(stop)
+    resume(p)
     _, stderr = p.communicate(timeout=60)
     assert p.returncode == 128 + stop, stderr
     assert "Traceback" not in stderr and "Error" not in stderr, stderr
@@ -80,6 +93,7 @@ def test_under_nohup_a_closed_terminal_does_not_stop_it(env, tmp_path):
     out = tmp_path / "out"
     p = tokenizing(env, out, "nohup")
     p.send_signal(signal.SIGHUP)
+    resume(p)
     _, stderr = p.communicate(timeout=300)
     assert p.returncode == 0, stderr
     decoded(out, get_tokenizer("byte"))
@@ -122,6 +136,7 @@ def test_a_worker_killed_outright_is_named_and_nothing_is_left(env, tmp_path):
     p = tokenizing(env, out)
     worker = psutil.Process(p.pid).children()[0]
     worker.kill()
+    resume(p)
     _, stderr = p.communicate(timeout=60)
     assert p.returncode == 1 and "Traceback" not in stderr, stderr
     assert last_line(stderr) == (
