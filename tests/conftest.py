@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -25,7 +26,7 @@ import numpy as np
 import psutil
 import pytest
 
-from ddpgpt import tokenfile
+from ddpgpt import checkpoint, tokenfile
 from bench.common import ROOT, child_env
 from bench.common import torchrun as torchrun_command
 from ddpgpt.tokenizer import install_tiktoken_file
@@ -215,19 +216,34 @@ def evals(out_dir):
     return [r for r in metrics(out_dir) if "val_loss" in r]
 
 
+def first_steps(run, k, out, *more):
+    """out as a run with run's settings leaves it when stopped at iter k: a copy of run's
+    checkpoint at k (and at each iter of more) and the rows run wrote before iter k."""
+    os.makedirs(out)
+    for i in (k, *more):
+        shutil.copy(checkpoint.path_for(run, i), out)
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        rows = [line for line in f if json.loads(line)["iter"] < k]
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.writelines(rows)
+    return out
+
+
 def same_on_any_world_size_and_resumed(args, tmp_path, env, steps_in_all=6):
-    """train.py on 1 rank, on 2, and on 2 stopped halfway and resumed: the three read the same
-    global batches, and the resumed run's losses are the uninterrupted one's. The 1-rank run's
-    (out_dir, CompletedProcess), for what a test checks beyond that."""
+    """train.py on 1 rank, on 2, and the 2-rank run's first half (a copy: args save a
+    checkpoint halfway) resumed: the three read the same global batches, and the resumed run's
+    losses are the uninterrupted one's. The 1-rank run's (out_dir, CompletedProcess), for what
+    a test checks beyond that."""
     one, two, halves = (str(tmp_path / n) for n in ("one", "two", "halves"))
+    half, every = steps_in_all // 2, range(steps_in_all)
     p = python("train.py", *args, f"--out_dir={one}", f"--max_iters={steps_in_all}", env=env)
     torchrun(2, "train.py", *args, f"--out_dir={two}", f"--max_iters={steps_in_all}", env=env)
-    torchrun(2, "train.py", *args, f"--out_dir={halves}", f"--max_iters={steps_in_all // 2}",
-             env=env)
-    torchrun(2, "train.py", *args, f"--out_dir={halves}", f"--max_iters={steps_in_all}",
-             "--init_from=resume", env=env)
+    first_steps(two, half, halves)
+    resumed = torchrun(2, "train.py", *args, f"--out_dir={halves}",
+                       f"--max_iters={steps_in_all}", "--init_from=resume", env=env)
+    assert f"resuming from {checkpoint.path_for(halves, half)} (iter {half})" in resumed.stdout
     a, b, c = steps(one), steps(two), steps(halves)
-    every = range(steps_in_all)
+    assert sorted(a) == sorted(b) == sorted(c) == list(every)
     assert [a[i]["batch_fp"] for i in every] == [b[i]["batch_fp"] for i in every]
     assert [(b[i]["batch_fp"], b[i]["loss"]) for i in every] == \
         [(c[i]["batch_fp"], c[i]["loss"]) for i in every]

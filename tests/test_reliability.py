@@ -17,7 +17,7 @@ import torch
 
 from bench.common import write_token_files
 from ddpgpt import checkpoint, data, fileio, tokenfile
-from conftest import ROOT, TINY, fails, metrics, python, steps, torchrun
+from conftest import ROOT, TINY, fails, first_steps, metrics, python, steps, torchrun
 
 
 def compare(env, a, b, *flags):
@@ -42,19 +42,6 @@ def wait_for_step(out_dir, step, proc, timeout=120):
             return
         time.sleep(0.05)
     raise AssertionError(f"step {step} never came")
-
-
-def first_steps(run, k, out, *more):
-    """out as a run with run's settings leaves it when stopped at iter k: a copy of run's
-    checkpoint at k (and at each iter of more) and the rows run wrote before iter k."""
-    os.makedirs(out)
-    for i in (k, *more):
-        shutil.copy(checkpoint.path_for(run, i), out)
-    with open(os.path.join(run, "metrics.jsonl")) as f:
-        rows = [line for line in f if json.loads(line)["iter"] < k]
-    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
-        f.writelines(rows)
-    return str(out)
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ddpgpt import checkpoint, data, tokenfile
-from conftest import (ROOT, TINY, decoded, fails, global_batches, python, read_with_ranks, steps,
-                      torchrun)
+from ddpgpt import data, tokenfile
+from conftest import (ROOT, TINY, decoded, fails, global_batches, python, read_with_ranks,
+                      same_on_any_world_size_and_resumed)
 
 
 from ddpgpt.tokenizer import get_tokenizer
@@ -51,26 +51,8 @@ def test_llmc_shards_train_the_same_global_batches_on_any_world_size_and_resume_
         env, llmc_data, tmp_path):
     args = [f"--data_dir={llmc_data}", *TINY, "--gradient_accumulation_steps=2",
             "--eval_interval=3"]
-    one, two, halves = (str(tmp_path / n) for n in ("one", "two", "halves"))
-    p = python("train.py", *args, f"--out_dir={one}", "--max_iters=6", env=env)
+    _, p = same_on_any_world_size_and_resumed(args, tmp_path, env)
     assert "vocab_size = 50304" in p.stdout  # GPT-2's, from the llm.c header's magic
-    torchrun(2, "train.py", *args, f"--out_dir={two}", "--max_iters=6", env=env)
-    # the first half, on 2 ranks, is two's first 3 steps: its checkpoint at 3 and its rows
-    # before, copied, and resumed
-    os.makedirs(halves)
-    shutil.copy(checkpoint.path_for(two, 3), halves)
-    with open(os.path.join(two, "metrics.jsonl")) as f:
-        rows = [line for line in f if json.loads(line)["iter"] < 3]
-    with open(os.path.join(halves, "metrics.jsonl"), "w") as f:
-        f.writelines(rows)
-    p = torchrun(2, "train.py", *args, f"--out_dir={halves}", "--max_iters=6",
-                 "--init_from=resume", env=env)
-    assert f"resuming from {checkpoint.path_for(halves, 3)} (iter 3)" in p.stdout
-    a, b, c = steps(one), steps(two), steps(halves)
-    assert sorted(a) == sorted(b) == sorted(c) == list(range(6))
-    assert [a[i]["batch_fp"] for i in range(6)] == [b[i]["batch_fp"] for i in range(6)]
-    assert [(b[i]["batch_fp"], b[i]["loss"]) for i in range(6)] == \
-        [(c[i]["batch_fp"], c[i]["loss"]) for i in range(6)]
 
 
 # ---- a shard set is one token space ----
