@@ -50,8 +50,9 @@ def unconfigured_logging():
 VOCAB_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 # what prepare.py writes by default
 OUTPUTS = ("train.bin", "val.bin", tokenfile.META_NAME, "train.docidx", "val.docidx")
-# 8 micro-steps a step, not train.py's 40: what a test checks holds at any number that 1, 2 and
-# 4 ranks divide, and each micro-step of a tiny run costs as much as the model's arithmetic
+# 8 micro-steps a step, not train.py's 40 (nanoGPT's): no test checks that number, the world
+# sizes the tests train on (1, 2, 4) divide 8, and the micro-steps were most of a tiny run's
+# time after its imports
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--gradient_accumulation_steps=8", "--eval_iters=4", "--device=cpu",
         "--learning_rate=3e-3", "--warmup_iters=2", "--lr_decay_iters=40", "--min_lr=3e-4"]
