@@ -227,7 +227,7 @@ def first_steps(run, k, out, *more):
         rows = [line for line in f if json.loads(line)["iter"] < k]
     with open(os.path.join(out, "metrics.jsonl"), "w") as f:
         f.writelines(rows)
-    return out
+    return str(out)
 
 
 def same_on_any_world_size_and_resumed(args, tmp_path, env, steps_in_all=6):
