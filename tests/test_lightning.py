@@ -49,27 +49,29 @@ def median(rows, key):
 def fits(tmp_path_factory, session_env):
     """One launch of tests/lightning_rank.py for both tests that stop at a first batch: a
     first fit that loads what later fits reuse, then small and huge files in turns (ABBA), so
-    that neither size is always the later one; the seed's design at two sizes; last, ddpgpt's
-    DataModule under Lightning's default use_distributed_sampler=True, which ends the
-    processes with its error. (CompletedProcess, rows, {name: folder}, ours)."""
+    that neither size is always the later one; the seed's design at two sizes, in turns too;
+    last, ddpgpt's DataModule under Lightning's default use_distributed_sampler=True, which
+    ends the processes with its error. (CompletedProcess, rows, {name: folder}, the folders of
+    the fits after the first, in order)."""
     root = tmp_path_factory.mktemp("lightning_fits")
     small = sparse_folder(root, "small", 16 * MiB)
     huge = sparse_folder(root, "huge", 16 * GiB)
     larger = sparse_folder(root, "larger", 32 * MiB)  # for the seed's design: 2x, not 1024x
     ours = [small, huge, huge, small] * 3
+    seeds = [small, larger, larger, small]
     runs = ["ddpgpt", small, *(a for d in ours for a in ("ddpgpt", d)),
-            "seed", small, "seed", larger, "default_sampler", small]
+            *(a for d in seeds for a in ("seed", d)), "default_sampler", small]
     p, rows = first_batches(session_env, str(root / "first"), *runs)
-    return p, rows, {"small": small, "huge": huge, "larger": larger}, ours
+    return p, rows, {"small": small, "huge": huge, "larger": larger}, ours + seeds
 
 
 @pytest.mark.slow
 def test_sixteen_gib_file_costs_lightning_ranks_what_sixteen_mib_does_unlike_the_seed(fits):
-    p, rows, folders, ours = fits
+    p, rows, folders, fitted = fits
     small, huge, larger = folders["small"], folders["huge"], folders["larger"]
     # every fit got to its first batch on both ranks: an error ends the processes, so the
     # launch's one is the last fit's, which the default sampler's test checks
-    assert len(rows) == 2 * (len(ours) + 3), p.stdout + p.stderr
+    assert len(rows) == 2 * (len(fitted) + 1), p.stdout + p.stderr
     rows = rows[2:]  # not the first fit's
 
     at = {d: [r for r in rows if r["design"] == "ddpgpt" and r["data_dir"] == d]
@@ -88,14 +90,21 @@ def test_sixteen_gib_file_costs_lightning_ranks_what_sixteen_mib_does_unlike_the
     assert max(r["rss"] for r in at[huge]) < min(r["rss"] for r in at[small]) + 16 * MiB, seen
     assert max(r["peak_rss"] for r in at[huge]) <= 1.1 * seen[small]["rss"], seen
 
-    seed = {r["data_dir"]: r for r in rows if r["design"] == "seed" and r["rank"] == 0}
-    assert all(r["sampler"] == "DistributedSampler" and r["shuffle"] for r in seed.values())
+    seed = {d: [r for r in rows if r["design"] == "seed" and r["data_dir"] == d]
+            for d in (small, larger)}
+    assert all(r["sampler"] == "DistributedSampler" and r["shuffle"]
+               for d in seed for r in seed[d])
+    # the least over both fits and both ranks: the permutation is the same work in each, and
+    # under load a rank's CPU time varies by more than the permutation's 0.9 s (once 1.15 s at
+    # 16 MiB against 1.14 s at 32)
+    least = {d: {k: min(r[k] for r in seed[d]) for k in ("data_setup_cpu_s", "peak_rss")}
+             for d in seed}
     indices = {d: os.path.getsize(os.path.join(d, "train.bin")) // 2 - BLOCK
                for d in (small, larger)}
-    per_index = (seed[larger]["peak_rss"] - seed[small]["peak_rss"]) / (
+    per_index = (least[larger]["peak_rss"] - least[small]["peak_rss"]) / (
         indices[larger] - indices[small])
-    assert per_index >= 8, (per_index, seed)  # at least an int64 per sample index
-    assert seed[larger]["data_setup_cpu_s"] > 1.1 * seed[small]["data_setup_cpu_s"], seed
+    assert per_index >= 8, (per_index, least)  # at least an int64 per sample index
+    assert least[larger]["data_setup_cpu_s"] > 1.1 * least[small]["data_setup_cpu_s"], seed
 
 
 def lightning(devices, out_dir, *args, env, **kw):
