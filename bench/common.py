@@ -62,6 +62,13 @@ def torchrun(nproc):
             f"--nproc_per_node={nproc}"]
 
 
+def ranks_command(nproc):
+    """The start of the command line of a measured run of nproc ranks: torchrun's, or a plain
+    process for one rank, which has no process group (runtime.init_distributed): it measures
+    the same and spares torchrun's own start-up."""
+    return torchrun(nproc) if nproc > 1 else [sys.executable]
+
+
 def write_token_files(data_dir, ids_by_split, *, tokenizer, vocab_size, eot_token):
     """A complete data folder from in-memory arrays of ids, for small data, with each split's
     document index; prepare.py streams instead. Documents are counted by their end-of-text

@@ -110,7 +110,7 @@ def measure_memory(kind, n, settings, workdir):
 def run_ranks(n, args, out):
     """bench/fsdp_rank.py on n ranks with train.py's settings args: each rank's numbers."""
     common.check(common.run_watched(
-        [*common.torchrun(n), "-m", "bench.fsdp_rank", out, *args],
+        [*common.ranks_command(n), "-m", "bench.fsdp_rank", out, *args],
         common.child_env(OMP_NUM_THREADS="1"), TIME_CAP_S),
         f"bench.fsdp_rank ({n} ranks, {' '.join(args)})")
     ranks = []

@@ -1,5 +1,5 @@
 """One rank of the fsdp and muon benchmarks' measurements; bench/fsdp.py and bench/muon.py
-launch it under torchrun:
+launch it under torchrun (one rank as a plain process, `python -m bench.fsdp_rank ...`):
 
   torchrun --standalone --nproc_per_node=N -m bench.fsdp_rank OUT [train.py's --key=value ...]
 

@@ -1,5 +1,6 @@
 """One rank of a measured run for the memory plan's check; tests/test_memplan.py and
-bench/memplan.py launch it under torchrun, as train.py is launched:
+bench/memplan.py launch it under torchrun, as train.py is launched (one rank as a plain
+process, `python -m bench.memory_rank ...`):
 
   torchrun --standalone --nproc_per_node=N -m bench.memory_rank OUT [train.py's --key=value ...]
 

@@ -80,7 +80,7 @@ def measure(parallel, ranks, optimizer, arch, workdir):
             f"--arch={arch}"]
     out = os.path.join(workdir, f"{parallel}-{ranks}-{optimizer}-{arch}")
     common.check(common.run_watched(
-        [*common.torchrun(ranks), "-m", "bench.memory_rank", out, *args],
+        [*common.ranks_command(ranks), "-m", "bench.memory_rank", out, *args],
         common.child_env(OMP_NUM_THREADS="1"), TIME_CAP_S), f"bench.memory_rank {out}")
     with open(f"{out}.rank0.json") as f:
         measured = json.load(f)["peak"]

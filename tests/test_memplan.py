@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from bench.common import torchrun
+from bench.common import ranks_command
 from conftest import fails, python, run
 
 SMALL = ["--n_layer=2", "--n_head=4", "--n_embd=64", "--block_size=64", "--batch_size=4",
@@ -33,15 +33,13 @@ def settings(kind, optimizer, arch, recompute="none"):
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory, session_env):
-    """{run: rank 0's measured Plan} of each of RUNS, on real tensors. A run of 1 rank needs
-    no torchrun: with one rank there is no process group (runtime.init_distributed), so a
-    plain process measures the same and saves torchrun's own start-up."""
+    """{run: rank 0's measured Plan} of each of RUNS, on real tensors (a run of 1 rank as a
+    plain process: bench.common.ranks_command)."""
     root = tmp_path_factory.mktemp("measured")
     found = {}
     for kind, n, optimizer, arch, recompute in RUNS:
         out = root / f"{kind}-{n}-{optimizer}-{arch}-{recompute}"
-        launch = torchrun(n) if n > 1 else [sys.executable]
-        run([*launch, "-m", "bench.memory_rank", str(out),
+        run([*ranks_command(n), "-m", "bench.memory_rank", str(out),
              *settings(kind, optimizer, arch, recompute)], session_env)
         with open(f"{out}.rank0.json") as f:
             found[kind, n, optimizer, arch, recompute] = json.load(f)
