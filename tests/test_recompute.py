@@ -1,8 +1,9 @@
 """activation_checkpointing and loss_chunks under torchrun (gloo, CPU), as a user runs them:
 full and selective train with the losses of none bit for bit in float32 with dropout (the
 recompute must draw its masks again), and selective without (where the CPU runs the fused
-attention kernel it keeps), under ddp and fsdp, with the loss in one piece and in chunks; a run resumes exactly under another mode than the one that saved its checkpoint;
-the loss in chunks trains as in one piece but for the sums' rounding."""
+attention kernel it keeps), under ddp and fsdp, with the loss in one piece and in chunks; a run
+resumes exactly under another mode than the one that saved its checkpoint; the loss in chunks
+trains as in one piece but for the sums' rounding."""
 import os
 import shutil
 
