@@ -28,9 +28,18 @@ def end_at_once_while_importing(script):
     def stop(signum, frame):
         end_before_steps(script, signum)
 
-    for s in EXIT_AT_ONCE:
-        if signal.getsignal(s) is not signal.SIG_IGN:
-            signal.signal(s, stop)
+    listen(EXIT_AT_ONCE, stop)
+
+
+def listen(signals, handler):
+    """handler for each of the signals that the parent does not ignore, and those unblocked: a
+    process inherits its parent's signal mask, and a launcher that forks while it blocks them
+    (as multiprocessing's resource tracker does for SIGINT and SIGTERM) passes them on
+    blocked, which would hold a Ctrl-C pending, unseen, until the process ends."""
+    wanted = [s for s in signals if signal.getsignal(s) is not signal.SIG_IGN]
+    for s in wanted:
+        signal.signal(s, handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, wanted)
 
 
 def catch_stop_signals(script="train.py"):
@@ -54,6 +63,7 @@ def catch_stop_signals(script="train.py"):
 
     for sig in TRAIN_SIGNALS:
         signal.signal(sig, on_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, TRAIN_SIGNALS)
     exit_at_once(script)
     return received
 
@@ -183,6 +193,4 @@ def raise_on_stop_signals():
             signal.signal(s, signal.SIG_IGN)
         raise Interrupted(signum)
 
-    for s in PREPARE_SIGNALS:
-        if signal.getsignal(s) is not signal.SIG_IGN:
-            signal.signal(s, stop)
+    listen(PREPARE_SIGNALS, stop)

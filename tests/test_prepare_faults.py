@@ -1,6 +1,7 @@
 """prepare.py against faults, run as a user meets them: stop signals (Ctrl-C, kill, a closed
 terminal), a full disk (a real small tmpfs), and a second prepare into the same out_dir."""
 import collections
+import contextlib
 import glob
 import json
 import os
@@ -37,6 +38,9 @@ def last_line(stderr):
 
 # ---- stop signals ----
 
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def as_in_a_terminal():
     """A terminal's foreground job gets Ctrl-C and SIGHUP; a suite started under nohup or with
     `&` would pass them on ignored, and prepare.py keeps an ignored signal ignored (nohup's)."""
@@ -44,14 +48,22 @@ def as_in_a_terminal():
         signal.signal(stop, signal.SIG_DFL)
 
 
-def tokenizing(env, out, *launcher):
+def blocked_by_the_launcher():
+    """As a launcher that starts it while it blocks the stop signals (multiprocessing's
+    resource tracker forks so): the process inherits the mask."""
+    as_in_a_terminal()
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+
+
+def tokenizing(env, out, *launcher, start=as_in_a_terminal):
     """prepare.py of the standard library on 2 workers, once it is writing tokens, paused
     there (SIGSTOP): on a loaded machine it would otherwise finish its seconds of work between
-    the test's look and its signal. The test sends its signal, then resume()s it."""
+    the test's look and its signal. The test sends its signal, then resume()s it. p.signals:
+    how the process took signals then, for a test's failure to show."""
     p = subprocess.Popen([*launcher, sys.executable, os.path.join(ROOT, "prepare.py"),
                           "--dataset=pystdlib", "--tokenizer=byte", "--num_proc=2",
                           "--out_dir", out], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, preexec_fn=as_in_a_terminal)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=start)
     deadline = time.time() + 120
     while True:
         assert p.poll() is None and time.time() < deadline, p.communicate()
@@ -60,6 +72,7 @@ def tokenizing(env, out, *launcher):
                                                      psutil.STATUS_ZOMBIE):  # or ended
             time.sleep(0.001)
         if any(os.path.getsize(f) for f in glob.glob(f"{out}/train.bin.*.tmp")):
+            p.signals = signal_masks(p.pid)
             return p
         resume(p)
         time.sleep(0.05)
@@ -69,17 +82,32 @@ def resume(p):
     p.send_signal(signal.SIGCONT)
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
-                         ids=["SIGINT", "SIGTERM", "SIGHUP"])
-def test_a_stopped_run_publishes_nothing_and_leaves_nothing(stop, env, tmp_path):
+def signal_masks(pid):
+    """Each thread's blocked, ignored and caught signals (hex masks), as Linux shows them."""
+    masks = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/status") as f:
+            masks[tid] = [" ".join(line.split()) for line in f
+                          if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]
+    return masks
+
+
+@pytest.mark.parametrize("stop, start", [(signal.SIGINT, as_in_a_terminal),
+                                         (signal.SIGTERM, as_in_a_terminal),
+                                         (signal.SIGHUP, as_in_a_terminal),
+                                         (signal.SIGINT, blocked_by_the_launcher)],
+                         ids=["SIGINT", "SIGTERM", "SIGHUP", "SIGINT blocked by its launcher"])
+def test_a_stopped_run_publishes_nothing_and_leaves_nothing(stop, start, env, tmp_path):
     """Ctrl-C, kill or a closed terminal while tokenizing: one line, the workers stopped
-    quietly, the temporary files and the lock gone, no final-named file, status 128 + signal."""
+    quietly, the temporary files and the lock gone, no final-named file, status 128 + signal;
+    so too when its launcher passed the signals on blocked (such a Ctrl-C used to wait,
+    unseen, until the run had ended, and the run ended 0)."""
     out = tmp_path / "out"
-    p = tokenizing(env, out)
+    p = tokenizing(env, out, start=start)
     p.send_signal(stop)
     resume(p)
     _, stderr = p.communicate(timeout=60)
-    assert p.returncode == 128 + stop, stderr
+    assert p.returncode == 128 + stop, f"{stderr}\nthreads' signals when stopped: {p.signals}"
     assert "Traceback" not in stderr and "Error" not in stderr, stderr
     name = signal.Signals(stop).name
     assert stderr.strip().splitlines()[-1] == (

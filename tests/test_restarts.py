@@ -245,9 +245,9 @@ def test_the_survivors_of_a_dead_rank_say_whom_they_lost_and_end(env, corpus, tm
     assert f'File "{ROOT}' not in text and "[rank" not in text
 
 
-def hung_rank_0(env, corpus, tmp_path):
+def hung_rank_0(env, corpus, tmp_path, start=None):
     """train.py as rank 0 of two, whose rank 1 never comes: it waits in init_process_group.
-    Returns the process once it waits there (its store listens)."""
+    Returns the process once it waits there (its store listens). start: a preexec_fn."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -255,7 +255,7 @@ def hung_rank_0(env, corpus, tmp_path):
                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     proc = subprocess.Popen([sys.executable, *train_args(corpus, tmp_path / "out", *TINY)],
                             cwd=ROOT, env=rank_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=start)
     deadline = time.monotonic() + 60
     while not any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
                   for c in psutil.Process(proc.pid).net_connections("tcp")):
@@ -265,11 +265,20 @@ def hung_rank_0(env, corpus, tmp_path):
     return proc
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_stop_signal_before_the_first_step_ends_the_run_at_once(env, corpus, tmp_path, sig):
+def blocked_by_the_launcher():
+    """As a launcher that starts it while it blocks the stop signals: the mask is inherited."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals.TRAIN_SIGNALS)
+
+
+@pytest.mark.parametrize("sig, start", [(signal.SIGTERM, None),
+                                        (signal.SIGINT, blocked_by_the_launcher)],
+                         ids=["SIGTERM", "SIGINT blocked by its launcher"])
+def test_a_stop_signal_before_the_first_step_ends_the_run_at_once(env, corpus, tmp_path, sig,
+                                                                   start):
     """Hung in init_process_group, the ranks used to record SIGTERM and wait for a step that
-    never came, until torchrun's SIGKILL: there is nothing to save yet."""
-    proc = hung_rank_0(env, corpus, tmp_path)
+    never came, until torchrun's SIGKILL: there is nothing to save yet. A signal its launcher
+    passed on blocked comes through too (Ctrl-C in test_ctrl_c_in_the_first_evaluation)."""
+    proc = hung_rank_0(env, corpus, tmp_path, start)
     t = time.monotonic()
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=30)
