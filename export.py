@@ -11,9 +11,10 @@ it computes the same function as the checkpoint (float32 logits within 1e-4). It
 config.json, generation_config.json, model.safetensors, a README.md that says what was exported
 and the tokenizer files, with which AutoTokenizer encodes and decodes as ddpgpt does: GPT-2's
 (converted from tiktoken's), the byte tokenizer's, nanoGPT's characters' and a Hugging Face
-tokenizer's own (hf.py, save_tokenizer); other tiktoken encodings get none. Only the tokenizer's ids are exported:
-train.py pads the vocabulary for speed, and the padding rows belong to no token. DEST must not
-exist; it is written under a temporary name and renamed when complete.
+tokenizer's own (hf.py, save_tokenizer); other tiktoken encodings get none. Only the
+tokenizer's ids are exported: train.py pads the vocabulary for speed, and the padding rows
+belong to no token. DEST must not exist; it is written under a temporary name and renamed when
+complete.
 
 A DEST that ends in .pt is written as one checkpoint file instead, with everything the source
 holds (the optimizer's state, the data position, ...), as parallel=ddp writes them: it resumes

@@ -326,9 +326,9 @@ def complete_output(out_dir, settings):
     how = differences(meta.get("prepared_with"), settings)
     raise UserError(
         f"{out_dir} holds a complete prepared dataset ({meta_path}: {meta.get('tokenizer')!r} "
-        f"tokens of {meta.get('source')!r}, {how}), which this sharded prepare would replace shard by shard, so that a stop midway "
-        f"would leave neither dataset. Remove it first (rm -r {out_dir}), or give another "
-        f"--out_dir.")
+        f"tokens of {meta.get('source')!r}, {how}), which this sharded prepare would replace "
+        f"shard by shard, so that a stop midway would leave neither dataset. Remove it first "
+        f"(rm -r {out_dir}), or give another --out_dir.")
 
 
 def prepare(cfg):

@@ -235,7 +235,8 @@ def windows(mix, block_size, mode):
     if mode == "documents" and not n.all():
         empty = mix.splits[int(np.argmin(n))]
         raise UserError(f"{tokenfile.describe(empty)} holds no document of two tokens or more "
-                        f"(its document index): it has no window that starts at a document's start to read.")
+                        f"(its document index): it has no window that starts at a document's "
+                        f"start to read.")
     ends = np.cumsum(np.concatenate(counts))
     shapes = [feistel_shape(k) for k in n.tolist()]
     return Windows(mode, block_size, n, np.concatenate([[0], np.cumsum(n)[:-1]]),

@@ -7,8 +7,9 @@ iter, and a one-line report to out_dir/hang/rank<r>.txt; rank 0 gathers the repo
 where the ranks are, grouped, and which did not report, and writes that to
 out_dir/hang/summary.txt. Where the flight recorder is on (launch/srun.sh turns it on), each
 rank also writes its record of the last collectives, as torch would have on the collective
-timeout that the watchdog comes before. Then each rank exits with EXIT_CODE, so that torchrun or SLURM ends
-the run (and can restart it) instead of leaving it hung until a collective times out.
+timeout that the watchdog comes before. Then each rank exits with EXIT_CODE, so that torchrun
+or SLURM ends the run (and can restart it) instead of leaving it hung until a collective times
+out.
 
   the limit   until the first step completes: startup_timeout_s (rendezvous, data checks,
               compiling, the first evaluation and step); then max(hang_timeout_s, 10 x the

@@ -1,8 +1,9 @@
 """Run under torchrun by test_reliability.py: joins the process group as every script does
 (runtime.init_distributed), imports torch._dynamo afterwards as an optimizer's constructor does,
 runs a collective, leaves the group (destroy_process_group, as runtime.finish does before it
-exits), then writes the names of the threads this process still has to <out>.rank<RANK>.json. The process group's threads must be gone: one that
-outlives the group can abort the interpreter's exit."""
+exits), then writes the names of the threads this process still has to <out>.rank<RANK>.json.
+The process group's threads must be gone: one that outlives the group can abort the
+interpreter's exit."""
 import glob
 import json
 import sys

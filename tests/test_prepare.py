@@ -191,9 +191,9 @@ def bad_input(tmp_path, env):
 
 @pytest.mark.parametrize("case", ["no such file", "no glob match", "not on the hub",
                                   "no text field", "no text column", "empty corpus",
-                                  "val takes all", "no val docs", "one document", "unwritable out_dir",
-                                  "not utf-8 txt", "not utf-8 jsonl", "unknown tokenizer",
-                                  "vocab offline"])
+                                  "val takes all", "no val docs", "one document",
+                                  "unwritable out_dir", "not utf-8 txt", "not utf-8 jsonl",
+                                  "unknown tokenizer", "vocab offline"])
 def test_bad_input(case, env, tmp_path):
     args, named = bad_input(tmp_path, env)[case]
     tokenizer = [] if any(str(a).startswith("--tokenizer") for a in args) else ["--tokenizer=byte"]
