@@ -83,12 +83,15 @@ def resume(p):
 
 
 def signal_masks(pid):
-    """Each thread's blocked, ignored and caught signals (hex masks), as Linux shows them."""
+    """The blocked, ignored and caught signals (hex masks, as Linux shows them) of each of the
+    process's threads, and of the test's, whose mask a process it starts inherits."""
+    paths = {"test": "/proc/thread-self/status",
+             **{tid: f"/proc/{pid}/task/{tid}/status" for tid in os.listdir(f"/proc/{pid}/task")}}
     masks = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/status") as f:
-            masks[tid] = [" ".join(line.split()) for line in f
-                          if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]
+    for thread, path in paths.items():
+        with contextlib.suppress(OSError), open(path) as f:
+            masks[thread] = [" ".join(line.split()) for line in f
+                             if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]
     return masks
 
 
