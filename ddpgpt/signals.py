@@ -32,10 +32,10 @@ def end_at_once_while_importing(script):
 
 
 def listen(signals, handler):
-    """handler for each of the signals that the parent does not ignore, and those unblocked: a
-    process inherits its parent's signal mask, and a launcher that forks while it blocks them
-    (as multiprocessing's resource tracker does for SIGINT and SIGTERM) passes them on
-    blocked, which would hold a Ctrl-C pending, unseen, until the process ends."""
+    """Install handler for each of the signals that the parent does not ignore, and unblock
+    them: a process inherits its parent's signal mask, and a launcher that forks while it
+    blocks them (as multiprocessing's resource tracker does for SIGINT and SIGTERM) passes them
+    on blocked, which would hold a Ctrl-C pending, unseen, until the process ends."""
     wanted = [s for s in signals if signal.getsignal(s) is not signal.SIG_IGN]
     for s in wanted:
         signal.signal(s, handler)

@@ -277,7 +277,8 @@ def test_a_stop_signal_before_the_first_step_ends_the_run_at_once(env, corpus, t
                                                                    start):
     """Hung in init_process_group, the ranks used to record SIGTERM and wait for a step that
     never came, until torchrun's SIGKILL: there is nothing to save yet. A signal its launcher
-    passed on blocked comes through too (Ctrl-C in test_ctrl_c_in_the_first_evaluation)."""
+    passed on blocked comes through too (an unblocked Ctrl-C:
+    test_ctrl_c_in_the_first_evaluation_ends_the_run_at_once)."""
     proc = hung_rank_0(env, corpus, tmp_path, start)
     t = time.monotonic()
     proc.send_signal(sig)
