@@ -14,7 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
-from ddpgpt import fileio, lock
+from ddpgpt import fileio, lock, signals
 from conftest import OUTPUTS, ROOT, decoded, fails, python
 from ddpgpt.tokenizer import get_tokenizer
 
@@ -38,9 +38,6 @@ def last_line(stderr):
 
 # ---- stop signals ----
 
-STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
 def as_in_a_terminal():
     """A terminal's foreground job gets Ctrl-C and SIGHUP; a suite started under nohup or with
     `&` would pass them on ignored, and prepare.py keeps an ignored signal ignored (nohup's)."""
@@ -52,7 +49,7 @@ def blocked_by_the_launcher():
     """As a launcher that starts it while it blocks the stop signals (multiprocessing's
     resource tracker forks so): the process inherits the mask."""
     as_in_a_terminal()
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals.PREPARE_SIGNALS)
 
 
 def tokenizing(env, out, *launcher, start=as_in_a_terminal):
