@@ -9,7 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from datetime import timedelta
 
 import psutil
 import torch
@@ -467,3 +469,35 @@ def test_a_survivor_follows_the_notes_in_the_store_to_the_rank_lost_first(monkey
     assert peers.lost_first(None, rank=0) is None
     monkeypatch.setitem(peers.GROUP, "store", None)
     assert peers.lost_first(5, rank=0) == 5
+
+
+def test_each_rank_joins_rank_0s_attempt_while_the_others_delete_its_key(monkeypatch):
+    """A restart's ranks meet under the attempt that rank 0 publishes in torchrun's store,
+    each deleting the key first (peers.this_restarts_store); a rank whose read came just after
+    another's delete read b"" and waited alone in init_process_group until the timeout (CI:
+    test_train's 4-rank resume hung 600 s; 1 in ~40 four-rank starts here). A thread deletes
+    the key as fast as other ranks would; each time, rank 1 lands in rank 0's attempt (before
+    the fix, 6 of 20 starts did not)."""
+    agent = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(agent.port))
+    done, timeout = threading.Event(), timedelta(seconds=30)
+
+    def other_ranks_deleting():
+        store = agent.clone()
+        while not done.is_set():
+            store.delete_key(peers.ATTEMPT_KEY)
+            time.sleep(0.0002)
+
+    deleter = threading.Thread(target=other_ranks_deleting)
+    deleter.start()
+    try:
+        for start in range(20):
+            with peers.this_restarts_store(0, 2, timeout) as zero, \
+                    peers.this_restarts_store(1, 2, timeout) as one:
+                one.set(f"start {start}", "here")
+                assert zero.check([f"start {start}"]), f"start {start}: rank 1 joined elsewhere"
+    finally:
+        done.set()
+        deleter.join()
