@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -111,15 +112,38 @@ def run(args, env, cwd=ROOT, timeout=600, check=True):
 
 def stacks_then_kill(pid):
     """py-spy's dump of the Python stacks (and the native frames) of pid and its descendants,
-    which are then killed: torchrun's ranks too, which would keep the output pipes open."""
+    which are then killed: torchrun's ranks too, which would keep the output pipes open. It
+    ends with each process's main thread in one line: CI's log keeps a failure's first and last
+    lines only, and the dumps of four ranks fill the middle."""
     tree = [psutil.Process(pid)]
     tree += tree[0].children(recursive=True)
+    ranks = [rank_of(p) for p in tree]
     dumps = [subprocess.run(["py-spy", "dump", "--native", "--pid", str(p.pid)],
                             capture_output=True, text=True, timeout=60) for p in tree]
     for p in tree:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
-    return "\n".join(d.stdout + d.stderr for d in dumps)
+    where = [f"{p.pid} ({rank}): {main_thread_frames(d.stdout) or d.stderr.strip()}"
+             for p, rank, d in zip(tree, ranks, dumps)]
+    return "\n".join([*(d.stdout + d.stderr for d in dumps),
+                      "--- each main thread, innermost first: native frames | Python frames",
+                      *where])
+
+
+def rank_of(process):
+    with contextlib.suppress(psutil.Error, KeyError):
+        return f"rank {process.environ()['RANK']}"
+    return "no RANK"
+
+
+def main_thread_frames(dump, count=3):
+    """The main thread in a py-spy dump: its innermost native frames outside libc (where a
+    wait in C++ waits) and its innermost Python frames."""
+    thread = dump.partition('"MainThread"')[2].split("\nThread ")[0]
+    frames = re.findall(r"^ +(\S+ \((\S+)\))$", thread, re.M)
+    python = [f for f, where in frames if re.search(r"\.py:\d+$", where)]
+    native = [f for f, where in frames if f not in python and not where.startswith("libc.")]
+    return f"{' < '.join(native[:count])} | {' < '.join(python[:count])}" if frames else ""
 
 
 def python(script, *args, env, **kw):
