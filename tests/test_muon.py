@@ -1,7 +1,8 @@
 """Muon over the ranks (ddpgpt/muon.py): the owners of the matrices, Newton-Schulz's dtype, one
 process equal to torch.optim.Muon bit for bit, and under torchrun (gloo) ddp on 2 ranks as on 1
-process, fsdp as ddp, fsdp's exact resume, its checkpoint folder resumed on one process and
-under ddp, ddp's file under fsdp on 4 ranks, and a rank killed mid-run under fsdp."""
+process, fsdp as ddp, ddp's and fsdp's exact resumes, ddp's file resumed on one process and
+under fsdp on 4 ranks, fsdp's folder on one process and under ddp, and a rank killed mid-run
+under fsdp."""
 import copy
 import os
 import shutil
@@ -9,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import ROOT, TINY, python, steps, torchrun
+from conftest import ROOT, TINY, evals, python, steps, torchrun
 from test_fsdp import killing_rank_1, rows_of
 from ddpgpt import checkpoint, muon, optim
 from ddpgpt.errors import UserError
@@ -158,6 +159,28 @@ def test_ddp_on_2_ranks_trains_as_one_process_and_fsdp_as_ddp(runs):
     assert sorted(steps(runs["one"])) == sorted(steps(runs["fsdp"])) == list(range(8))
     assert relative_difference(runs["one"], runs["ddp"]) <= RTOL
     assert relative_difference(runs["ddp"], runs["fsdp"]) <= RTOL
+
+
+@pytest.mark.slow
+def test_muon_resumes_bit_for_bit_on_2_ranks_and_on_1_reads_the_same_batches(runs, corpus,
+                                                                            tmp_path, env):
+    """ddp's file at 4 resumed on 2 ranks repeats the uninterrupted run bit for bit, Muon's
+    momentum saved in it; on one process, the same batches and the same losses but for the
+    order of the sums (the one process accumulates what DDP's all-reduce adds)."""
+    half = resumed(checkpoint.path_for(runs["ddp"], 4), tmp_path / "half", 2, "ddp", corpus,
+                   env)
+    a, b = steps(runs["ddp"]), steps(half)
+    assert sorted(b) == list(range(4, 8))
+    assert [(a[i]["loss"], a[i]["batch_fp"]) for i in range(4, 8)] == \
+        [(b[i]["loss"], b[i]["batch_fp"]) for i in range(4, 8)]
+    assert evals(runs["ddp"])[-1] == evals(half)[-1]
+    state, _ = checkpoint.load_latest(runs["ddp"])
+    assert state["model_args"]["arch"] == "modern" and set(state["optimizer"]) == {"muon",
+                                                                                    "adamw"}
+    assert state["optimizer"]["muon"]["state"], "Muon's momentum buffers are saved"
+    one = resumed(checkpoint.path_for(runs["ddp"], 4), tmp_path / "one", 1, "ddp", corpus, env)
+    assert sorted(steps(one)) == list(range(4, 8))
+    assert relative_difference(runs["ddp"], one) <= RTOL
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """optimizer=muon and arch=modern, as a user runs them: Muon's groups and schedule, the modern
 block as transformers' Qwen3ForCausalLM (export, logits, loading it back), eval.py, sample.py
-and the Lightning example on it, exact resume on 2 ranks and a resume on 1, float16's
-GradScaler, and the combinations that cannot work."""
+and the Lightning example on it, float16's GradScaler, and the combinations that cannot
+work (Muon's resumes: test_muon.py)."""
 import json
 import os
 import shutil
@@ -15,7 +15,7 @@ import torch
 # transformers' Qwen3 costs ~7 CPU s, for the worker that runs this file only
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from conftest import TINY, evals, fails, python, steps, torchrun
+from conftest import TINY, evals, fails, python, steps
 from ddpgpt import checkpoint, hf, optim
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig, swiglu_hidden
@@ -126,41 +126,7 @@ def test_muon_params_that_name_a_norm_or_nothing_are_user_errors():
         optim.muon_parameters(gpt2, "transformer.h.*.c_*.weight,lm_head.weight")
 
 
-# ---- training, resuming, float16 ----
-
-@pytest.mark.slow
-def test_muon_resumes_bit_for_bit_on_2_ranks_and_on_1_reads_the_same_batches(env, corpus,
-                                                                            tmp_path):
-    args = [f"--data_dir={corpus}", *TINY, *MODERN, "--gradient_accumulation_steps=4",
-            "--eval_interval=4"]
-    whole, half, resized = tmp_path / "whole", tmp_path / "half", tmp_path / "resized"
-    torchrun(2, "train.py", *args, f"--out_dir={whole}", "--max_iters=8", env=env)
-    # the second half resumes from copies of the whole run's checkpoint at its midpoint
-    for out in (half, resized):
-        out.mkdir()
-        os.link(checkpoint.path_for(whole, 4), checkpoint.path_for(out, 4))
-    p = torchrun(2, "train.py", *args, f"--out_dir={half}", "--max_iters=8",
-                 "--init_from=resume", env=env)
-    assert "resuming from" in p.stdout and "ckpt_0000004.pt" in p.stdout
-    a, b = steps(whole), steps(half)
-    assert sorted(a) == list(range(8)) and sorted(b) == list(range(4, 8))
-    for i in range(4, 8):
-        assert (a[i]["loss"], a[i]["batch_fp"]) == (b[i]["loss"], b[i]["batch_fp"]), i
-    assert evals(whole)[-1] == evals(half)[-1]
-    state, _ = checkpoint.load_latest(str(whole))
-    assert state["model_args"]["arch"] == "modern" and set(state["optimizer"]) == {"muon",
-                                                                                    "adamw"}
-    assert state["optimizer"]["muon"]["state"], "Muon's momentum buffers are saved"
-    # on one rank, from the same checkpoint: the same batches, the same losses but for the
-    # order of the sums (the one rank accumulates what DDP's all-reduce adds)
-    python("train.py", *args, f"--out_dir={resized}", "--max_iters=8", "--init_from=resume",
-           env=env)
-    c = steps(resized)
-    assert sorted(c) == list(range(4, 8))
-    for i in range(4, 8):
-        assert c[i]["batch_fp"] == a[i]["batch_fp"]
-        assert c[i]["loss"] == pytest.approx(a[i]["loss"], rel=1e-4), i
-
+# ---- float16 ----
 
 @pytest.mark.slow
 def test_float16_gradient_scaling_steps_muon_and_resumes(env, corpus, tmp_path):
