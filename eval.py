@@ -28,7 +28,7 @@ cpu.wait_passively()  # before torch is imported
 if __name__ == "__main__":  # a mistyped key ends before torch's import, which takes seconds
     configurator.end_now_if_unreadable(EvalConfig, sys.argv[1:], "eval.py")
 
-from ddpgpt import (errors, evaluation, hellaswag, logs, peers, runtime, sources,  # noqa: E402
+from ddpgpt import (errors, evaluation, hellaswag, launch, runtime, sources,  # noqa: E402
                     weights)
 from ddpgpt.errors import UserError  # noqa: E402
 from ddpgpt.model import GPT, GPTConfig  # noqa: E402
@@ -42,24 +42,17 @@ NO_CHECKPOINT = "give --out_dir a run's out_dir or one checkpoint file, or --ini
 
 def main(argv):
     cfg, given = configurator.parse_given(EvalConfig, argv, "eval.py")
-    ranks = runtime.ranks()
-    logs.setup(ranks.master, stream=sys.stderr)  # stdout is for the results
-    device = runtime.pick_device(cfg.device, ranks)
-    runtime.init_distributed(device, ranks.world_size, cfg.backend, cfg.dist_timeout_s)
-    try:  # every rank checks its start-up; rank 0 reports each problem once (runtime.agree)
-        cfg, model, loaded, ev, where = start_up(cfg, given)
-        error = None
-    except UserError as e:
-        error = str(e)
-    if not runtime.agree(error, ranks, "eval.py"):
-        return runtime.finish(ranks.world_size, 1)  # every rank is here
-    with peers.watched(ranks, lambda: ("", "Nothing is lost: run it again.")):
-        results = evaluate(model.to(device), ev, ranks, runtime.precision(cfg.dtype, device),
-                           device)
-    if ranks.master:
-        print(summary(cfg, results, loaded.source, where, ev.hellaswag))
-        print(json.dumps({**results, "model": loaded.source}))
-    return runtime.finish(ranks.world_size)
+    # stdout is for the results
+    with launch.session("eval.py", cfg.device, cfg.backend, cfg.dist_timeout_s,
+                        standing=lambda: ("", "Nothing is lost: run it again."),
+                        log_stream=sys.stderr) as s:
+        cfg, model, loaded, ev, where = launch.start(s, lambda: start_up(cfg, given))
+        results = evaluate(model.to(s.device), ev, s.ranks,
+                           runtime.precision(cfg.dtype, s.device), s.device)
+        if s.ranks.master:
+            print(summary(cfg, results, loaded.source, where, ev.hellaswag))
+            print(json.dumps({**results, "model": loaded.source}))
+    return 0
 
 
 def start_up(cfg, given):

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from ddpgpt import configurator, docindex, errors, fileio, lock, logs, signals, tokenfile
 from ddpgpt.errors import UserError
 from ddpgpt.settings import IndexConfig
-from ddpgpt.signals import Interrupted
+from ddpgpt.errors import Interrupted
 
 GPT2_EOT = 50256  # nanoGPT's raw files and llm.c's shards hold GPT-2's tokens
 

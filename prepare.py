@@ -38,7 +38,7 @@ from ddpgpt import (configurator, corpus, docindex, errors, fileio, lock, logs, 
                     signals, tokenfile, workers)
 from ddpgpt.errors import UserError
 from ddpgpt.settings import PrepareConfig
-from ddpgpt.signals import Interrupted
+from ddpgpt.errors import Interrupted
 from ddpgpt.tokenizer import GPT2_NAMES, get_tokenizer, no_end_of_document, torch_hidden
 
 CHUNK_CHARS = 1 << 20  # text sent to a worker at a time: big enough to amortise the pickling

@@ -14,7 +14,6 @@ rank before any step, so bad input ends all ranks with one message), make_run() 
 the loop works with, then the training loop, the evaluation and checkpoint between steps,
 one optimizer step, and what a step reports.
 """
-import contextlib
 import dataclasses
 import logging
 import math
@@ -36,8 +35,8 @@ if __name__ == "__main__":
 import torch  # noqa: E402  (the imports that take seconds come after)
 import torch.distributed as dist  # noqa: E402
 
-from ddpgpt import (checkpoint, data, errors, evaluation, lock, logs, memcheck,  # noqa: E402
-                    metrics, optim, parallel, peers, runtime, sources, watchdog, weights)
+from ddpgpt import (checkpoint, data, errors, evaluation, launch, memplan,  # noqa: E402
+                    metrics, optim, parallel, runtime, sources, watchdog, weights)
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.state import TrainState
@@ -49,6 +48,7 @@ SPIKE_WINDOW, SPIKE_WARMUP = 100, 20  # steps a spike is judged against; fewer: 
 # say) any rise would be infinitely many standard deviations
 SPIKE_MIN_SPREAD = 1e-3
 NAN_STREAK = 10  # nan_policy='skip' gives up after this many non-finite steps in a row
+OOM_STEPS = 3  # an out-of-memory error in these is the configuration's, and explained
 
 
 @dataclass
@@ -73,11 +73,11 @@ class Run:
     micro_steps: int  # this rank's per optimizer step
     flops_per_step: int  # of the model on the global batch, forward and backward
     peak: Any  # the device's peak FLOP/s, for MFU; None when unknown
-    memory: Any  # memcheck.Check: the memory plan, on rank 0 of a CUDA run; else None
 
 
 class StartUp(NamedTuple):
     """What start_up() found, on the CPU, before any rank takes a step."""
+    cfg: TrainConfig  # the settings as trained
     start: weights.Start
     meta: dict
     splits: dict
@@ -89,36 +89,17 @@ class StartUp(NamedTuple):
 # ---- start-up ----
 
 def main(argv):
-    stop_signals = signals.catch_stop_signals()
     cfg, given = configurator.parse_given(TrainConfig, argv, "train.py")
-    ranks = runtime.ranks()
-    signals.stop_when_the_launcher_dies()  # once ranks() has set RANK under srun too
-    watchdog.start(cfg.out_dir, ranks.rank, ranks.world_size, cfg.hang_timeout_s,
-                   cfg.startup_timeout_s)
-    logs.setup(ranks.master)
-    device = runtime.pick_device(cfg.device, ranks)
-    runtime.init_distributed(device, ranks.world_size, cfg.backend, cfg.dist_timeout_s)
     run = None  # once made: a rank that is lost says where the run stands (standing)
     # rank 0 holds out_dir's lock (and tensorboard_dir's) for the run: a second run there
-    # would delete this one's checkpoints and interleave its metrics (refused like any
-    # start-up error, by agree())
-    with contextlib.ExitStack() as locks, peers.watched(ranks, lambda: standing(cfg, run)):
-        try:
-            if ranks.master:
-                locks.enter_context(lock.locked(cfg.out_dir, "train.py"))
-                locks.enter_context(metrics.tensorboard_ready(cfg))
-            cfg, found = start_up(cfg, given, ranks, device)
-            error, identity = None, found.identity
-        except UserError as e:
-            error, identity = str(e), None
-        agreed = runtime.agree(error, ranks, "train.py") and sources.same_on_all_ranks(
-            runtime.gather(identity, ranks.world_size), cfg.data_dir, ranks, "train.py")
-        if agreed:
-            log.info(f"configuration:\n{configurator.describe(cfg)}")
-            run = make_run(cfg, ranks, device, found)
-            found = None  # free the checkpoint's tensors
-            train(run, stop_signals)
-    return runtime.finish(ranks.world_size, 0 if agreed else 1)  # the locks released
+    # would delete this one's checkpoints and interleave its metrics
+    with launch.session("train.py", cfg.device, cfg.backend, cfg.dist_timeout_s, stops=True,
+                        watch=(cfg.out_dir, cfg.hang_timeout_s, cfg.startup_timeout_s),
+                        locks=[(cfg.out_dir, None), *metrics.tensorboard_locks(cfg)],
+                        standing=lambda: standing(cfg, run)) as s:
+        run = make_run(s, launch.start(s, lambda: start_up(cfg, given, s.ranks, s.device)))
+        train(run, s.stops)
+    return 0
 
 
 def standing(cfg, run):
@@ -150,11 +131,13 @@ def standing(cfg, run):
 
 
 def start_up(cfg, given, ranks, device):
-    """(the settings as trained, StartUp): the data, the weights to start from (a checkpoint,
+    """StartUp: the settings as trained, the data, the weights to start from (a checkpoint,
     GPT-2's, or none) and the model, each checked. Runs no collective, so that every rank gets
-    to agree() with its error, if any."""
+    to agree (launch.start) with its error, if any."""
     cfg.micro_steps(ranks.world_size)  # the global batch must share out over the ranks
     parallel.check(cfg, runtime.precision(cfg.dtype, device).dtype)
+    if cfg.tensorboard_log and ranks.master:
+        metrics.summary_writer()  # tensorboard imports, before any rank takes a step
     cfg, data_sources = sources.of(cfg, given)
     meta = sources.read_meta(data_sources)
     start = weights.for_training(cfg, given, meta, in_parts=parallel.sharded(cfg, ranks))
@@ -168,27 +151,31 @@ def start_up(cfg, given, ranks, device):
         weights.check_resume(cfg, start.resume, meta, identity, len(data_sources))
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(**start.args))
-    if start.weights is not None:
+    if start.weights is not None:  # GPT-2's: a checkpoint's are resumed with its state
         model.load_state_dict(start.weights)
     if cfg.optimizer == "muon":  # its patterns checked here, before any collective
         optim.muon_parameters(model, cfg.muon_params)
     checkpoint.check_room(cfg.out_dir, model)
     ev = evaluation.for_training(cfg, splits, meta, cfg.vocab_size)
-    return cfg, StartUp(start, meta, splits, identity, model, ev)
+    return StartUp(cfg, start, meta, splits, identity, model, ev)
 
 
-def make_run(cfg, ranks, device, found):
-    """The Run: the model on its device, in DDP or sharded (parallel.py) with several ranks;
-    the optimizer and the training state (state.py) of a fresh run, or as the checkpoint left
-    them; this rank's batches from there; the saver of its checkpoints."""
+def make_run(s, found):
+    """The Run, once every rank sees the same data: the model on its device, in DDP or sharded
+    (parallel.py) with several ranks; the optimizer and the training state (state.py) of a
+    fresh run, or as the checkpoint left them (checkpoint.resume); this rank's batches from
+    there; the saver of its checkpoints."""
+    cfg, ranks, device = found.cfg, s.ranks, s.device
+    launch.start(s, lambda: sources.check_same_on_all_ranks(
+        launch.gather(found.identity, ranks.world_size), cfg.data_dir))
+    log.info(f"configuration:\n{configurator.describe(cfg)}")
     precision = runtime.precision(cfg.dtype, device)
     model, eval_model, train_model = parallel.wrap(found.model, cfg, ranks, device, precision)
     optimizer = optim.make(cfg, model, runtime.device_type(device))
-    state = TrainState(cfg, found.start.args, found.meta, found.identity, precision.scaler)
+    state = TrainState(found.start.args, found.meta, found.identity, cfg.global_batch)
     resume = found.start.resume
     if resume is not None:
-        checkpoint.restore(model, optimizer, resume)
-        state.load_state_dict(resume)
+        checkpoint.resume(resume, model, optimizer, precision.scaler, state)
     micro_steps = cfg.micro_steps(ranks.world_size)
     log.info(f"world size {ranks.world_size}, device {device}, dtype {precision.dtype}, "
              f"{model.get_num_params() / 1e6:.2f}M parameters, global batch {cfg.global_batch} x "
@@ -210,8 +197,7 @@ def make_run(cfg, ranks, device, found):
                metrics=metrics.open_metrics(cfg, ranks.master, start),
                micro_steps=micro_steps,
                flops_per_step=model.flops_per_token() * cfg.global_batch * cfg.block_size,
-               peak=runtime.peak_flops(device),
-               memory=memcheck.start(cfg, ranks, device, precision.dtype))
+               peak=runtime.peak_flops(device))
 
 
 def saver(cfg, ranks, model):
@@ -236,8 +222,6 @@ def train(run, stop_signals):
         try:
             loop(run, stop_signals)
         finally:
-            if run.memory is not None:
-                run.memory.stop()
             if run.saver.pending is not None:  # the saver's exit waits for it
                 watchdog.beat(run.saver.iter_num, doing="checkpoint save")  # a whole limit
     watchdog.stop()
@@ -265,9 +249,10 @@ def loop(run, stop_signals):
         try:
             step = train_step(run, history, stop_signals)
         except torch.OutOfMemoryError as e:
-            if state.iter_num >= start_iter + memcheck.FIRST_STEPS:
+            if state.iter_num >= start_iter + OOM_STEPS:
                 raise
-            raise memcheck.out_of_memory(run.memory, cfg, run.ranks.world_size, e) from None
+            memory = torch.cuda.get_device_properties(run.device).total_memory
+            raise UserError(memplan.out_of_memory(cfg, run.ranks.world_size, memory, e)) from None
         t_now = time.perf_counter()
         dt, t_last = t_now - t_last, t_now
         report_step(run, step, dt, first=state.iter_num == start_iter)
@@ -282,7 +267,7 @@ def loop(run, stop_signals):
             log.info(f"stopping at iter {state.iter_num}: signal received, saving a checkpoint")
             save(run, last=True)
             log.info(f"interrupted at iter {state.iter_num}; resume with --init_from=resume")
-            signals.say_torchrun_reports_next()
+            errors.say_torchrun_reports_next()
             break
     # ---------------------------------------------------------------- TRAINING LOOP END
 
@@ -316,7 +301,8 @@ def save(run, last=False):
     background with async_save, but a run's last save is written before the run goes on."""
     # a whole limit of its own, for the save and the wait for the one before, if still writing
     watchdog.beat(run.state.iter_num, doing="checkpoint save")
-    run.saver.save(checkpoint.contents(run.model, run.optimizer, run.state), last=last)
+    run.saver.save(checkpoint.contents(run.model, run.optimizer, run.precision.scaler, run.state,
+                                       run.cfg), last=last)
 
 
 def check_skipping(run, skipped):
@@ -461,7 +447,6 @@ def report_step(run, step, dt, first):
         row["mfu"] = run.flops_per_step / dt / (run.peak * run.ranks.world_size)
     if runtime.device_type(run.device) == "cuda":  # the allocator's count: no synchronising
         row["peak_mem"] = torch.cuda.max_memory_allocated(run.device)
-        memcheck.log_against_measured(run.memory, run.device)
     if row["iter"] % cfg.log_interval == 0:
         row.update(metrics.rank_telemetry(step.alone.seconds(), step.data_wait_s, run.device,
                                           run.ranks.world_size))

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from ddpgpt import configurator, optim, parallel, runtime, weights
+from ddpgpt import configurator, launch, optim, parallel, runtime, weights
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import TrainConfig
 
@@ -53,7 +53,7 @@ def build(argv):
     cfg = configurator.parse(TrainConfig, argv, "train.py")
     ranks = runtime.ranks()
     device = runtime.pick_device(cfg.device, ranks)
-    runtime.init_distributed(device, ranks.world_size, cfg.backend, cfg.dist_timeout_s)
+    launch.init_distributed(device, ranks.world_size, cfg.backend, cfg.dist_timeout_s)
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(**weights.model_args(cfg, None)))
     precision = runtime.precision(cfg.dtype, device)
@@ -99,7 +99,7 @@ def main(out, argv):
         json.dump(result, f)
     if ranks.world_size > 1:
         dist.barrier()
-    runtime.finish(ranks.world_size)
+    launch.finish(ranks.world_size)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from ddpgpt import configurator, memplan, parallel, runtime, weights
+from ddpgpt import configurator, launch, memplan, parallel, runtime, weights
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import TrainConfig
 
@@ -21,7 +21,7 @@ from ddpgpt.settings import TrainConfig
 def main(out, argv):
     cfg = configurator.parse(TrainConfig, argv, "train.py")
     ranks = runtime.ranks()
-    runtime.init_distributed("cpu", ranks.world_size, "gloo", cfg.dist_timeout_s)
+    launch.init_distributed("cpu", ranks.world_size, "gloo", cfg.dist_timeout_s)
     torch.manual_seed(cfg.seed)
     args = weights.model_args(cfg, None)
     model = GPT(GPTConfig(**args))
@@ -30,7 +30,7 @@ def main(out, argv):
     measured = memplan.tracked_steps(cfg, model, train_model, ranks, "cpu", args["vocab_size"])
     with open(f"{out}.rank{ranks.rank}.json", "w") as f:
         json.dump(measured._asdict(), f)
-    runtime.finish(ranks.world_size)
+    launch.finish(ranks.world_size)
 
 
 if __name__ == "__main__":

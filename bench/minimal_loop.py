@@ -21,7 +21,7 @@ def main(argv):
     device = runtime.pick_device(cfg.device, runtime.Ranks(0, 0, 1, 1))
     device_type = runtime.device_type(device)
     sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
-    runtime.init_distributed(device, world_size=1)  # the GPU and TF32, as train.py sets them
+    runtime.use_device(device)  # the GPU and TF32, as train.py sets them
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(**weights.model_args(cfg, tokenfile.read_meta(cfg.data_dir))))
     model.to(device)

@@ -16,6 +16,7 @@ sharded.py's reader for a folder's index).
 
 A run writes through a Saver: on the ranks that write, in the background (async_save) or not.
 """
+import dataclasses
 import glob
 import logging
 import os
@@ -30,7 +31,6 @@ import torch.distributed as dist
 
 from ddpgpt import fileio, parallel, runtime
 from ddpgpt.errors import UserError
-from ddpgpt.signals import say
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +74,12 @@ def is_folder(path):
     return os.path.exists(os.path.join(path, sharded.INDEX))
 
 
-def contents(model, optimizer, train_state):
-    """What a checkpoint holds, for save(): the model's and the optimizer's state, and the
-    training state's (state.TrainState)."""
+def contents(model, optimizer, scaler, train_state, cfg):
+    """What a checkpoint holds, for save(): the model's and the optimizer's state, float16's
+    loss scale, the training state (state.TrainState) and the settings it trains with (cfg).
+    resume() is its mirror."""
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(), "config": dataclasses.asdict(cfg),
             **train_state.state_dict()}
 
 
@@ -225,7 +227,7 @@ def load_file(path):
 def read(path, whole=TENSORS):
     """(state, None) for a checkpoint that loads, else (None, what is wrong with it). Of a
     folder, the tensors of the parts named in `whole` are read whole; with whole=() its state
-    has 'folder' (its path) and 'aliases' instead of them, for restore() to read each rank's
+    has 'folder' (its path) and 'aliases' instead of them, for resume() to read each rank's
     part of them."""
     state, problem = read_folder(path, whole) if os.path.isdir(path) else load_file(path)
     if problem:
@@ -269,19 +271,25 @@ def load_latest(out_dir, whole=TENSORS):
     return None, None
 
 
-def restore(model, optimizer, resume):
-    """The optimizer state of the checkpoint resumed, and the weights too of a folder read in
-    parts: into the model as wrap() left it, sharded or not (the weights of a whole checkpoint
-    are the model's already)."""
-    if "folder" not in resume and not any(map(parallel.is_dtensor, model.parameters())):
-        optimizer.load_state_dict(resume["optimizer"])  # a file into a model that is whole
-        return
-    from ddpgpt import sharded
-    if "folder" in resume:
-        sharded.read_parts(resume["folder"], model, optimizer, resume["optimizer"],
-                           aliases(model))
+def resume(saved, model, optimizer, scaler, train_state):
+    """The mirror of contents(): a checkpoint that read() gave into the model as wrap() left it
+    (whole, or sharded over the ranks), its optimizer, loss scaler and training state. A folder
+    read in parts gives each rank its shards; a file's whole tensors are sharded as they load
+    into a sharded model."""
+    if "folder" in saved or any(map(parallel.is_dtensor, model.parameters())):
+        from ddpgpt import sharded
+        if "folder" in saved:
+            sharded.read_parts(saved["folder"], model, optimizer, saved["optimizer"],
+                               aliases(model))
+        else:
+            sharded.load_whole(model, model_state(saved))
+            optimizer.load_state_dict(sharded.shard_like(saved["optimizer"], optimizer))
     else:
-        optimizer.load_state_dict(sharded.shard_like(resume["optimizer"], optimizer))
+        model.load_state_dict(model_state(saved))
+        optimizer.load_state_dict(saved["optimizer"])
+    if saved.get("scaler"):
+        scaler.load_state_dict(saved["scaler"])
+    train_state.load_state_dict(saved)
 
 
 def size(model):
@@ -378,14 +386,14 @@ class Saver:
 
     def __exit__(self, kind, error, traceback):
         """Wait for the save in the background, if any, before out_dir's lock is let go: a
-        run that ends with an error of its own prints that save's failure, if it failed, and
+        run that ends with an error of its own logs that save's failure, if it failed, and
         raises its own."""
         try:
             self.wait()
         except UserError as e:
             if kind is None:
                 raise
-            say(f"train.py: error: {e}")
+            log.error(f"the save in the background failed too: {e}")
         finally:
             if self.background is not None:
                 self.background.shutdown()

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from ddpgpt import lock, tokenfile, workers
+from ddpgpt import fileio, tokenfile, workers
 from ddpgpt.errors import UserError
 
 EXTENSIONS = (".txt", ".jsonl", ".json", ".parquet")
@@ -261,7 +261,7 @@ def prepared_output(folder):
     """Does folder hold prepare.py's output: its progress file, its lock, or ddpgpt's
     meta.json (with a format_version)? Those .json files are not documents."""
     if any(os.path.exists(os.path.join(folder, name))
-           for name in (tokenfile.PROGRESS_NAME, lock.LOCK_NAME)):
+           for name in (tokenfile.PROGRESS_NAME, fileio.LOCK_NAME)):
         return True
     try:
         with open(os.path.join(folder, tokenfile.META_NAME)) as f:

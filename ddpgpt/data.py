@@ -41,9 +41,9 @@ from ddpgpt import docindex, runtime, tokenfile
 from ddpgpt.errors import UserError
 from ddpgpt.permutation import feistel_shape, hash64, hash_key, permute, round_keys, walk
 from ddpgpt.settings import Sampling
-from ddpgpt.watchdog import READER
 
 SAMPLING_MODES = get_args(Sampling)
+READER = "batches"  # rank_batches' reader thread's name, by which the hang watchdog finds it
 # the domains of hash_key(seed, domain, ...): one per thing drawn
 RANDOM_KEY, EPOCH_KEY, PHASE_KEY, MIX_KEY, DOCUMENTS_KEY = 1, 2, 3, 4, 5
 

@@ -1,16 +1,14 @@
-"""The one kind of error a user can fix.
+"""The one kind of error a user can fix, and the one line that says it.
 
 Every script runs its main() through run(), which catches UserError, prints its message as one
-paragraph after the script's name and exits 1. Anything else is a bug in ddpgpt and keeps its
-traceback. (A stop signal that ends train.py before its first step is one line too.)
+paragraph, `<script>: error (rank N): ...` (line()), and exits 1. Anything else is a bug in
+ddpgpt and keeps its traceback. A stop signal that ends a script is one line too (Interrupted).
 """
 import os
 import signal
 import sys
+import threading
 import time
-
-from ddpgpt.signals import EXIT_AT_ONCE as STOP_SIGNALS, Interrupted, say, say_once, \
-    say_torchrun_reports_next
 
 
 class UserError(Exception):
@@ -23,25 +21,42 @@ class SettingsError(UserError):
     the same arguments and files and meets it alike, so rank 0 alone says it."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """A stop signal (signals.py), raised in prepare.py's main process wherever it is (a
+    KeyboardInterrupt, which libraries let through too), and in train.py's before its first
+    step. `left` says what the run leaves behind, `line` what run() prints; exit status is the
+    shell's convention, 128 + the signal's number."""
+
+    def __init__(self, signum, line=""):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.line, self.left = signum, line, "no new output was published"
+
+
+def line(script, message, ranks=()):
+    """The error line: 'train.py: error (rank 1): ...', naming the ranks it happened on."""
+    named = f" (rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))})" if ranks else ""
+    return f"{script}: error{named}: {message}"
+
+
 def run(main, script, argv):
     """main(argv)'s exit status; a UserError is printed as one paragraph, with the rank under a
     launcher, and is status 1. Under a launcher that rank then exits at once, without any
     teardown of a process group: since PyTorch 2.6 destroying one waits for collectives that
     the other ranks may never join, and the interpreter's own exit can abort in gloo's threads
-    (runtime.finish); torchrun (or srun --kill-on-bad-exit) ends the others."""
+    (launch.finish); torchrun (or srun --kill-on-bad-exit) ends the others."""
     try:
         return main(argv)
     except SettingsError as e:
         if os.environ.get("RANK", "0") == "0":
-            say(f"{script}: error: {e}")
+            say(line(script, e))
             say_torchrun_reports_next()
         else:
             wait_for_the_launcher()
         return 1
     except UserError as e:
-        where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
-        say(f"{script}: error{where}: {e}")
-        if where:
+        rank = os.environ.get("RANK")
+        say(line(script, e, [rank] if rank else ()))
+        if rank:
             exit_now(1)
         return 1
     except Interrupted as e:
@@ -55,7 +70,7 @@ def wait_for_the_launcher(cap_s=60):
     """Rank 0 meets the same SettingsError and says it: this rank waits, silent, for the
     launcher to end it once rank 0 has exited. Were it to exit first, torchrun could end rank
     0 before its line is out."""
-    for stop in STOP_SIGNALS:
+    for stop in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop, signal.SIG_DFL)  # ended without a word
     time.sleep(cap_s)
 
@@ -69,3 +84,29 @@ def exit_now(status):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def say_torchrun_reports_next():
+    """After rank 0's last line of a run that failed or was stopped under torchrun, which may
+    then print a traceback of its own (ChildFailedError; its SignalException on Ctrl-C) that
+    would read as the answer."""
+    if os.environ.get("RANK") == "0" and "TORCHELASTIC_RUN_ID" in os.environ:
+        say("(torchrun's own report of how the ranks ended may follow: what happened is said "
+            "above)")
+
+
+_said = threading.Lock()  # say_once's line is said once, by whichever way out comes first
+
+
+def say_once(text):
+    """Print the line to stderr unless it was said already."""
+    if _said.acquire(blocking=False):
+        say(text)
+
+
+def say(text):
+    """Print the line to stderr in one write. The ranks of a launch share their launcher's
+    stderr, and print() writes a line and its newline apart (stderr is unbuffered): two ranks
+    saying their line at once came out as one line and then two newlines."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()

@@ -16,6 +16,7 @@ import numpy as np
 
 
 HOST = socket.gethostname()
+LOCK_NAME = "ddpgpt.lock"  # the file of lock.py's lock on a folder, which no reader takes for data
 
 
 def fsync_dir(path):

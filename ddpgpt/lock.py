@@ -9,16 +9,15 @@ import os
 import time
 
 from ddpgpt.errors import UserError
-from ddpgpt.fileio import HOST, alive, disk_full
+from ddpgpt.fileio import HOST, LOCK_NAME, alive, disk_full
 
 log = logging.getLogger(__name__)
 
-LOCK_NAME = "ddpgpt.lock"
 _held = {}  # {path: open descriptor} of the locks this process holds, for release_held
 
 
 @contextlib.contextmanager
-def locked(folder, script, fix="choose a folder that you can create and write files in."):
+def locked(folder, script, fix=None):
     """Hold folder's lock while the block runs: made by prepare.py for its out_dir, and for
     train.py's, so that two runs never write into one folder at once: take it in one process
     of a run (rank 0). The folder is made if it does not exist. Another holder is a UserError
@@ -46,6 +45,7 @@ def locked(folder, script, fix="choose a folder that you can create and write fi
         fd = acquire(path, script)
     except OSError as e:
         why = disk_full(e, folder) or e.strerror or str(e)
+        fix = fix or "choose a folder that you can create and write files in."
         raise UserError(f"cannot write in {folder} ({why}): {fix}") from e
     _held[path] = fd
     try:

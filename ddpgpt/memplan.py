@@ -26,12 +26,13 @@ What the tracker cannot see, and so the plan leaves out:
 import contextlib
 import dataclasses
 import math
+import shlex
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from ddpgpt import optim, parallel, runtime
+from ddpgpt import configurator, optim, parallel, runtime
 from ddpgpt.model import GPT, GPTConfig
 
 # the share of a GPU's memory a plan may fill: the CUDA context, NCCL's buffers, kernels'
@@ -215,6 +216,29 @@ def same_global_batch(cfg, world_size, largest):
         if cfg.global_batch % batch == 0 and (cfg.global_batch // batch) % world_size == 0:
             return batch
     return 0
+
+
+def out_of_memory(cfg, world_size, gpu_memory, error):
+    """What to say of an out-of-memory error in a run's first steps: that the settings do not
+    fit this GPU, and the plan.py command of them (the keys not at their defaults), whose plan
+    says what one rank holds and what would fit. The plan is not made here: it takes a
+    process group of its own (fake_ranks), and this process is in the run's."""
+    first = str(error).strip().splitlines()[0]
+    keys = [f"--{f.name}={text(getattr(cfg, f.name))}" for f in dataclasses.fields(cfg)
+            if getattr(cfg, f.name) != f.default]
+    command = shlex.join(["python", "plan.py", *keys, f"--world_size={world_size}",
+                          f"--gpu_memory={gpu_memory / 2**20:g}MiB"])
+    return (f"out of memory in the first steps (torch: {first}): this configuration does not "
+            f"fit this GPU (batch_size={cfg.batch_size}, parallel={cfg.parallel}, "
+            f"activation_checkpointing={cfg.activation_checkpointing}). Its memory plan says "
+            f"what one rank holds at its peak and which settings would fit: {command}")
+
+
+def text(value):
+    """A value as --key=value gives it back (configurator.parse_value): a string that would
+    read as a literal is quoted."""
+    return repr(value) if isinstance(value, str) and configurator.parse_value(value, str) != \
+        value else str(value)
 
 
 def size(n):

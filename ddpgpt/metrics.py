@@ -7,7 +7,6 @@ Each run opens its rows in metrics.jsonl with a start row, {"run": "fresh"} or {
 "resumed"} and the iter it starts at, so that the file says where one run ends and the next
 begins: read() gives the rows of the run as it stands, which compare_runs.py and plot.py take.
 """
-import contextlib
 import dataclasses
 import json
 import logging
@@ -22,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ddpgpt import fileio, lock
+from ddpgpt import fileio
 from ddpgpt.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -116,20 +115,15 @@ def tensorboard_dir(cfg):
     return cfg.tensorboard_dir or cfg.out_dir
 
 
-def tensorboard_ready(cfg):
-    """With tensorboard_log, at start-up on rank 0, before any rank takes a step: tensorboard
-    imports (else a UserError), and tensorboard_dir is locked for the run as out_dir is (two
-    runs writing in one folder would purge each other's curves), unless it is out_dir, locked
-    already. A context manager, held for the run."""
-    if not cfg.tensorboard_log:
-        return contextlib.nullcontext()
-    summary_writer()
+def tensorboard_locks(cfg):
+    """[(tensorboard_dir, what to do when it cannot be written)] where the run writes its event
+    files in a folder other than out_dir, which it then locks as it locks out_dir (two runs
+    writing in one folder would purge each other's curves); else []."""
     folder = tensorboard_dir(cfg)
-    if os.path.realpath(folder) == os.path.realpath(cfg.out_dir):
-        return contextlib.nullcontext()
-    return lock.locked(folder, "train.py", fix=(
-        "set tensorboard_dir to a folder that you can create and write files in, or leave it "
-        "out to write the event files in out_dir."))
+    if not cfg.tensorboard_log or os.path.realpath(folder) == os.path.realpath(cfg.out_dir):
+        return []
+    return [(folder, "set tensorboard_dir to a folder that you can create and write files in, "
+                     "or leave it out to write the event files in out_dir.")]
 
 
 def summary_writer():

@@ -1,6 +1,6 @@
 """The other ranks of the process group: the store each torchrun restart meets them in, who
 they are (a Peer each, learnt as the group stands), and what a failed collective says about the
-one that was lost (watched, which train.py and eval.py run their work under).
+one that was lost (launch.watched says it).
 """
 import contextlib
 import os
@@ -12,8 +12,6 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from ddpgpt import watchdog
-from ddpgpt.errors import UserError
 
 
 # ---- a store for each restart ----
@@ -200,35 +198,3 @@ def lost_first(lost, rank):
         thread.start()
         thread.join(NOTE_WAIT_S)
     return found[0] if found else lost
-
-
-@contextlib.contextmanager
-def watched(ranks, standing):
-    """A collective that fails because another rank is gone becomes a UserError: which rank
-    was lost first (lost_first), in which of our functions, and standing(): (where the run
-    is, e.g. 'at iter 57', and how to go on). The lowest rank that survives says all of it;
-    the others say in one line that they lost it too, so that a log of many ranks holds one
-    paragraph."""
-    try:
-        yield
-    except RuntimeError as e:
-        lost = lost_peer(e, ranks.rank, ranks.world_size)
-        if lost is None:
-            raise
-        first = lost_first(lost.rank, ranks.rank)
-        who = lost.who if first == lost.rank else named(first)
-        at, advice = standing()
-        where = " ".join(filter(None, (watchdog.where_raised(e.__traceback__, ranks.world_size),
-                                       at)))
-        if not (ranks.rank == 0 or (ranks.rank == 1 and first == 0)):
-            raise UserError(f"lost {who} too, in {where} ({lost.said}); the lowest rank that "
-                           f"survives says what to do.") from None
-        if first != lost.rank:
-            who += f", which rank {lost.rank} had lost before it left,"
-        how = ("has gone: it failed, was killed (kill -9, the out-of-memory killer), crashed "
-               "or lost its node; its own log and the launcher's report say which"
-               if lost.gone else
-               "did not answer within dist_timeout_s: it is stuck or stopped, or its node went "
-               "away without closing its connections")
-        raise UserError(f"lost {who} in {where}: that rank {how}. The backend said: "
-                       f"{lost.said}. {advice}") from None

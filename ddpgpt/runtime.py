@@ -1,21 +1,16 @@
 """Where and how a process computes, for every script: its rank among the launched processes,
-its device, its precision (dtype, autocast and gradient scaler), the process group (joined in
-peers.py's store for each torchrun restart), the device's peak FLOP/s for MFU, and the ranks'
-agreement at start-up.
+its device, its precision (dtype, autocast and gradient scaler) and the device's peak FLOP/s for
+MFU. The process group that the ranks form is launch.py's.
 """
 import logging
 import os
-import sys
 import time
 from contextlib import nullcontext
-from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
-from ddpgpt import peers
-from ddpgpt.errors import UserError, exit_now
+from ddpgpt.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +155,16 @@ def device_type(device):
     return torch.device(device).type
 
 
+def use_device(device):
+    """Make device this process's GPU (where it is one), its float32 matmuls in TF32 where the
+    tensor cores have it, as nanoGPT: float32 runs (and autocast's float32 parts) go several
+    times faster at a precision loss that training does not notice."""
+    if device_type(device) == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
 class Stopwatch:
     """The time from its making to its last stop(), in seconds(): the host's clock on a CPU; on
     CUDA the device's, by two events on its stream, since the host only queues the kernels and
@@ -223,99 +228,6 @@ def precision(dtype, device):
     autocast = nullcontext() if dtype == "float32" else torch.autocast(
         kind, dtype={"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype])
     return Precision(dtype, autocast, torch.amp.GradScaler(kind, enabled=dtype == "float16"))
-
-
-# ---- the process group ----
-
-def init_distributed(device, world_size, backend="", timeout_s=600):
-    """Set this process's GPU and its float32 matmul precision, and with several ranks join the
-    process group ('' picks nccl on CUDA, gloo on a CPU) in a store of this restart's own, and
-    learn every rank's address for peers.lost_peer()."""
-    if device_type(device) == "cuda":
-        torch.cuda.set_device(device)
-        # float32 matmuls in TF32 where the tensor cores have it, as nanoGPT: float32 runs
-        # (and autocast's float32 parts) go several times faster at a precision loss that
-        # training does not notice
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    if world_size > 1:
-        backend = check_backend(backend, device)
-        # torch.distributed.nn.functional's collectives default to group=group.WORLD, taken
-        # when it is first imported (by torch._dynamo, which any optimizer's constructor
-        # imports): after init_process_group, that keeps the group alive past
-        # destroy_process_group, its gloo threads too, and one that drops a collective's
-        # tensor during the interpreter's exit aborts the process ("terminate called without
-        # an active exception"). Imported before, the default is None.
-        import torch.distributed.nn.functional  # noqa: F401
-        timeout, rank = timedelta(seconds=timeout_s), int(os.environ["RANK"])
-        with peers.this_restarts_store(rank, world_size, timeout) as store:
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=timeout,
-                                    device_id=torch.device(device) if backend == "nccl" else None)
-        peers.GROUP.update(store=store, peers=gather(peers.this_peer(), world_size))
-
-
-def check_backend(backend, device):
-    """The backend for this device ('' picks it); one that this torch cannot serve is a
-    UserError that names those it can."""
-    kind = device_type(device)
-    backend = backend or ("nccl" if kind == "cuda" else "gloo")
-    built = [name for name, there in (("gloo", dist.is_gloo_available()),
-                                      ("nccl", dist.is_nccl_available()),
-                                      ("mpi", dist.is_mpi_available())) if there]
-    if backend not in built:
-        raise UserError(f"backend={backend!r}, but torch {torch.__version__} was built without "
-                        f"it{' (a CPU build)' if not torch.version.cuda else ''}: it has "
-                        f"{', '.join(built) or 'no backend'}; use --backend=gloo, or leave "
-                        f"backend unset to pick one, or install a torch build with {backend}.")
-    if backend == "nccl" and kind != "cuda":
-        raise UserError(f"backend='nccl' all-reduces CUDA tensors only, and device={device!r}: "
-                        f"use --backend=gloo (or leave backend unset) for a {kind} device, or "
-                        f"--device=cuda.")
-    return backend
-
-
-def finish(world_size, status=0):
-    """status, for a process alone. A rank of several that every rank reached together (the
-    run succeeded, or all agreed to stop) leaves the process group and exits with status at
-    once: the group's last owner is then the model (DDP's reducer, FSDP), whose teardown as the
-    script returns joins gloo's threads while holding the GIL, and a gloo thread that is still
-    dropping a collective's tensor waits for that GIL: the rank hangs for ever (1 in 6 runs on
-    4 ranks here). Everything a script writes is closed or flushed by then. (A rank that fails
-    alone never comes here: errors.run ends it at once too.)"""
-    if world_size == 1:
-        return status
-    dist.destroy_process_group()
-    exit_now(status)
-
-
-def agree(error, ranks, script):
-    """Share each rank's start-up error (or None) so that all ranks stop together and rank 0
-    reports every distinct problem once; no rank is left waiting in a later collective.
-    True when no rank had one."""
-    found = [error]
-    if ranks.world_size > 1:
-        found = [None] * ranks.world_size
-        dist.all_gather_object(found, error)
-    problems = {}
-    for r, e in enumerate(found):
-        if e is not None:
-            problems.setdefault(e, []).append(r)
-    if problems and ranks.master:
-        for message, where in problems.items():
-            named = "" if ranks.world_size == 1 else \
-                f" (rank{'s' if len(where) > 1 else ''} {', '.join(map(str, where))})"
-            print(f"{script}: error{named}: {message}", file=sys.stderr)
-    return not problems
-
-
-def gather(value, world_size):
-    """Every rank's value (any picklable object), in rank order, on every rank."""
-    if world_size == 1:
-        return [value]
-    every = [None] * world_size
-    dist.all_gather_object(every, value)
-    return every
 
 
 # ---- the device's peak, for MFU ----

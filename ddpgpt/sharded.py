@@ -187,6 +187,15 @@ def read_parts(folder, model, optimizer, saved, aliases):
                                "param_groups": groups[part]["param_groups"]})
 
 
+def load_whole(model, weights):
+    """Whole weights (a single-file checkpoint's) into a sharded model: each rank copies in its
+    shard of each."""
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            t.copy_(distribute_tensor(weights[name].to(t.device), t.device_mesh, t.placements,
+                                      src_data_rank=None))
+
+
 def shard_like(optimizer_state, optimizer):
     """A whole optimizer state ({'state': {i: {...}}, 'param_groups'}, as a single-file
     checkpoint holds it, or {part: such} of optim.MuonAdamW) sharded as the optimizer's

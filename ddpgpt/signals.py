@@ -12,9 +12,10 @@ preemption), SIGHUP (a closed terminal) and SIGUSR1 (SLURM's warning before a ti
 """
 import os
 import signal
-import sys
 import threading
 import time
+
+from ddpgpt.errors import Interrupted, say, say_once, say_torchrun_reports_next
 
 TRAIN_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 PREPARE_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -71,7 +72,6 @@ def catch_stop_signals(script="train.py"):
 EXIT_AT_ONCE = (signal.SIGTERM, signal.SIGINT)
 GRACE_S = 1.0  # for the main thread to leave (releasing out_dir's lock) before a thread ends it
 _before_steps = None  # until steps_begin(): the write end of exit_at_once's pipe
-_said = threading.Lock()  # the line is said once, by whichever way out comes first
 
 
 def before_steps(script, signum):
@@ -149,40 +149,6 @@ def steps_begin():
         write_end, _before_steps = _before_steps, None
         signal.set_wakeup_fd(-1)
         os.close(write_end)  # the watcher reads the end of the pipe, and ends
-
-
-def say_torchrun_reports_next():
-    """After rank 0's last line of a run that failed or was stopped under torchrun, which may
-    then print a traceback of its own (ChildFailedError; its SignalException on Ctrl-C) that
-    would read as the answer."""
-    if os.environ.get("RANK") == "0" and "TORCHELASTIC_RUN_ID" in os.environ:
-        say("(torchrun's own report of how the ranks ended may follow: what happened is said "
-            "above)")
-
-
-def say_once(line):
-    """Print the line to stderr unless it was said already."""
-    if _said.acquire(blocking=False):
-        say(line)
-
-
-def say(line):
-    """Print the line to stderr in one write. The ranks of a launch share their launcher's
-    stderr, and print() writes a line and its newline apart (stderr is unbuffered): two ranks
-    saying their line at once came out as one line and then two newlines."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-
-
-class Interrupted(KeyboardInterrupt):
-    """A stop signal, raised in prepare.py's main process wherever it is (a KeyboardInterrupt,
-    which libraries let through too), and in train.py's before its first step. `left` says
-    what the run leaves behind, `line` what errors.run prints; exit status is the shell's
-    convention, 128 + the signal's number."""
-
-    def __init__(self, signum, line=""):
-        super().__init__(signal.Signals(signum).name)
-        self.signum, self.line, self.left = signum, line, "no new output was published"
 
 
 def raise_on_stop_signals():

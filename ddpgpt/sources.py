@@ -6,7 +6,6 @@ import dataclasses
 import logging
 import math
 import os
-import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -163,17 +162,13 @@ def check_same_data(what, before, now, checkpoint, allow):
                 f"same sample index in it, as allow_data_change=True asks")
 
 
-def same_on_all_ranks(identities, data_dir, ranks, script):
+def check_same_on_all_ranks(identities, data_dir):
     """Every node must read the same token files, or the global batches are not one batch.
-    identities: every rank's identity() (runtime.gather)."""
-    if all(i == identities[0] for i in identities):
-        return True
-    if ranks.master:
+    identities: every rank's identity() (launch.gather)."""
+    if any(i != identities[0] for i in identities):
         detail = "; ".join(f"rank {r}: {i}" for r, i in enumerate(identities))
-        print(f"{script}: error: the ranks do not see the same data in {data_dir} (tokens, "
-              f"fingerprint per split: {detail}): every node must hold the same files.",
-              file=sys.stderr)
-    return False
+        raise UserError(f"the ranks do not see the same data in {data_dir} (tokens, fingerprint "
+                        f"per split: {detail}): every node must hold the same files.")
 
 
 def log_train(mix, samples):

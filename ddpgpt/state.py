@@ -1,46 +1,42 @@
-"""The training state: everything a checkpoint keeps besides the model's and the optimizer's
-tensors, in one object with torchtitan's Stateful contract (state_dict / load_state_dict),
-which train.py saves and resumes through. A new piece of state is added here alone.
+"""The training state: where a run is and what it trains on, in one object with torchtitan's
+Stateful contract (state_dict / load_state_dict). A checkpoint keeps it beside the model's and
+the optimizer's tensors, the loss scale and the settings (checkpoint.contents, and its mirror
+checkpoint.resume); a new piece of where-the-run-is is added here alone.
 
-Its keys in a checkpoint are nanoGPT's (iter_num, best_val_loss, model_args, config) and
-ddpgpt's: scaler (float16's loss scale), samples_consumed (the data position), data_meta (the
-data's meta.json, which names the tokenizer) and data_identity (what the data is, so that a
-resume on other data is caught). Saved reads them from a checkpoint of any version, with what
-an older one (nanoGPT's) that lacks a key implies.
+Its keys in a checkpoint are nanoGPT's (iter_num, best_val_loss, model_args) and ddpgpt's:
+samples_consumed (the data position), data_meta (the data's meta.json, which names the
+tokenizer) and data_identity (what the data is, so that a resume on other data is caught).
+Saved reads a checkpoint's from any version, with what an older one (nanoGPT's) that lacks a
+key implies.
 """
-import dataclasses
 import math
 from typing import NamedTuple, Optional
 
 
 class TrainState:
-    """Where a run is (iter_num, samples, best_val) and what it trains with (its settings,
-    model arguments and data). iter_num counts optimizer steps (the learning rate follows it);
-    samples counts the global samples read (the data position). They part when a run resumes
-    with another global batch, which is why the batch index is always samples // global_batch.
-    A class, as the Stateful contract is one."""
+    """Where a run is (iter_num, samples, best_val) and what it trains (its model arguments and
+    data). iter_num counts optimizer steps (the learning rate follows it); samples counts the
+    global samples read (the data position). They part when a run resumes with another global
+    batch, which is why the batch index is always samples // global_batch. A class, as the
+    Stateful contract is one."""
 
-    def __init__(self, cfg, model_args, data_meta, data_identity, scaler):
-        self.cfg, self.model_args = cfg, model_args  # the settings as trained
-        self.data_meta, self.data_identity = data_meta, data_identity
-        self.scaler = scaler  # the run's torch.amp.GradScaler
+    def __init__(self, model_args, data_meta, data_identity, global_batch):
+        self.model_args, self.data_meta, self.data_identity = model_args, data_meta, data_identity
+        self.global_batch = global_batch  # the run's: where a nanoGPT checkpoint's steps end
         self.iter_num, self.samples, self.best_val = 0, 0, math.inf
 
     def state_dict(self):
-        return {"scaler": self.scaler.state_dict(), "model_args": self.model_args,
-                "iter_num": self.iter_num, "samples_consumed": self.samples,
-                "best_val_loss": self.best_val, "config": dataclasses.asdict(self.cfg),
+        return {"model_args": self.model_args, "iter_num": self.iter_num,
+                "samples_consumed": self.samples, "best_val_loss": self.best_val,
                 "data_meta": self.data_meta, "data_identity": self.data_identity}
 
     def load_state_dict(self, state):
-        """Go on from a checkpoint's progress and loss scale. Its settings and data are not
-        taken: the run trains with its own, checked against the checkpoint's before
+        """Go on from a checkpoint's progress. Its model arguments and data are not taken: the
+        run trains with its own, checked against the checkpoint's before
         (weights.check_resume)."""
         saved = Saved.of(state)
         self.iter_num, self.best_val = saved.iter_num, saved.best_val
-        self.samples = saved.samples(self.cfg.global_batch)
-        if saved.scaler:
-            self.scaler.load_state_dict(saved.scaler)
+        self.samples = saved.samples(self.global_batch)
 
 
 class Saved(NamedTuple):

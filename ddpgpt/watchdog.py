@@ -35,8 +35,7 @@ import traceback
 from collections import deque
 
 from ddpgpt import fileio, lock
-
-READER = "batches"  # data.rank_batches' reader thread's name, by which where_now finds it
+from ddpgpt.data import READER
 
 EXIT_CODE = 124  # as coreutils' timeout: the run timed out
 WARMUP_STEPS = 5  # compiling, allocator and autotuning make the first steps slow

@@ -38,9 +38,9 @@ ARCHITECTURE = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size
 
 class Start(NamedTuple):
     """What a training run starts from."""
-    resume: Optional[dict]  # the checkpoint it resumes, or None for a fresh start
+    resume: Optional[dict]  # the checkpoint it resumes (checkpoint.resume), or None
     args: dict  # GPTConfig's arguments
-    weights: Optional[dict]  # for GPT.load_state_dict; None: the initialisation's
+    weights: Optional[dict]  # GPT-2's, for GPT.load_state_dict; None: the initialisation's
 
 
 def model_args(cfg, meta):
@@ -63,7 +63,7 @@ def for_training(cfg, given, meta, in_parts=False):
     by meta. GPT-2's weights are a fresh start as auto sees it: in an out_dir with a checkpoint
     the run resumes, so that a restarted or requeued fine-tune goes on from its last checkpoint
     instead of from iter 0 again. in_parts: a sharded run, which reads the tensors of a
-    checkpoint folder in parts, once sharded (checkpoint.restore), and has no weights here."""
+    checkpoint folder in parts, once sharded (checkpoint.resume)."""
     args = model_args(cfg, meta)
     resume = None if cfg.init_from == "scratch" else \
         newest_checkpoint(cfg, () if in_parts else checkpoint.TENSORS)
@@ -72,7 +72,7 @@ def for_training(cfg, given, meta, in_parts=False):
             check_fine_tune(cfg, resume)
         args = take_architecture(cfg, given, args, resume["model_args"],
                                  f"the checkpoint in {cfg.out_dir}")
-        return Start(resume, args, checkpoint.model_state(resume))
+        return Start(resume, args, None)
     refuse_to_mix(cfg)
     if cfg.init_from not in INIT_FROM:
         return Start(None, *pretrained(cfg, given, args, meta))

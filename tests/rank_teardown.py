@@ -1,6 +1,6 @@
 """Run under torchrun by test_reliability.py: joins the process group as every script does
-(runtime.init_distributed), imports torch._dynamo afterwards as an optimizer's constructor does,
-runs a collective, leaves the group (destroy_process_group, as runtime.finish does before it
+(launch.init_distributed), imports torch._dynamo afterwards as an optimizer's constructor does,
+runs a collective, leaves the group (destroy_process_group, as launch.finish does before it
 exits), then writes the names of the threads this process still has to <out>.rank<RANK>.json.
 The process group's threads must be gone: one that outlives the group can abort the
 interpreter's exit."""
@@ -10,10 +10,10 @@ import sys
 
 import torch
 
-from ddpgpt import runtime
+from ddpgpt import launch, runtime
 
 ranks = runtime.ranks()
-runtime.init_distributed("cpu", ranks.world_size)
+launch.init_distributed("cpu", ranks.world_size)
 import torch._dynamo  # noqa: E402,F401  (what torch.optim's constructors import)
 
 total = torch.ones(3)

@@ -5,8 +5,7 @@ memory that is not one."""
 import dataclasses
 import glob
 import json
-import os
-import sys
+import shlex
 
 import pytest
 import torch
@@ -75,37 +74,44 @@ def test_a_gpu_memory_that_is_not_one_is_refused(value, env):
            f"0 and a unit, e.g. --gpu_memory=80GiB" in p.stderr
 
 
-def test_train_py_gives_plan_py_its_settings_whole():
-    """On a GPU, train.py starts plan.py with every key of its settings (memcheck.start): they
-    must read back as the same settings (this part of the GPU path runs on a CPU)."""
-    from ddpgpt import configurator, memcheck
+def oom_command(cfg, gpu_memory):
+    """The plan.py command that train.py's out-of-memory paragraph names, for cfg on 2 ranks."""
+    from ddpgpt import memplan
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.\nmore")
+    message = memplan.out_of_memory(cfg, 2, gpu_memory, error)
+    assert message.startswith("out of memory in the first steps (torch: CUDA out of memory. "
+                              "Tried to allocate 2.00 MiB.): this configuration does not fit "
+                              f"this GPU (batch_size={cfg.batch_size}, "), message
+    return shlex.split(message.split("would fit: ", 1)[1])
+
+
+def test_train_py_names_plan_py_with_its_settings_whole():
+    """On a GPU, train.py's out-of-memory paragraph names plan.py with the run's settings (the
+    keys not at their defaults): they must read back as the same settings (this part of the
+    GPU path runs on a CPU)."""
+    from ddpgpt import configurator
     from ddpgpt.settings import PlanConfig, TrainConfig
     cfg = TrainConfig(data_dir="data/elsewhere", arch="modern", rope_theta=5e5, optimizer="muon",
                       parallel="fsdp", reduce_every_micro_step=True, backend="",
-                      out_dir="out dir/with 'quotes'", vocab_size=320, dropout=0.1)
-    back = configurator.parse(PlanConfig, memcheck.settings_args(cfg), "plan.py")
+                      out_dir="out dir/with 'quotes'", vocab_size=320, dropout=0.1,
+                      wandb_run_name="'quoted'")
+    command = oom_command(cfg, 80 * 2**30)
+    assert command[:2] == ["python", "plan.py"] and command[-1] == "--gpu_memory=81920MiB"
+    back = configurator.parse(PlanConfig, command[2:], "plan.py")
     assert {f.name: getattr(back, f.name) for f in dataclasses.fields(cfg)} == \
         dataclasses.asdict(cfg)
+    assert back.world_size == 2
 
 
 @pytest.mark.slow
-def test_an_out_of_memory_error_at_the_first_steps_names_the_plan_and_what_would_fit(env):
-    """On a GPU, train.py turns an out-of-memory error in its first steps into one paragraph
-    with the plan that rank 0 started at start-up (memcheck.Check, a real plan.py process;
-    here of a CPU run's settings on a GPU of 7 MiB, which they do not fit)."""
-    from ddpgpt import configurator, memcheck
+def test_an_out_of_memory_error_at_the_first_steps_names_the_plan_that_says_what_would_fit(env):
+    """The command that paragraph names, run: the plan of a CPU run's settings on a GPU of
+    7 MiB, which they do not fit, and what would."""
+    from ddpgpt import configurator
     from ddpgpt.settings import TrainConfig
     cfg = configurator.parse(TrainConfig, settings("ddp", "adamw", "gpt2"), "train.py")
-    check = memcheck.Check([sys.executable, os.path.join(memcheck.ROOT, "plan.py"),
-                            *memcheck.settings_args(cfg), "--world_size=2", "--gpu_memory=7MiB",
-                            "--json"], env)
-    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.\nmore")
-    message = str(memcheck.out_of_memory(check, cfg, 2, error))
-    assert message.startswith("out of memory in the first steps (torch: CUDA out of memory. "
-                              "Tried to allocate 2.00 MiB.). The plan of this run puts one "
-                              "rank's peak at 6.7 MiB (weights 0.5 MiB"), message
-    assert "against 6.3 MiB usable on this GPU; the largest batch_size that fits: 3. " \
-           "What would fit: --parallel=fsdp (peak 5.8 MiB per rank);" in message
-    assert "--activation_checkpointing=full (peak 4.8 MiB per rank)" in message
-    assert message.endswith("python plan.py <your config and keys> --world_size=2 tries "
-                            "others before a run.")
+    p = python(*oom_command(cfg, 7 * 2**20)[1:], env=env)
+    assert "on 2 ranks" in p.stdout and "does not fit; the largest batch_size that fits: 3" \
+        in p.stdout, p.stdout
+    assert "would fit: --parallel=fsdp (peak 5.8 MiB per rank)" in p.stdout
+    assert "would fit: --activation_checkpointing=full (peak 4.8 MiB per rank)" in p.stdout

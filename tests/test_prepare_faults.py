@@ -14,7 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
-from ddpgpt import fileio, lock, signals
+from ddpgpt import fileio, signals
 from conftest import OUTPUTS, ROOT, decoded, fails, python
 from ddpgpt.tokenizer import get_tokenizer
 
@@ -153,7 +153,7 @@ def test_sigterm_to_the_whole_process_group_never_hangs(env, tmp_path):
         assert p.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr
         assert last_line(stderr).startswith("prepare.py: interrupted (SIGTERM); this run's "
                                             "temporary files were removed, and the "), stderr
-        assert not glob.glob(f"{out}/*.tmp") and not (out / lock.LOCK_NAME).exists()
+        assert not glob.glob(f"{out}/*.tmp") and not (out / fileio.LOCK_NAME).exists()
 
 
 def test_a_worker_killed_outright_is_named_and_nothing_is_left(env, tmp_path):
@@ -232,7 +232,7 @@ def test_a_sharded_prepare_stopped_by_a_full_disk_resumes_when_there_is_room(
         f"this run's temporary files were removed, and the {kept} complete shard(s) in {out} " \
         f"that prepare.progress.json records are kept: the same command resumes after them" \
         in message
-    assert not glob.glob(f"{out}/*.tmp") and not (out / lock.LOCK_NAME).exists()
+    assert not glob.glob(f"{out}/*.tmp") and not (out / fileio.LOCK_NAME).exists()
     subprocess.run(["mount", "-o", "remount,size=64m", small_disk], check=True)  # room made
     p = python("prepare.py", *args, f"--out_dir={out}", env=env)
     assert f"{kept} complete shard(s) kept" in p.stdout
@@ -257,7 +257,7 @@ def test_two_prepares_into_one_out_dir_one_refused_the_other_intact(env, tmp_pat
     message = last_line(ends[loser][1])
     assert message.startswith(f"prepare.py: error: {out} is being written by prepare.py (pid "
                               f"{winner.pid} on {fileio.HOST}, since "), message
-    assert f"If it is not running (its machine crashed, say), remove {out / lock.LOCK_NAME}." \
+    assert f"If it is not running (its machine crashed, say), remove {out / fileio.LOCK_NAME}." \
         in message and "Traceback" not in ends[loser][1]
     docs = decoded(out, get_tokenizer("byte"))  # the winner's files, as its meta.json says
     assert len(docs["train"]) > 1000 and sorted(os.listdir(out)) == sorted(OUTPUTS)
@@ -270,7 +270,7 @@ def test_a_lock_held_on_another_host_refuses_without_touching_anything(env, tmp_
             "--val_docs=2", "--num_proc=1", f"--out_dir={out}"]
     python("prepare.py", *args, env=env)
     holder = {"script": "prepare.py", "pid": 4242, "host": "node-17", "started": "yesterday"}
-    (out / lock.LOCK_NAME).write_text(json.dumps(holder))
+    (out / fileio.LOCK_NAME).write_text(json.dumps(holder))
     before = read_all(out)
     message = last_line(fails("prepare.py", *args, env=env).stderr)
     assert message.startswith(f"prepare.py: error: {out} is being written by prepare.py (pid "
@@ -285,7 +285,7 @@ def test_a_requeued_slurm_job_takes_over_the_lock_its_earlier_run_left(env, tmp_
     out.mkdir()
     holder = {"script": "prepare.py", "pid": 4242, "host": "node-17", "started": "yesterday",
               "slurm": ["77", 0]}
-    (out / lock.LOCK_NAME).write_text(json.dumps(holder))
+    (out / fileio.LOCK_NAME).write_text(json.dumps(holder))
     env.update(SLURM_JOB_ID="77", SLURM_RESTART_COUNT="1")
     p = python("prepare.py", f"--dataset={write_jsonl(tmp_path / 'docs.jsonl', 20)}",
                "--tokenizer=byte", "--val_docs=2", "--num_proc=1", f"--out_dir={out}", env=env)
@@ -311,15 +311,15 @@ def test_only_temporary_files_of_dead_writers_of_this_host_are_removed(tmp_path)
 def test_a_folder_where_the_lock_file_goes_is_named(script, env, corpus, tmp_path):
     """It said 'cannot write in <out_dir> (Is a directory)'."""
     out = tmp_path / "out"
-    (out / lock.LOCK_NAME).mkdir(parents=True)
+    (out / fileio.LOCK_NAME).mkdir(parents=True)
     args = ([f"--dataset={write_jsonl(tmp_path / 'docs.jsonl', 20)}", "--tokenizer=byte",
              "--val_docs=2", "--num_proc=1"] if script == "prepare.py" else
             [f"--data_dir={corpus}", "--device=cpu"])
     message = last_line(fails(script, *args, f"--out_dir={out}", env=env).stderr)
-    assert message == (f"{script}: error: {out / lock.LOCK_NAME} is a folder, where {script} "
+    assert message == (f"{script}: error: {out / fileio.LOCK_NAME} is a folder, where {script} "
                        f"keeps its lock file (one writer per folder): it is not ddpgpt's. Move "
                        f"or rename it, then run again."), message
-    assert os.listdir(out) == [lock.LOCK_NAME]
+    assert os.listdir(out) == [fileio.LOCK_NAME]
 
 
 def test_a_stop_signal_while_tokens_are_written_stays_the_signal(tmp_path):

@@ -17,7 +17,7 @@ import psutil
 import torch
 import pytest
 
-from ddpgpt import checkpoint, peers, signals
+from ddpgpt import checkpoint, errors, peers, signals
 from conftest import ROOT, TINY, metrics, python, torchrun
 from test_reliability import wait_for_step
 
@@ -391,7 +391,7 @@ def test_a_line_to_stderr_is_written_whole():
 
     stderr = io.TextIOWrapper(File(), line_buffering=True, write_through=True)
     with contextlib.redirect_stderr(stderr):
-        signals.say("train.py: error (rank 1): a paragraph")
+        errors.say("train.py: error (rank 1): a paragraph")
     assert writes == [b"train.py: error (rank 1): a paragraph\n"]
 
 

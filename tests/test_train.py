@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import TINY, evals, fails, metrics, python, steps, torchrun
-from ddpgpt import parallel, runtime
+from ddpgpt import launch, parallel, runtime
 from ddpgpt.errors import UserError
 from ddpgpt.runtime import Ranks
 
@@ -325,13 +325,13 @@ def test_a_backend_or_device_this_torch_cannot_serve_is_refused_naming_what_it_c
 
 
 def test_the_backend_follows_the_device(monkeypatch):
-    assert runtime.check_backend("", "cpu") == "gloo"
-    assert runtime.check_backend("gloo", "cuda:0") == "gloo"  # bench.py gpu's two ranks on one
+    assert launch.check_backend("", "cpu") == "gloo"
+    assert launch.check_backend("gloo", "cuda:0") == "gloo"  # bench.py gpu's two ranks on one
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
-    assert runtime.check_backend("", "cuda:1") == "nccl"
+    assert launch.check_backend("", "cuda:1") == "nccl"
     with pytest.raises(UserError, match="backend='nccl' all-reduces CUDA tensors only, and "
                                         "device='cpu': use --backend=gloo"):
-        runtime.check_backend("nccl", "cpu")
+        launch.check_backend("nccl", "cpu")
 
 
 def test_mps_runs_one_process(monkeypatch):
