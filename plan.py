@@ -22,13 +22,13 @@ def main(argv):
     cfg = configurator.parse(PlanConfig, argv, "plan.py")  # before torch's import (seconds)
     import torch
 
-    from ddpgpt import memplan, parallel, weights
+    from ddpgpt import arch, memplan, parallel
     gpu_memory = parse_memory(cfg.gpu_memory) if cfg.gpu_memory else \
         local_gpu_memory(cfg, torch)
     dtype = memplan.plan_dtype(cfg.dtype, gpu=cfg.device != "cpu" and bool(gpu_memory))
     parallel.check(cfg, dtype)
     train_cfg = dataclasses.replace(cfg, dtype=dtype)  # still a PlanConfig: plan() reads only
-    model_args = weights.model_args(train_cfg, None)   # train.py's keys
+    model_args = arch.model_args(train_cfg, None)   # train.py's keys
     planned = memplan.plan(train_cfg, model_args, cfg.world_size, dtype)
     fit = memplan.fit(train_cfg, model_args, cfg.world_size, dtype, gpu_memory, planned) \
         if gpu_memory else None

@@ -35,8 +35,9 @@ if __name__ == "__main__":
 import torch  # noqa: E402  (the imports that take seconds come after)
 import torch.distributed as dist  # noqa: E402
 
-from ddpgpt import (checkpoint, data, errors, evaluation, launch, memplan,  # noqa: E402
-                    metrics, optim, parallel, runtime, sources, watchdog, weights)
+from ddpgpt import (arch, checkpoint, data, errors, evaluation, launch, loader,  # noqa: E402
+                    memplan, metrics, optim, parallel, runtime, schedule, sources, watchdog,
+                    weights)
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.state import TrainState
@@ -143,7 +144,7 @@ def start_up(cfg, given, ranks, device):
     start = weights.for_training(cfg, given, meta, in_parts=parallel.sharded(cfg, ranks))
     # the configuration says what is trained (the architecture of the weights resumed or
     # loaded, the vocab_size that 0 meant), so that its log and checkpoints do not lie
-    cfg = dataclasses.replace(cfg, **weights.architecture(start.args))
+    cfg = dataclasses.replace(cfg, **arch.architecture(start.args))
     splits = sources.open_splits(data_sources, cfg.block_size, cfg.vocab_size,
                                  mode=cfg.sampling)
     identity = sources.identity(splits)
@@ -181,9 +182,9 @@ def make_run(s, found):
              f"{model.get_num_params() / 1e6:.2f}M parameters, global batch {cfg.global_batch} x "
              f"{cfg.block_size} tokens ({micro_steps} micro-step{'s' * (micro_steps != 1)} of "
              f"{cfg.batch_size} per rank)")
-    optim.note_an_unfinished_decay(cfg)
+    schedule.note_an_unfinished_decay(cfg)
     sources.log_train(found.splits["train"], cfg.max_iters * cfg.global_batch)
-    batches = data.rank_batches(
+    batches = loader.rank_batches(
         found.splits["train"], block_size=cfg.block_size, batch_size=cfg.batch_size,
         micro_steps=micro_steps, rank=ranks.rank, world_size=ranks.world_size, seed=cfg.seed,
         mode=cfg.sampling, start_step=state.samples // cfg.global_batch, device=device,

@@ -4,7 +4,7 @@
 
 Measures the time from this process's start to its first batch of 12 x 1024 tokens and its
 memory then, reads BATCHES batches in all, timing each, measures its memory again and writes
-OUT.rank<r>.json. LOADER is what reads the batches: 'ddpgpt' is data.rank_batches, as train.py
+OUT.rank<r>.json. LOADER is what reads the batches: 'ddpgpt' is loader.rank_batches, as train.py
 uses it, on DATA_DIR's train split (train.bin, or the shards its meta.json lists), or on a
 mixture when DATA_DIR is written as train.py's data_mix ('folder=0.3,folder=0.2,...');
 'documents' is the same in sampling='documents' mode, with the split's document index;
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddpgpt import data, sources
+from ddpgpt import data, loader, sources
 
 BATCH, BLOCK, VOCAB, SEED = 12, 1024, 50304, 1337
 
@@ -42,9 +42,9 @@ def ddpgpt(data_dir, rank, world, mode="epoch"):
     data is opened as train.py opens it: a Mixture of each source's train split."""
     train = sources.open_splits(data_sources(data_dir), BLOCK, VOCAB,
                                 splits=["train"], mode=mode)["train"]
-    return data.rank_batches(train, block_size=BLOCK, batch_size=BATCH, micro_steps=1,
-                             rank=rank, world_size=world, seed=SEED, mode=mode, start_step=0,
-                             device="cpu", vocab_size=VOCAB, prefetch=0), \
+    return loader.rank_batches(train, block_size=BLOCK, batch_size=BATCH, micro_steps=1,
+                               rank=rank, world_size=world, seed=SEED, mode=mode,
+                               start_step=0, device="cpu", vocab_size=VOCAB, prefetch=0), \
         sum(len(split.paths) for split in train.splits)
 
 

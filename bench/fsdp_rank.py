@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from ddpgpt import configurator, launch, optim, parallel, runtime, weights
+from ddpgpt import arch, configurator, launch, optim, parallel, runtime
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import TrainConfig
 
@@ -55,7 +55,7 @@ def build(argv):
     device = runtime.pick_device(cfg.device, ranks)
     launch.init_distributed(device, ranks.world_size, cfg.backend, cfg.dist_timeout_s)
     torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(**weights.model_args(cfg, None)))
+    model = GPT(GPTConfig(**arch.model_args(cfg, None)))
     precision = runtime.precision(cfg.dtype, device)
     model, _, train_model = parallel.wrap(model, cfg, ranks, device, precision)
     optimizer = optim.make(cfg, model, runtime.device_type(device))

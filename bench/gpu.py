@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from bench import common, evaluating, report
-from ddpgpt import checkpoint, configurator, runtime, tokenfile, weights
+from ddpgpt import arch, checkpoint, configurator, runtime, tokenfile
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import TrainConfig
 
@@ -203,7 +203,7 @@ def step_rows(out_dir):
 
 def flops_per_token(cfg, data_dir):
     with torch.device("meta"):  # the model train.py builds, with no weights allocated
-        model = GPT(GPTConfig(**weights.model_args(cfg, tokenfile.read_meta(data_dir))))
+        model = GPT(GPTConfig(**arch.model_args(cfg, tokenfile.read_meta(data_dir))))
     return model.flops_per_token()
 
 

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from ddpgpt import configurator, launch, memplan, parallel, runtime, weights
+from ddpgpt import arch, configurator, launch, memplan, parallel, runtime
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import TrainConfig
 
@@ -23,7 +23,7 @@ def main(out, argv):
     ranks = runtime.ranks()
     launch.init_distributed("cpu", ranks.world_size, "gloo", cfg.dist_timeout_s)
     torch.manual_seed(cfg.seed)
-    args = weights.model_args(cfg, None)
+    args = arch.model_args(cfg, None)
     model = GPT(GPTConfig(**args))
     model, _, train_model = parallel.wrap(model, cfg, ranks, "cpu",
                                           runtime.precision(cfg.dtype, "cpu"))

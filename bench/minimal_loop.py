@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ddpgpt import configurator, optim, runtime, tokenfile, weights
+from ddpgpt import arch, configurator, optim, runtime, tokenfile
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import TrainConfig
 
@@ -23,7 +23,7 @@ def main(argv):
     sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
     runtime.use_device(device)  # the GPU and TF32, as train.py sets them
     torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(**weights.model_args(cfg, tokenfile.read_meta(cfg.data_dir))))
+    model = GPT(GPTConfig(**arch.model_args(cfg, tokenfile.read_meta(cfg.data_dir))))
     model.to(device)
     # the same optimizer as train.py's (AdamW fused on CUDA, or Muon and AdamW) with the same
     # parameter groups

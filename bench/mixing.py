@@ -1,5 +1,5 @@
 """Data mixtures: the same train data as one source and as a mixture of 8, read as
-train.py reads it (data.mixture over each source's train split, data.rank_batches), under
+train.py reads it (data.mixture over each source's train split, loader.rank_batches), under
 torchrun: start-up, data setup and batch latency. The launches, their measuring and their
 medians are the data part's (datapath.py, datapath_rank.py's ddpgpt loader)."""
 import os

@@ -22,7 +22,7 @@ import sys
 
 from bench import common
 from bench.preparing import tiktoken_env
-from ddpgpt import configurator, runtime, tokenfile, weights
+from ddpgpt import arch, configurator, runtime, tokenfile
 from ddpgpt.settings import TrainConfig
 
 TITLE = "Recipe"
@@ -236,7 +236,7 @@ def speed_nanogpt(spec, cfg, data_dir, workdir, env):
     checkout = os.environ.get("NANOGPT_DIR")
     if not checkout:
         return None
-    vocab_size = weights.model_args(cfg, tokenfile.read_meta(data_dir))["vocab_size"]
+    vocab_size = arch.model_args(cfg, tokenfile.read_meta(data_dir))["vocab_size"]
     data = nanogpt_data(data_dir, workdir, vocab_size)
     command = nanogpt_command(cfg, spec["steps"], data, os.path.join(workdir, "out-nanogpt"))
     finished = common.check(common.run_watched([sys.executable, *command], env, TIME_CAP_S,

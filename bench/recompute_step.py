@@ -21,7 +21,7 @@ import time
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 
-from ddpgpt import configurator, optim, parallel, runtime, weights
+from ddpgpt import arch, configurator, optim, parallel, runtime
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import TrainConfig
 
@@ -63,7 +63,7 @@ def main(out, n_steps, argv):
     cfg = configurator.parse(TrainConfig, argv, "train.py")
     ranks = runtime.ranks()
     torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(**weights.model_args(cfg, None)))
+    model = GPT(GPTConfig(**arch.model_args(cfg, None)))
     precision = runtime.precision(cfg.dtype, "cpu")
     model, _, train_model = parallel.wrap(model, cfg, ranks, "cpu", precision)
     optimizer = optim.make(cfg, model, "cpu")

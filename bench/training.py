@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from bench import common
-from ddpgpt import configurator, runtime, tokenfile, weights
+from ddpgpt import arch, configurator, runtime, tokenfile
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.settings import TrainConfig
 
@@ -97,7 +97,7 @@ def measure(spec, workdir, out_dir):
     counted = launch(spec, args, out_dir)
     cfg = configurator.parse(TrainConfig, args, "train.py")
     with torch.device("meta"):  # the model train.py built, with no weights allocated
-        model = GPT(GPTConfig(**weights.model_args(cfg, tokenfile.read_meta(data_dir))))
+        model = GPT(GPTConfig(**arch.model_args(cfg, tokenfile.read_meta(data_dir))))
     ms = np.array([row["ms"] for row in counted])
     tok_per_s = float(np.median([row["tok_per_s"] for row in counted]))
     mfu = [row["mfu"] for row in counted if "mfu" in row]

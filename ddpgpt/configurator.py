@@ -85,6 +85,16 @@ def check(cfg):
         setattr(cfg, field.name, check_value(field, hints[field.name], getattr(cfg, field.name)))
 
 
+def check_only_for(cfg, name, key, wanted):
+    """A key that only key=wanted reads, set in a run where key is another value, would be
+    ignored without a word: refused."""
+    default = next(f.default for f in dataclasses.fields(cfg) if f.name == name)
+    value, actual = getattr(cfg, name), getattr(cfg, key)
+    if actual != wanted and value != default:
+        raise UserError(f"{name}={value!r} is a setting of {key}={wanted!r}, and this run is "
+                        f"{key}={actual!r}: add --{key}={wanted}, or leave {name} out.")
+
+
 # ---- reading config files and arguments ----
 
 def check_key(key, fields, where, script):

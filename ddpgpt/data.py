@@ -25,25 +25,21 @@ with it): what point 4 needs of a split (its files' blocks; in 'documents' mode 
 starts, from the index's distinct lengths) is computed once per source (windows()), never per
 batch, and a batch costs the same whatever its sources. The ranks read disjoint slices of one
 global batch, any world size reads the same global batches, and resuming needs one integer:
-the number of samples consumed. The token files themselves are tokenfile.py's.
+the number of samples consumed. The token files themselves are tokenfile.py's; the contract is
+numpy's alone, and loader.py makes its batches tensors (train.py's, and a DataLoader's).
 """
 import hashlib
-import operator
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from itertools import count
-from typing import NamedTuple, Optional, get_args
+from typing import Literal, NamedTuple, Optional, get_args
 
 import numpy as np
-import torch
 
-from ddpgpt import docindex, runtime, tokenfile
+from ddpgpt import docindex, tokenfile
 from ddpgpt.errors import UserError
 from ddpgpt.permutation import feistel_shape, hash64, hash_key, permute, round_keys, walk
-from ddpgpt.settings import Sampling
 
+Sampling = Literal["epoch", "random", "documents"]  # the sampling key's choices: point 4's modes
 SAMPLING_MODES = get_args(Sampling)
-READER = "batches"  # rank_batches' reader thread's name, by which the hang watchdog finds it
 # the domains of hash_key(seed, domain, ...): one per thing drawn
 RANDOM_KEY, EPOCH_KEY, PHASE_KEY, MIX_KEY, DOCUMENTS_KEY = 1, 2, 3, 4, 5
 
@@ -352,7 +348,7 @@ def eval_document_offsets(token_split, block_size, n_windows):
 # ---- point 5: windows -> (x, y) ----
 
 def read_xy(token_split, offsets, block_size, vocab_size=None):
-    """(x, y) int64 tensors of shape (len(offsets), block_size); y is x shifted by one, and -1
+    """(x, y) int64 arrays of shape (len(offsets), block_size); y is x shifted by one, and -1
     past the end of a window's file. With vocab_size, ids the model cannot embed are a
     UserError here rather than a CUDA device-side assert later."""
     offsets = np.asarray(offsets, dtype=np.int64)
@@ -391,10 +387,10 @@ def held(token_split, offsets, length):
 def to_xy(windows, tokens):
     """x and y of windows that hold `tokens` tokens each: x goes on with the 0s that tokenfile
     filled in, and y's targets beyond the window's tokens are -1, which the loss ignores."""
-    x = torch.from_numpy(windows[:, :-1].astype(np.int64, order="C"))
-    y = torch.from_numpy(windows[:, 1:].astype(np.int64, order="C"))
+    x = windows[:, :-1].astype(np.int64, order="C")
+    y = windows[:, 1:].astype(np.int64, order="C")
     if (tokens < windows.shape[1]).any():
-        y[torch.from_numpy(np.arange(y.shape[1]) >= tokens[:, None] - 1)] = -1
+        y[np.arange(y.shape[1]) >= tokens[:, None] - 1] = -1
     return x, y
 
 
@@ -436,128 +432,3 @@ def rank_windows(mix, block_size, batch_size, micro_steps, rank, world_size, see
             here = slice(b, b + batch_size)
             yield source[here], offsets[here] if mode != "documents" else \
                 document_offsets(w, source[here], unit[here], within[here])
-
-
-def rank_batches(mix, *, block_size, batch_size, micro_steps, rank, world_size, seed,
-                 mode, start_step, device, vocab_size, prefetch=2):
-    """This rank's micro-batches, step after step from start_step: yields (x, y) on device.
-    The next `prefetch` batches are read in a background thread while the current step runs;
-    prefetch=0 reads each batch when it is asked for."""
-    mix = with_windows(mix, block_size, mode)
-    pin = torch.device(device).type == "cuda"
-    planned = rank_windows(mix, block_size, batch_size, micro_steps, rank, world_size, seed,
-                           mode, start_step)
-
-    def load():  # in one thread at a time, in order: the reader's, or this one's
-        source, offsets = next(planned)
-        x, y = read_mixture_xy(mix, source, offsets, block_size, vocab_size)
-        return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
-
-    def on_device(batch):  # load() pinned it for a GPU already: to_device only copies
-        return tuple(runtime.to_device(t, device) for t in batch)
-
-    if not prefetch:
-        while True:
-            yield on_device(load())
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=READER,
-                            initializer=runtime.on_device(device)) as pool:
-        pending = deque(pool.submit(load) for _ in range(prefetch))
-        while True:
-            batch = pending.popleft().result()
-            pending.append(pool.submit(load))
-            yield on_device(batch)
-
-
-# ---- the same contract for people with their own loop (or Lightning) ----
-
-MAX_INDEX = 2**63 - 1  # sample indices are int64
-
-
-def check_int(name, value, minimum=None, maximum=None):
-    """value as an int: TypeError if it is no integer (a float is not silently truncated),
-    ValueError outside [minimum, maximum]. Every argument is checked when the object is made,
-    because a bad one loops forever (batch_size=0) or reads the wrong data without a word."""
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, not {type(value).__name__} {value!r}") from None
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{name}={value} must be {bounds}")
-    return value
-
-
-class BlockDataset(torch.utils.data.Dataset):
-    """Map-style dataset over global sample indices: item i is the window that sample i reads
-    (point 4). Its length is one epoch of blocks ('documents': of starts); every index from 0
-    to MAX_INDEX is valid, later epochs beyond len(). A negative index is an IndexError, not
-    counted from the end: there is no end, and wrapping into epoch 0 would hide an off-by-one.
-    'documents' mode needs the split opened with its index (sources.open_split)."""
-
-    def __init__(self, token_split, block_size, seed=0, mode="epoch"):
-        if not isinstance(token_split, tokenfile.TokenSplit):
-            raise TypeError(f"BlockDataset takes a tokenfile.TokenSplit, such as "
-                            f"tokenfile.open_split(data_dir, 'train', block_size), not a "
-                            f"{type(token_split).__name__}")
-        self.token_split = token_split
-        self.block_size = check_int("block_size", block_size, 1)
-        self.seed = check_int("seed", seed)
-        check_mode(mode)
-        if mode == "documents" and token_split.docs is None:
-            raise ValueError("BlockDataset(mode='documents') reads the split's document index: "
-                             "open the split with sources.open_split(data_dir, 'train', "
-                             "block_size, mode='documents')")
-        self.mode = mode
-        tokenfile.check_block_size(token_split, self.block_size)
-        self._windows = None  # made in each process that reads, once (windows())
-
-    def __getstate__(self):  # pickles small: each worker makes the tables again
-        return {**self.__dict__, "_windows": None}
-
-    def windows(self):
-        if self._windows is None:
-            self._windows = windows(mixture([self.token_split]), self.block_size, self.mode)
-        return self._windows
-
-    def __len__(self):
-        if self.mode == "random":  # an epoch of blocks, as many samples as 'epoch' has
-            return int(blocks_per_epoch(np.diff(self.token_split.starts), self.block_size).sum())
-        return int(self.windows().n[0])
-
-    def __getitem__(self, i):
-        i = operator.index(i)  # TypeError for a float or a str, as a list's indexing
-        if not 0 <= i <= MAX_INDEX:
-            raise IndexError(f"BlockDataset index {i} is out of range: indices are global sample "
-                             f"numbers from 0 to 2**63 - 1 (len() is one epoch, later indices "
-                             f"are later epochs); negative ones do not count from the end")
-        offsets = window_offsets([0], [i], self.windows(), self.seed)
-        x, y = read_xy(self.token_split, offsets, self.block_size)
-        return x[0], y[0]
-
-
-class RankSampler(torch.utils.data.Sampler):
-    """This rank's global sample indices in order, `batch_size` per micro-batch: use it with
-    DataLoader(BlockDataset(...), batch_size=batch_size, sampler=RankSampler(...)). Generated
-    lazily; unlike DistributedSampler it never builds a list the size of the dataset."""
-
-    def __init__(self, batch_size, rank=0, world_size=1, micro_steps=1, start_step=0,
-                 num_steps=None):
-        self.batch_size = check_int("batch_size", batch_size, 1)
-        self.world_size = check_int("world_size", world_size, 1)
-        self.rank = check_int("rank", rank, 0, self.world_size - 1)
-        self.micro_steps = check_int("micro_steps", micro_steps, 1)
-        self.start_step = check_int("start_step", start_step, 0)
-        self.num_steps = None if num_steps is None else check_int("num_steps", num_steps, 0)
-
-    def __len__(self):
-        if self.num_steps is None:
-            raise TypeError("RankSampler(num_steps=None) is endless and has no length")
-        return self.num_steps * self.micro_steps * self.batch_size
-
-    def __iter__(self):
-        steps = count(self.start_step) if self.num_steps is None else range(
-            self.start_step, self.start_step + self.num_steps)
-        for s in steps:
-            for m in range(self.micro_steps):
-                yield from rank_sample_indices(s, m, self.rank, self.world_size,
-                                               self.batch_size, self.micro_steps).tolist()

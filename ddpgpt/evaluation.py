@@ -126,7 +126,7 @@ def split_loss(model, token_split, offsets, ev, ranks, autocast, device, bpb=Tru
                             ev.block_size, ev.vocab_size)
         y[len(chunk):] = -1
         with autocast:
-            _, loss = model(runtime.to_device(x, device), runtime.to_device(y, device))
+            _, loss = model(*(runtime.to_device(torch.from_numpy(t), device) for t in (x, y)))
         if not len(chunk):
             continue
         # the mean over the chunk's targets, weighed by them in windows: fewer than the chunk's
@@ -135,7 +135,7 @@ def split_loss(model, token_split, offsets, ev, ranks, autocast, device, bpb=Tru
         loss_sum += loss.double() * weight
         windows += weight
         if bpb and ev.token_bytes is not None:
-            n_bytes += int(ev.token_bytes[y[:len(chunk)].numpy()].sum())
+            n_bytes += int(ev.token_bytes[y[:len(chunk)]].sum())
     total = torch.stack([loss_sum, torch.full_like(loss_sum, windows),
                          torch.full_like(loss_sum, n_bytes)])
     if ranks.world_size > 1:

@@ -17,26 +17,31 @@ computes (qwen3_args_of): as many key/value heads as heads, head_dim = n_embd / 
 of model.swiglu_hidden(n_embd), RMSNorm's epsilon model.RMS_EPS, default rotary embeddings and
 no sliding window.
 
-transformers is imported inside the functions that need it: it takes seconds, and a run from
-scratch or from a checkpoint never needs it.
+transformers (and so torch) is imported inside the functions that need it: it takes seconds, a
+run from scratch or from a checkpoint never needs it, and the settings read NAMES before torch.
 """
 import json
 import logging
 import os
 import tempfile
 
-import torch
-
+from ddpgpt.arch import RMS_EPS, swiglu_hidden
 from ddpgpt.errors import UserError
-from ddpgpt.model import RMS_EPS, swiglu_hidden
-from ddpgpt.settings import FOLDER_HINT, NAMES
+from ddpgpt.tokenfile import GPT2_VOCAB_SIZE
 from ddpgpt.tokenizer import GPT2_NAMES, byte_level_alphabet, get_tokenizer
 
 log = logging.getLogger(__name__)
 
-# (n_layer, n_head, n_embd, vocab_size) of each: nanoGPT's table, and GPT2Config's defaults
-SHAPES = {"gpt2": (12, 12, 768, 50257), "gpt2-medium": (24, 16, 1024, 50257),
-          "gpt2-large": (36, 20, 1280, 50257), "gpt2-xl": (48, 25, 1600, 50257)}
+# (n_layer, n_head, n_embd, vocab_size) of OpenAI's GPT-2 weights by nanoGPT's names for them:
+# nanoGPT's table, and GPT2Config's defaults
+SHAPES = {name: (*shape, GPT2_VOCAB_SIZE) for name, shape in (
+    ("gpt2", (12, 12, 768)), ("gpt2-medium", (24, 16, 1024)), ("gpt2-large", (36, 20, 1280)),
+    ("gpt2-xl", (48, 25, 1600)))}
+NAMES = tuple(SHAPES)
+FOLDER_HINT = ("a Hugging Face GPT-2 folder holds config.json and model.safetensors, as "
+               "save_pretrained or `hf download openai-community/gpt2 config.json "
+               "model.safetensors --local-dir ./gpt2` writes them (or a Qwen3 folder that "
+               "export.py wrote from an arch='modern' checkpoint)")
 HUB_ORG = "openai-community"  # the hub repository that holds them
 EOT = "<|endoftext|>"
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -116,7 +121,7 @@ def to_hf_state(state, vocab_size):
         if k.endswith(("wte.weight", "lm_head.weight")):
             v = v[:vocab_size]
         if k.endswith(".weight") and not k.endswith(NO_BIAS):  # its bias, if bias=False
-            out.setdefault(k.removesuffix("weight") + "bias", torch.zeros(len(v), dtype=v.dtype))
+            out.setdefault(k.removesuffix("weight") + "bias", v.new_zeros(len(v)))
         out[k] = v.t() if k.endswith(TRANSPOSED) else v
     return out
 
@@ -211,6 +216,15 @@ def check_folder(folder):
     return model_type
 
 
+def check_init_from(init_from, keywords):
+    """A UserError unless init_from is one of keywords, a name in NAMES or an existing folder."""
+    if init_from in keywords or init_from in NAMES or os.path.isdir(init_from):
+        return
+    raise UserError(
+        f"init_from={init_from!r} is none of {', '.join(keywords)}, GPT-2's weights by name "
+        f"({', '.join(NAMES)}) or an existing folder; {FOLDER_HINT}.")
+
+
 def shape(init_from):
     """(n_layer, n_head, n_embd, vocab_size) of GPT-2 weights by name or folder, without
     loading them (nor transformers): a folder's from its config.json."""
@@ -265,6 +279,7 @@ def load(init_from):
     """(weights in model.py's layout, GPTConfig's arguments) of GPT-2 weights: a name in NAMES
     (through Hugging Face's cache, downloaded the first time) or a local folder, which may
     also hold a Qwen3 (the modern block, as export.py writes it)."""
+    import torch
     model_type = "gpt2" if init_from in NAMES else check_folder(init_from)
     transformers = _transformers()
     repo = repo_of(init_from)

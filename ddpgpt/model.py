@@ -1,4 +1,5 @@
-"""GPT-2, as nanoGPT defines it, and a modern block (arch='modern').
+"""GPT-2, as nanoGPT defines it, and a modern block (arch='modern'), built from the numbers of a
+GPTConfig (arch.py).
 
 Parameter names follow nanoGPT exactly, so its checkpoints load with model.load_state_dict(sd)
 once a torch.compile '_orig_mod.' prefix is stripped from the keys.
@@ -11,48 +12,14 @@ one (wte, h.N.ln_1, attn.c_proj, mlp.c_fc, ln_f, lm_head); the rest are attn.c_q
 (separate matrices, which Muon orthogonalises one by one), attn.q_norm, k_norm and mlp.c_gate.
 """
 import math
-from dataclasses import dataclass
-from typing import get_args
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ddpgpt.errors import UserError
-from ddpgpt.settings import Arch
-
-ARCHES = get_args(Arch)
-RMS_EPS = 1e-6  # RMSNorm's epsilon, Qwen3's
-
-
-@dataclass
-class GPTConfig:
-    block_size: int = 1024
-    vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64, faster matmuls
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True  # False: no bias in Linears and LayerNorms, a bit better and faster
-    # (GPT-2's only: the modern block has none)
-    # nn.GELU's approximate: 'none' is the exact erf form (nanoGPT's, and every checkpoint's
-    # that names none); 'tanh' is the approximation GPT-2 itself used, which OpenAI's weights need
-    gelu_approximate: str = "none"
-    arch: str = "gpt2"  # or 'modern' (the module docstring); checkpoints of a GPT-2 name none
-    rope_theta: float = 10000.0  # modern: the base of the rotary embeddings' frequencies
-
-    def __post_init__(self):
-        if self.arch not in ARCHES:
-            raise ValueError(f"arch={self.arch!r} is none of {ARCHES}")
-        if self.n_embd % self.n_head:
-            raise UserError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
-
-
-def swiglu_hidden(n_embd):
-    """The width of the modern MLP: 8/3 of n_embd, rounded to a multiple of 32, so that its
-    three matrices hold about as many weights as GPT-2's two of 4 x n_embd (2048 at 768)."""
-    return 32 * round(8 * n_embd / 3 / 32)
+# GPTConfig is imported with GPT, as from nanoGPT's model.py
+from ddpgpt.arch import RMS_EPS, GPTConfig, swiglu_hidden  # noqa: F401
 
 
 class CausalSelfAttention(nn.Module):

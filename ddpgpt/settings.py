@@ -12,31 +12,25 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ddpgpt import configurator
-from ddpgpt.configurator import key
+from ddpgpt.arch import ROPE_THETA_RANGE, Arch, check_bias
+from ddpgpt.configurator import check_only_for, key
+from ddpgpt.data import Sampling
 from ddpgpt.errors import UserError
+from ddpgpt.hf import NAMES, check_init_from
+from ddpgpt.schedule import cooldown_start
+from ddpgpt.tokenfile import GPT2_EOT
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Backend = Literal["", "nccl", "gloo"]
-Sampling = Literal["epoch", "random", "documents"]
-Arch = Literal["gpt2", "modern"]
 Parallel = Literal["ddp", "fsdp"]
 Recompute = Literal["none", "full", "selective"]
 INIT_FROM = ("scratch", "resume", "auto")  # train.py's; else GPT-2's weights
-NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # nanoGPT's names for OpenAI's weights
-FOLDER_HINT = ("a Hugging Face GPT-2 folder holds config.json and model.safetensors, as "
-               "save_pretrained or `hf download openai-community/gpt2 config.json "
-               "model.safetensors --local-dir ./gpt2` writes them (or a Qwen3 folder that "
-               "export.py wrote from an arch='modern' checkpoint)")
 YEAR_S = 365 * 24 * 3600  # a watchdog limit beyond it is an error, not an OverflowError; 0: off
 DEVICE_HELP = "auto: this rank's GPU when torch sees one, else cpu; cuda: cuda:<local rank>"
 DTYPE_HELP = "auto: bfloat16 on a GPU that has it natively, else float16; float32 on a CPU"
 LOAD_HELP = ("resume: out_dir's newest checkpoint (or out_dir is one checkpoint file); or "
              "GPT-2's weights, gpt2, gpt2-medium, ..., or a Hugging Face GPT-2 folder")
 
-
-# rotary() computes theta ** (-i / head_dim) in float32: theta must be finite there, and above
-# 1 for frequencies that fall from 1 along a head (1e-300 became 0 ** -x = inf, a NaN loss)
-ROPE_THETA_RANGE = {"above": 1, "below": 3.4e38}
 # plan.py's gpu_memory: a number and one of these units
 MEMORY_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                 "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -52,37 +46,6 @@ def parse_memory(text):
                         f"a unit, e.g. --gpu_memory=80GiB ({', '.join(MEMORY_UNITS)}), or leave "
                         f"it out for this machine's GPU.")
     return int(float(found.group(1)) * MEMORY_UNITS[found.group(2)])
-
-
-def check_only_for(cfg, name, key, wanted):
-    """A key that only key=wanted reads, set in a run where key is another value, would be
-    ignored without a word: refused."""
-    default = next(f.default for f in dataclasses.fields(cfg) if f.name == name)
-    value, actual = getattr(cfg, name), getattr(cfg, key)
-    if actual != wanted and value != default:
-        raise UserError(f"{name}={value!r} is a setting of {key}={wanted!r}, and this run is "
-                        f"{key}={actual!r}: add --{key}={wanted}, or leave {name} out.")
-
-
-def cooldown_start(cfg):
-    """wsd: the iter where the cooldown begins, the last cooldown_frac of max_iters (a step
-    at least)."""
-    return cfg.max_iters - max(1, round(cfg.max_iters * cfg.cooldown_frac))
-
-
-def check_init_from(init_from, keywords):
-    """A UserError unless init_from is one of keywords, a name in NAMES or an existing folder."""
-    if init_from in keywords or init_from in NAMES or os.path.isdir(init_from):
-        return
-    raise UserError(
-        f"init_from={init_from!r} is none of {', '.join(keywords)}, GPT-2's weights by name "
-        f"({', '.join(NAMES)}) or an existing folder; {FOLDER_HINT}.")
-
-
-def check_bias(arch, bias):
-    if arch == "modern" and bias:
-        raise UserError("bias=True with arch='modern': the modern block has no biases (nor has "
-                        "Qwen3's); leave bias out or set it to False.")
 
 
 @dataclass
@@ -246,6 +209,11 @@ class TrainConfig:
                             "its peak), which a peak of 0 leaves undefined. Set learning_rate "
                             "(the AdamW part's) above 0.")
 
+    @property
+    def from_weights(self):
+        """Does init_from name GPT-2's weights (by name, or a folder), not a start of ours?"""
+        return self.init_from not in INIT_FROM
+
     def check_parallel(self):
         """The keys that only fsdp reads (what it cannot train in, float16: parallel.check,
         where the device says what dtype='auto' is)."""
@@ -384,5 +352,5 @@ class IndexConfig:
     folders made before prepare.py wrote it."""
     data_dir: str = key("data/openwebtext", "the folder that holds the token files")
     eot_token: int = key(-1, "the id that ends each document, for files without meta.json "
-                             "(nanoGPT's, llm.c's); -1: GPT-2's 50256. Where meta.json gives "
+                             f"(nanoGPT's, llm.c's); -1: GPT-2's {GPT2_EOT}. Where meta.json gives "
                              "one, that one (another is refused)", at_least=-1)

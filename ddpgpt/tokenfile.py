@@ -65,10 +65,12 @@ SPLITS = ("train", "val")
 FINGERPRINT_CHUNKS, FINGERPRINT_CHUNK_BYTES = 64, 4096
 PREPARE_HINT = "python prepare.py --out_dir={}"
 LLMC_MAGIC, LLMC_VERSION, LLMC_HEADER_BYTES = 20240520, 1, 256 * 4
-# what llm.c's GPT-2 shards are, since they come without a meta.json
+# GPT-2's tokenizer: 256 bytes, 50,000 merges and end-of-text, the last id; the tokens of
+# nanoGPT's raw files and llm.c's shards, which come without a meta.json to say so
+GPT2_VOCAB_SIZE, GPT2_EOT = 50257, 50256
 LLMC_META = {"format_version": FORMAT_VERSION, "format": "llmc", "dtype": "uint16",
-             "vocab_size": 50257, "tokenizer": "gpt2", "eot_token": 50256, "splits": {},
-             "source": "llm.c shards (magic 20240520, version 1)"}
+             "vocab_size": GPT2_VOCAB_SIZE, "tokenizer": "gpt2", "eot_token": GPT2_EOT,
+             "splits": {}, "source": f"llm.c shards (magic {LLMC_MAGIC}, version {LLMC_VERSION})"}
 
 
 class TokenSplit(NamedTuple):

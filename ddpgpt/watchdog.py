@@ -35,7 +35,7 @@ import traceback
 from collections import deque
 
 from ddpgpt import fileio, lock
-from ddpgpt.data import READER
+from ddpgpt.loader import READER
 
 EXIT_CODE = 124  # as coreutils' timeout: the run timed out
 WARMUP_STEPS = 5  # compiling, allocator and autotuning make the first steps slow
@@ -286,7 +286,7 @@ def where_now(watchdog_ident, world_size):
     frames = sys._current_frames()
     main = threading.main_thread().ident
     ours, beyond = place(frames[main])
-    if ours != "data.rank_batches":
+    if ours != "loader.rank_batches":
         return described(ours, beyond, world_size)
     # the main thread waits for the reader thread's future: that thread, by its name (others
     # of ours, the watchdog's and the launcher's watchers, run our code too)
@@ -294,7 +294,7 @@ def where_now(watchdog_ident, world_size):
     readers = [" -> ".join(filter(None, place(f))) for ident, f in frames.items()
                if ident not in (main, watchdog_ident) and
                names.get(ident, "").startswith(READER)]
-    return "data.rank_batches, waiting for its next batch" + "".join(
+    return "loader.rank_batches, waiting for its next batch" + "".join(
         f" (reader thread in {r})" for r in readers)
 
 

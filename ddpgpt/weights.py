@@ -19,20 +19,16 @@ import os
 import shlex
 from typing import NamedTuple, Optional
 
-from ddpgpt import checkpoint, hf, optim, sources
+from ddpgpt import checkpoint, hf, schedule, sources
+from ddpgpt.arch import ARCHITECTURE, architecture, model_args
 from ddpgpt.errors import UserError
-from ddpgpt.model import GPTConfig
-from ddpgpt.settings import INIT_FROM, NAMES
+from ddpgpt.hf import NAMES
 from ddpgpt.state import Saved
+from ddpgpt.tokenfile import GPT2_VOCAB_SIZE
 from ddpgpt.tokenizer import (GPT2_NAMES, Tokenizer, check_ids_fit, data_meta, get_tokenizer,
                               tokenizer_of)
 
 log = logging.getLogger(__name__)
-
-GPT2_VOCAB_SIZE = 50257  # GPT-2's tokenizer: 256 bytes, 50,000 merges and end-of-text
-ARCHITECTURE = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "arch",
-                "rope_theta")
-
 
 # ---- training: scratch, a checkpoint, or GPT-2's weights ----
 
@@ -41,21 +37,6 @@ class Start(NamedTuple):
     resume: Optional[dict]  # the checkpoint it resumes (checkpoint.resume), or None
     args: dict  # GPTConfig's arguments
     weights: Optional[dict]  # GPT-2's, for GPT.load_state_dict; None: the initialisation's
-
-
-def model_args(cfg, meta):
-    """GPTConfig's arguments for a model trained from scratch on data described by meta. A
-    GPT-2's are nanoGPT's keys alone, so that nanoGPT reads its checkpoints; the modern
-    block's name their arch and rope_theta too."""
-    vocab_size = cfg.vocab_size
-    if not vocab_size:  # a multiple of 64 runs faster on GPUs; 50304 is GPT-2's, as nanoGPT
-        vocab_size = 50304 if meta is None else -(-meta["vocab_size"] // 64) * 64
-    args = dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
-                block_size=cfg.block_size, bias=cfg.bias, dropout=cfg.dropout,
-                vocab_size=vocab_size)
-    if cfg.arch != "gpt2":
-        args.update(arch=cfg.arch, rope_theta=cfg.rope_theta, bias=False)
-    return args
 
 
 def for_training(cfg, given, meta, in_parts=False):
@@ -68,13 +49,13 @@ def for_training(cfg, given, meta, in_parts=False):
     resume = None if cfg.init_from == "scratch" else \
         newest_checkpoint(cfg, () if in_parts else checkpoint.TENSORS)
     if resume is not None:
-        if cfg.init_from not in INIT_FROM:
+        if cfg.from_weights:
             check_fine_tune(cfg, resume)
         args = take_architecture(cfg, given, args, resume["model_args"],
                                  f"the checkpoint in {cfg.out_dir}")
         return Start(resume, args, None)
     refuse_to_mix(cfg)
-    if cfg.init_from not in INIT_FROM:
+    if cfg.from_weights:
         return Start(None, *pretrained(cfg, given, args, meta))
     return Start(None, args, None)
 
@@ -95,13 +76,6 @@ def check_fine_tune(cfg, resume):
         f"init_from={cfg.init_from} resumes the checkpoints in its out_dir, so that a restarted "
         f"fine-tune goes on. Give this fine-tune a new out_dir, or use --init_from=resume to "
         f"go on with that run.")
-
-
-def architecture(args):
-    """The settings that model arguments fix: what train.py's configuration then says. What
-    they leave out is GPTConfig's default (arch: a checkpoint that names none is a GPT-2)."""
-    every = dataclasses.asdict(GPTConfig(**args))
-    return {k: every[k] for k in ARCHITECTURE}
 
 
 def newest_checkpoint(cfg, whole):
@@ -215,7 +189,7 @@ def check_resume(cfg, resume, meta, identity, n_sources):
     what = f"data_mix={cfg.data_mix!r}" if cfg.data_mix else f"data_dir={cfg.data_dir!r}"
     sources.check_same_data(what, saved.data_identity, identity,
                             f"the checkpoint in {cfg.out_dir}", cfg.allow_data_change)
-    optim.check_extension(saved.config, cfg, saved.iter_num, cfg.out_dir)
+    schedule.check_extension(saved.config, cfg, saved.iter_num, cfg.out_dir)
 
 
 def check_same_optimizer(cfg, trained):

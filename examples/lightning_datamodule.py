@@ -1,5 +1,5 @@
-"""ddpgpt's data path in PyTorch Lightning: a LightningDataModule over data.BlockDataset and
-data.RankSampler, and a minimal LightningModule around model.GPT to drive it.
+"""ddpgpt's data path in PyTorch Lightning: a LightningDataModule over loader.BlockDataset and
+loader.RankSampler, and a minimal LightningModule around model.GPT to drive it.
 
   python examples/lightning_datamodule.py --data_dir=data/pystdlib --devices=2 --max_steps=100
   python examples/lightning_datamodule.py --data_dir=data/pystdlib --devices=2 --max_steps=200 \\
@@ -35,10 +35,10 @@ from typing import Literal
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ddpgpt import configurator, errors  # noqa: E402
-from ddpgpt.configurator import key  # noqa: E402
+from ddpgpt.arch import ROPE_THETA_RANGE, Arch, check_bias, model_args  # noqa: E402
+from ddpgpt.configurator import check_only_for, key  # noqa: E402
+from ddpgpt.data import Sampling  # noqa: E402
 from ddpgpt.errors import UserError  # noqa: E402
-from ddpgpt.settings import (ROPE_THETA_RANGE, Arch, Sampling, check_bias,  # noqa: E402
-                             check_only_for)
 
 SCRIPT = "examples/lightning_datamodule.py"  # as the user runs it: its help and errors say so
 
@@ -107,13 +107,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from ddpgpt import data, logs, metrics, optim, sources, tokenfile  # noqa: E402
+from ddpgpt import data, loader, logs, metrics, optim, sources, tokenfile  # noqa: E402
 from ddpgpt.model import GPT, GPTConfig  # noqa: E402
 from ddpgpt.settings import TrainConfig  # noqa: E402
-from ddpgpt.weights import model_args  # noqa: E402
 
 
-class IndexedBlocks(data.BlockDataset):
+class IndexedBlocks(loader.BlockDataset):
     """BlockDataset's (x, y) and the global sample index, so that what the ranks actually read
     can be fingerprinted."""
 
@@ -155,9 +154,9 @@ class BlockDataModule(L.LightningDataModule):
         self.steps_at_start = trainer.global_step
         # endless: a loader with a length would make the whole run one Lightning epoch of that
         # length, which Lightning counts from the epoch's start again when it resumes
-        sampler = data.RankSampler(self.batch_size, trainer.global_rank, trainer.world_size,
-                                   micro_steps=trainer.accumulate_grad_batches,
-                                   start_step=self.samples_at_start // self.global_batch)
+        sampler = loader.RankSampler(self.batch_size, trainer.global_rank, trainer.world_size,
+                                     micro_steps=trainer.accumulate_grad_batches,
+                                     start_step=self.samples_at_start // self.global_batch)
         dataset = IndexedBlocks(self.train_file, self.block_size, self.seed, self.mode)
         loader = DataLoader(dataset, batch_size=self.batch_size, sampler=sampler,
                             num_workers=self.num_workers)

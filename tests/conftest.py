@@ -7,7 +7,7 @@
   corpus         a few standard-library modules, prepared with the byte tokenizer
   TINY           a model of a few thousand parameters that trains in seconds on a CPU
   metrics(out)   the rows of out/metrics.jsonl; steps(out) the step rows by iter
-  read_with_ranks(...)  what each rank of a torchrun job reads through data.rank_batches
+  read_with_ranks(...)  what each rank of a torchrun job reads through loader.rank_batches
   decoded(out, tokenizer)  the documents of a prepared folder, its meta.json checked
   small_disk     a real 1 MiB file system (a tmpfs; skipped without root), for full disks
 """

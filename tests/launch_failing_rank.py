@@ -12,10 +12,10 @@ import time
 import torch
 
 from as_train import run_train
-from ddpgpt import data
+from ddpgpt import loader
 from ddpgpt.errors import UserError
 
-_rank_batches = data.rank_batches
+_rank_batches = loader.rank_batches
 
 
 def failing_rank_batches(*args, **kw):
@@ -29,7 +29,7 @@ def failing_rank_batches(*args, **kw):
     raise error(f"injected read error on rank {kw['rank']}")
 
 
-data.rank_batches = failing_rank_batches
+loader.rank_batches = failing_rank_batches
 if os.environ.get("BLOCKING_TEARDOWN"):
     torch.distributed.destroy_process_group = lambda *args, **kw: time.sleep(3600)
 

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 from ddpgpt import tokenfile
 from ddpgpt.settings import TrainConfig
-from ddpgpt.weights import model_args
+from ddpgpt.arch import model_args
 from bench.datapath_rank import BATCH, BLOCK, EveryOffset
 from lightning_datamodule import BlockDataModule, GPTModule, LightningConfig
 

@@ -1,5 +1,5 @@
 """Run under torchrun by test_data.py: read a few steps of this rank's batches through
-data.rank_batches, as train.py does, and write what was read and the memory it took."""
+loader.rank_batches, as train.py does, and write what was read and the memory it took."""
 import json
 import os
 import sys
@@ -7,17 +7,17 @@ import sys
 import psutil
 import torch.distributed as dist
 
-from ddpgpt import data, sources
+from ddpgpt import data, loader, sources
 
 
 def main(data_dir, out, block_size, batch_size, micro_steps, start_step, steps, mode):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
     train = data.mixture([sources.open_split(data_dir, "train", block_size, mode=mode)])
-    batches = data.rank_batches(train, block_size=block_size, batch_size=batch_size,
-                                micro_steps=micro_steps, rank=rank, world_size=world, seed=7,
-                                mode=mode, start_step=start_step, device="cpu",
-                                vocab_size=2**32)
+    batches = loader.rank_batches(train, block_size=block_size, batch_size=batch_size,
+                                  micro_steps=micro_steps, rank=rank, world_size=world, seed=7,
+                                  mode=mode, start_step=start_step, device="cpu",
+                                  vocab_size=2**32)
     read, rss_first = [], None
     for step in range(start_step, start_step + steps):
         for micro in range(micro_steps):

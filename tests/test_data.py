@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench.common import write_token_files
-from ddpgpt import data, permutation, tokenfile
+from ddpgpt import data, loader, permutation, tokenfile
 from conftest import TINY, fails, global_batches, python, read_with_ranks
 from ddpgpt.errors import UserError
 
@@ -68,7 +68,7 @@ def test_sampling_needs_no_memory_of_the_dataset_size():
 def test_token_file_pickles_without_its_data(counting_data):
     folder, n = counting_data
     tokens = tokenfile.open_split(folder, "train", 64)
-    blob = pickle.dumps(data.BlockDataset(tokens, 64))
+    blob = pickle.dumps(loader.BlockDataset(tokens, 64))
     assert len(blob) < 1000
     x, y = pickle.loads(blob)[5]
     assert torch.equal(x[1:], y[:-1])
@@ -78,14 +78,14 @@ def test_token_file_pickles_without_its_data(counting_data):
 def test_dataloader_workers_read_the_same_batches_as_the_trainer(counting_data, start_method):
     folder, n = counting_data
     tokens = tokenfile.open_split(folder, "train", 32)
-    loader = torch.utils.data.DataLoader(
-        data.BlockDataset(tokens, 32, seed=7), batch_size=4, num_workers=2,
+    workers = torch.utils.data.DataLoader(
+        loader.BlockDataset(tokens, 32, seed=7), batch_size=4, num_workers=2,
         multiprocessing_context=start_method,
-        sampler=data.RankSampler(4, rank=1, world_size=2, micro_steps=3, num_steps=2))
-    from_loader = [x for x, _ in loader]
-    trainer = data.rank_batches(data.mixture([tokens]), block_size=32, batch_size=4,
-                                micro_steps=3, rank=1, world_size=2, seed=7, mode="epoch",
-                                start_step=0, device="cpu", vocab_size=n + 1)
+        sampler=loader.RankSampler(4, rank=1, world_size=2, micro_steps=3, num_steps=2))
+    from_loader = [x for x, _ in workers]
+    trainer = loader.rank_batches(data.mixture([tokens]), block_size=32, batch_size=4,
+                                  micro_steps=3, rank=1, world_size=2, seed=7, mode="epoch",
+                                  start_step=0, device="cpu", vocab_size=n + 1)
     assert len(from_loader) == 6
     for x in from_loader:
         assert torch.equal(x, next(trainer)[0])
@@ -146,28 +146,28 @@ def test_sixteen_gib_file_costs_eight_ranks_no_more_memory_than_sixteen_mib(env,
         "zero micro-steps", "negative start", "negative steps", "str batch"])
 def test_rank_sampler_refuses_bad_arguments_when_made(kwargs, error, words):
     with pytest.raises(error) as e:
-        data.RankSampler(**kwargs)
+        loader.RankSampler(**kwargs)
     assert words in str(e.value)
 
 
 def test_rank_sampler_takes_numpy_integers():
-    sampler = data.RankSampler(np.int64(2), rank=np.int32(1), world_size=2, num_steps=1)
+    sampler = loader.RankSampler(np.int64(2), rank=np.int32(1), world_size=2, num_steps=1)
     assert list(sampler) == [2, 3]
 
 
 @pytest.mark.parametrize("make, error, words", [
-    (lambda t, folder: data.BlockDataset(folder, 32), TypeError,
+    (lambda t, folder: loader.BlockDataset(folder, 32), TypeError,
      "BlockDataset takes a tokenfile.TokenSplit, such as tokenfile.open_split("),
-    (lambda t, folder: data.BlockDataset(t, 0), ValueError, "block_size=0 must be >= 1"),
-    (lambda t, folder: data.BlockDataset(t, 32.5), TypeError, "block_size must be an int"),
-    (lambda t, folder: data.BlockDataset(t, 32, seed=1.5), TypeError, "seed must be an int"),
-    (lambda t, folder: data.BlockDataset(t, 32, mode="shuffle"), ValueError,
+    (lambda t, folder: loader.BlockDataset(t, 0), ValueError, "block_size=0 must be >= 1"),
+    (lambda t, folder: loader.BlockDataset(t, 32.5), TypeError, "block_size must be an int"),
+    (lambda t, folder: loader.BlockDataset(t, 32, seed=1.5), TypeError, "seed must be an int"),
+    (lambda t, folder: loader.BlockDataset(t, 32, mode="shuffle"), ValueError,
      "'shuffle' is not one of ('epoch', 'random', 'documents')"),
     # the Feistel cycle-walk spun forever on an empty range of blocks
-    (lambda t, folder: data.BlockDataset(t, 50_000), UserError,
+    (lambda t, folder: loader.BlockDataset(t, 50_000), UserError,
      "holds 50000 tokens, fewer than one block of block_size=50000 plus the shifted target: "
      "set block_size to at most 49999"),
-    (lambda t, folder: data.BlockDataset(t, 50_000, mode="random"), UserError,
+    (lambda t, folder: loader.BlockDataset(t, 50_000, mode="random"), UserError,
      "fewer than one block"),
 ], ids=["a path", "zero block", "float block", "float seed", "unknown mode",
         "block longer than the split", "same, random mode"])
@@ -183,7 +183,7 @@ def test_block_dataset_indexing_follows_python(counting_data):
     """Any index from 0 is a sample (beyond len(), later epochs); a negative one is an
     IndexError, not counted from an end the dataset does not have; a float is a TypeError."""
     folder, n = counting_data
-    dataset = data.BlockDataset(tokenfile.open_split(folder, "train", 32), 32, seed=3)
+    dataset = loader.BlockDataset(tokenfile.open_split(folder, "train", 32), 32, seed=3)
     x, y = dataset[len(dataset) + 5]  # epoch 1
     assert torch.equal(x[1:], y[:-1])
     assert torch.equal(dataset[np.int64(7)][0], dataset[7][0])

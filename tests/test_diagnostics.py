@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from bench.common import write_token_files
-from ddpgpt import configurator, data, optim, tokenfile
+from ddpgpt import configurator, data, schedule, tokenfile
 from ddpgpt import metrics as run_metrics
 from ddpgpt.settings import TrainConfig
 from conftest import TINY, fails, metrics, python, steps, torchrun
@@ -161,7 +161,7 @@ def test_a_rank_that_stays_slower_is_named_every_window_not_every_step(caplog):
 def test_wsd_is_flat_then_decays_to_min_lr_over_the_cooldown():
     cfg = TrainConfig(max_iters=20, lr_schedule="wsd", cooldown_frac=0.25, warmup_iters=2,
                       learning_rate=1e-3, min_lr=1e-4)
-    lr = [optim.lr_at(cfg, it) for it in range(20)]
+    lr = [schedule.lr_at(cfg, it) for it in range(20)]
     assert lr[:2] == pytest.approx([1e-3 / 3, 2e-3 / 3])  # warm-up
     assert lr[2:15] == [1e-3] * 13  # stable
     cooldown = lr[15:]
@@ -181,21 +181,21 @@ def test_cosine_is_nanogpts():
         ratio = (it - 3) / (10 - 3)
         return 1e-4 + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1e-3 - 1e-4)
 
-    assert [optim.lr_at(cfg, it) for it in range(12)] == [nanogpt_lr(i) for i in range(12)]
+    assert [schedule.lr_at(cfg, it) for it in range(12)] == [nanogpt_lr(i) for i in range(12)]
 
 
 def test_a_cosine_schedule_that_max_iters_cuts_short_is_noted(caplog):
-    caplog.set_level(logging.INFO, logger="ddpgpt.optim")
+    caplog.set_level(logging.INFO, logger="ddpgpt.schedule")
     short = TrainConfig(max_iters=100, warmup_iters=10, lr_decay_iters=1000, learning_rate=1e-3,
                         min_lr=1e-4)
-    optim.note_an_unfinished_decay(short)
+    schedule.note_an_unfinished_decay(short)
     assert caplog.messages == [
         f"note: max_iters=100 ends before lr_decay_iters=1000: the last step's learning rate is "
-        f"{optim.lr_at(short, 99):.3g}, not min_lr=0.0001; to decay to min_lr by the end, set "
+        f"{schedule.lr_at(short, 99):.3g}, not min_lr=0.0001; to decay to min_lr by the end, set "
         f"--lr_decay_iters=100"]
     caplog.clear()
     for whole in (dict(lr_decay_iters=100), dict(lr_schedule="wsd"), dict(decay_lr=False)):
-        optim.note_an_unfinished_decay(TrainConfig(max_iters=100, warmup_iters=10, **whole))
+        schedule.note_an_unfinished_decay(TrainConfig(max_iters=100, warmup_iters=10, **whole))
     assert caplog.messages == []
 
 
@@ -203,7 +203,7 @@ def test_each_step_is_taken_at_the_schedules_learning_rate(wsd_run):
     out, _ = wsd_run
     cfg = configurator.parse(TrainConfig, WSD, "train.py")
     assert [r["lr"] for _, r in sorted(steps(out).items())] == \
-        [optim.lr_at(cfg, it) for it in range(8)]
+        [schedule.lr_at(cfg, it) for it in range(8)]
 
 
 @pytest.mark.slow

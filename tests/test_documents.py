@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bench.common import write_token_files
-from ddpgpt import data, docindex, sources, tokenfile
+from ddpgpt import data, docindex, loader, sources, tokenfile
 from conftest import (TINY, evals, fails, python, read_with_ranks,
                       same_on_any_world_size_and_resumed, steps)
 
@@ -233,22 +233,23 @@ def test_a_missing_damaged_or_stale_index_is_one_clear_error(case, words, env, c
 def test_block_dataset_in_documents_mode_reads_what_the_trainer_reads(tmp_path):
     folder, starts = counting_documents(tmp_path / "one", [5000])
     with pytest.raises(ValueError, match="open the split with sources.open_split"):
-        data.BlockDataset(tokenfile.open_split(folder, "train", BLOCK), BLOCK, mode="documents")
+        loader.BlockDataset(tokenfile.open_split(folder, "train", BLOCK), BLOCK, mode="documents")
     with pytest.raises(tokenfile.UserError, match="train.docidx does not exist"):
         sources.open_split(folder, "train", BLOCK, mode="documents")
     write_token_files(folder, {"train": np.fromfile(
         os.path.join(folder, "train_000000.bin"), dtype=np.uint16)}, tokenizer="test",
         vocab_size=EOT + 1, eot_token=EOT)  # train.bin and its index, as a test folder has
     token_split = sources.open_split(folder, "train", BLOCK, mode="documents")
-    dataset = data.BlockDataset(token_split, BLOCK, seed=7, mode="documents")
+    dataset = loader.BlockDataset(token_split, BLOCK, seed=7, mode="documents")
     assert len(dataset) == len(starts)
-    loader = torch.utils.data.DataLoader(
+    workers = torch.utils.data.DataLoader(
         dataset, batch_size=4, num_workers=2,
-        sampler=data.RankSampler(4, rank=1, world_size=2, micro_steps=3, num_steps=2))
-    trainer = data.rank_batches(data.mixture([token_split]), block_size=BLOCK, batch_size=4,
-                                micro_steps=3, rank=1, world_size=2, seed=7, mode="documents",
-                                start_step=0, device="cpu", vocab_size=EOT + 1)
-    for x, y in loader:
+        sampler=loader.RankSampler(4, rank=1, world_size=2, micro_steps=3, num_steps=2))
+    trainer = loader.rank_batches(data.mixture([token_split]), block_size=BLOCK, batch_size=4,
+                                  micro_steps=3, rank=1, world_size=2, seed=7,
+                                  mode="documents", start_step=0, device="cpu",
+                                  vocab_size=EOT + 1)
+    for x, y in workers:
         expected = next(trainer)
         assert torch.equal(x, expected[0]) and torch.equal(y, expected[1])
         assert set(x[:, 0].tolist()) <= set(starts)

@@ -16,7 +16,7 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from conftest import TINY, evals, fails, python, steps
-from ddpgpt import checkpoint, hf, optim
+from ddpgpt import checkpoint, hf, optim, schedule
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig, swiglu_hidden
 from ddpgpt.settings import TrainConfig
@@ -98,7 +98,7 @@ def test_muon_steps_the_blocks_matrices_and_adamw_the_rest():
         assert opt.muon.defaults["momentum"] == 0.95 and opt.muon.defaults["nesterov"]
         for it in (0, 5, 10):
             lr = optim.set_lr(opt, cfg, it)
-            assert lr == optim.lr_at(cfg, it)
+            assert lr == schedule.lr_at(cfg, it)
             assert all(g["lr"] == lr for g in opt.adamw.param_groups)
             assert all(g["lr"] == pytest.approx(0.04 * lr / 2e-3) for g in opt.muon.param_groups)
     # the default optimizer is exactly today's AdamW

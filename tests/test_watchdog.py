@@ -132,7 +132,7 @@ def test_hang_timeout_0_turns_it_off(env, corpus, tmp_path, hang_timeout_s):
                env=dict(env, STALL_RANK="0", STALL_AFTER="12", STALL_S="4"), check=False)
     if hang_timeout_s:
         assert p.returncode == watchdog.EXIT_CODE, p.stderr
-        assert "hang (rank 0): where: data.rank_batches, waiting for its next batch (reader " \
+        assert "hang (rank 0): where: loader.rank_batches, waiting for its next batch (reader " \
                "thread in data.read_xy -> stalling_read)" in p.stderr
     else:
         assert p.returncode == 0 and "hang" not in p.stderr, p.stderr
@@ -231,9 +231,9 @@ def test_the_limit_is_ten_times_the_median_step_when_that_is_longer():
 def test_the_summary_groups_ranks_and_puts_the_odd_ones_out_first():
     reports = {r: {"at": "iter 12", "where": "train.share_step_results -> all_reduce"}
                for r in (0, 2, 3, 4, 5, 7)}
-    reports[1] = {"at": "iter 12", "where": "data.rank_batches, waiting for its next batch"}
+    reports[1] = {"at": "iter 12", "where": "loader.rank_batches, waiting for its next batch"}
     assert watchdog.summary(reports, 8) == [
-        "rank 1 (iter 12) in data.rank_batches, waiting for its next batch",
+        "rank 1 (iter 12) in loader.rank_batches, waiting for its next batch",
         "ranks 0, 2-5, 7 (iter 12) in train.share_step_results -> all_reduce",
         ("rank 6: no report (stopped, gone, or stuck where Python cannot run; a rank's log "
          "may still hold its stacks)")]
