@@ -12,7 +12,7 @@ Each split's token files are read once, a chunk at a time (memory stays flat), a
 renamed when complete: a stopped run keeps the splits it finished and leaves nothing half
 written, so running it again does the rest, and an index that still matches its token files is
 kept. A document starts at each file's first token and after every end-of-text id: meta.json's,
-or GPT-2's 50256 for nanoGPT's and llm.c's files, which have no meta.json (--eot_token=N for
+or GPT-2's for nanoGPT's and llm.c's files, which have no meta.json (--eot_token=N for
 another). Keys as in IndexConfig (ddpgpt/settings.py; `python index_documents.py --help`).
 """
 import sys
@@ -21,11 +21,9 @@ import time
 from tqdm import tqdm
 
 from ddpgpt import configurator, docindex, errors, fileio, lock, logs, signals, tokenfile
-from ddpgpt.errors import UserError
+from ddpgpt.errors import Interrupted, UserError
 from ddpgpt.settings import IndexConfig
-from ddpgpt.errors import Interrupted
-
-GPT2_EOT = 50256  # nanoGPT's raw files and llm.c's shards hold GPT-2's tokens
+from ddpgpt.tokenfile import GPT2_EOT  # nanoGPT's raw files and llm.c's shards hold GPT-2's
 
 
 def end_of_text(cfg, meta):

@@ -36,9 +36,8 @@ from tqdm import tqdm
 
 from ddpgpt import (configurator, corpus, docindex, errors, fileio, lock, logs, permutation,
                     signals, tokenfile, workers)
-from ddpgpt.errors import UserError
+from ddpgpt.errors import Interrupted, UserError
 from ddpgpt.settings import PrepareConfig
-from ddpgpt.errors import Interrupted
 from ddpgpt.tokenizer import GPT2_NAMES, get_tokenizer, no_end_of_document, torch_hidden
 
 CHUNK_CHARS = 1 << 20  # text sent to a worker at a time: big enough to amortise the pickling

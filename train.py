@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
 
 from ddpgpt import configurator, signals
-from ddpgpt.settings import TrainConfig
+from ddpgpt.settings import SPIKE_WINDOW, TrainConfig
 
 signals.end_at_once_while_importing("train.py")  # one line, not a traceback from each rank
 if __name__ == "__main__":
@@ -44,7 +44,7 @@ from ddpgpt.state import TrainState
 
 log = logging.getLogger("ddpgpt.train")
 
-SPIKE_WINDOW, SPIKE_WARMUP = 100, 20  # steps a spike is judged against; fewer: no judging
+SPIKE_WARMUP = 20  # fewer applied steps than this: no spike is judged (settings.SPIKE_WINDOW)
 # a spread below this share of the mean counts as this share: after a flat history (lr=0,
 # say) any rise would be infinitely many standard deviations
 SPIKE_MIN_SPREAD = 1e-3

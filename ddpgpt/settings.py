@@ -25,6 +25,7 @@ Backend = Literal["", "nccl", "gloo"]
 Parallel = Literal["ddp", "fsdp"]
 Recompute = Literal["none", "full", "selective"]
 INIT_FROM = ("scratch", "resume", "auto")  # train.py's; else GPT-2's weights
+SPIKE_WINDOW = 100  # the applied steps that spike_policy judges a step against
 YEAR_S = 365 * 24 * 3600  # a watchdog limit beyond it is an error, not an OverflowError; 0: off
 DEVICE_HELP = "auto: this rank's GPU when torch sees one, else cpu; cuda: cuda:<local rank>"
 DTYPE_HELP = "auto: bfloat16 on a GPU that has it natively, else float16; float32 on a CPU"
@@ -136,7 +137,7 @@ class TrainConfig:
                                                       "without saving, or skip the step")
     spike_policy: Literal["off", "skip"] = key(
         "off", "skip: a step whose loss or gradient norm is spike_zscore standard deviations "
-               "above the last 100 steps is not applied")
+               f"above the last {SPIKE_WINDOW} steps is not applied")
     spike_zscore: float = key(6.0, "what spike_policy counts as a spike", above=0)
     # system
     backend: Backend = key("", "'' picks nccl on CUDA, gloo on a CPU")
