@@ -94,7 +94,7 @@ GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
 SILENT = ("Timed out waiting", "timed out connecting",  # gloo
           "Watchdog caught collective operation timeout")  # NCCL
 
-# once the group stands (runtime.init_distributed): its store, where a rank that lost a peer
+# once the group stands (launch.init_distributed): its store, where a rank that lost a peer
 # leaves a note of it (lost_first), and every rank's Peer, in rank order
 GROUP = {"store": None, "peers": []}
 
