@@ -28,8 +28,8 @@ import psutil
 import pytest
 
 from ddpgpt import checkpoint, tokenfile
-from bench.common import ROOT, child_env
-from bench.common import torchrun as torchrun_command
+from benchmarks.common import ROOT, child_env
+from benchmarks.common import torchrun as torchrun_command
 from ddpgpt.tokenizer import install_tiktoken_file
 
 # GPT-2's vocabulary in tiktoken's file (OpenAI's, MIT licence), shipped so that the tests need

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from bench import common, report
+from benchmarks import common, report
 from conftest import ROOT, python
 
 DOCS = os.path.join(ROOT, "docs")

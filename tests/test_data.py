@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.common import write_token_files
+from benchmarks.common import write_token_files
 from ddpgpt import data, permutation, tokenfile
 from conftest import TINY, fails, global_batches, python, read_with_ranks
 from ddpgpt.errors import UserError

@@ -10,7 +10,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from bench.common import write_token_files
+from benchmarks.common import write_token_files
 from ddpgpt import configurator, data, optim, tokenfile
 from ddpgpt import metrics as run_metrics
 from ddpgpt.settings import TrainConfig

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.common import write_token_files
+from benchmarks.common import write_token_files
 from ddpgpt import data, docindex, sources, tokenfile
 from conftest import (TINY, evals, fails, python, read_with_ranks,
                       same_on_any_world_size_and_resumed, steps)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.common import write_token_files
+from benchmarks.common import write_token_files
 from ddpgpt import checkpoint, data, hellaswag, tokenfile
 from ddpgpt.errors import UserError
 from conftest import TINY, evals, fails, python, torchrun

@@ -20,7 +20,7 @@ import torch
 from conftest import ROOT, TINY, evals, fails, metrics, python, run, steps, torchrun
 from ddpgpt import checkpoint
 from ddpgpt.runtime import Ranks
-from bench.common import torchrun as torchrun_command, kill_tree
+from benchmarks.common import torchrun as torchrun_command, kill_tree
 
 RTOL = 1e-5  # ddp and fsdp sum the gradients over the ranks in other orders
 ARGS = ["--gradient_accumulation_steps=4", "--max_iters=20", "--eval_interval=10",

@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from bench.common import write_token_files
+from benchmarks.common import write_token_files
 from ddpgpt import data, tokenfile
 from conftest import TINY, evals, fails, python, same_on_any_world_size_and_resumed, steps
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.common import write_token_files
+from benchmarks.common import write_token_files
 from ddpgpt import checkpoint, data, fileio, tokenfile
 from conftest import ROOT, TINY, fails, first_steps, metrics, python, steps, torchrun
 
