@@ -68,6 +68,9 @@ def run_part(name, args, command):
                 [sys.executable, "plot.py", *runs, f"--out={curves_png(args.out_dir, name)}",
                  f"--title={PARTS[name].TITLE}: the runs' curves (plot.py)"],
                 common.child_env(), 600), "plot.py")
+    # a command that names the part's temporary folder shows it as <workdir>: the page and the
+    # JSON keep no path of a folder that is gone
+    numbers = json.loads(json.dumps(numbers).replace(workdir, "<workdir>"))
     result = {"part": name, "command": command, "small": args.small,
               "started": started.isoformat(timespec="seconds"),
               "elapsed_s": round(time.time() - t0, 1), "load_1m_start": load_start,

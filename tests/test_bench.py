@@ -227,6 +227,7 @@ def bench_part(part, env, tmp_path, flag="--small", timeout=600):
     page = (out / "benchmarks.md").read_text()
     assert f"Command: `python bench.py {part} {flag} --out_dir={out}`" in page
     assert [t["met"] for t in result["targets"]] == VERDICTS[part](result)
+    assert f"bench-{part}-" not in json.dumps(result)  # its temporary folder reads <workdir>
     for t in result["targets"]:
         assert t["measured"] and f"{report.verdict(t['met'])}: {t['target']}." in page
     assert result["machine"]["cores"] >= 1 and result["machine"]["torch"]
