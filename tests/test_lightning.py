@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from benchmarks.datapath import sparse_token_file
-from benchmarks.common import write_token_files
 from ddpgpt import data, sources, tokenfile
 from benchmarks.datapath_rank import BLOCK
-from conftest import TINY, fails, python, steps
+from conftest import TINY, fails, python, steps, write_token_files
 
 EXAMPLE = "examples/lightning_datamodule.py"
 MiB, GiB = 2**20, 2**30

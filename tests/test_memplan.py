@@ -11,8 +11,7 @@ import sys
 import pytest
 import torch
 
-from benchmarks.common import ranks_command
-from conftest import fails, python, run
+from conftest import fails, python, ranks_command, run
 
 SMALL = ["--n_layer=2", "--n_head=4", "--n_embd=64", "--block_size=64", "--batch_size=4",
          "--vocab_size=512", "--gradient_accumulation_steps=4", "--device=cpu",
@@ -34,7 +33,7 @@ def settings(kind, optimizer, arch, recompute="none"):
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory, session_env):
     """{run: rank 0's measured Plan} of each of RUNS, on real tensors (a run of 1 rank as a
-    plain process: benchmarks.common.ranks_command)."""
+    plain process: conftest.ranks_command)."""
     root = tmp_path_factory.mktemp("measured")
     found = {}
     for kind, n, optimizer, arch, recompute in RUNS:
