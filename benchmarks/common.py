@@ -1,6 +1,7 @@
-"""What the parts of the benchmark share (and the tests: tests/conftest.py imports it): a
-description of the machine, running a command as a user would while watching its memory and
-time, and small data folders written from arrays."""
+"""What the parts of the benchmark share: a description of the machine, running a command as a
+user would while watching its memory and time, train.py's configuration, and data folders of
+random ids. The tests have a harness of their own (tests/conftest.py), with a torchrun command
+line and data folders like these: the benchmarks stand on nothing of the tests'."""
 import os
 import platform
 import re
@@ -16,7 +17,8 @@ import psutil
 import torch
 
 from benchmarks import report
-from ddpgpt import docindex, tokenfile
+from ddpgpt import configurator, docindex, tokenfile
+from ddpgpt.settings import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB, GiB = 2**20, 2**30
@@ -57,7 +59,7 @@ def child_env(**extra):
 
 
 def torchrun(nproc):
-    """The start of a torchrun command line, as the tests and users run it."""
+    """The start of a torchrun command line, as users run it."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={nproc}"]
 
@@ -69,23 +71,29 @@ def ranks_command(nproc):
     return torchrun(nproc) if nproc > 1 else [sys.executable]
 
 
-def write_token_files(data_dir, ids_by_split, *, tokenizer, vocab_size, eot_token):
-    """A complete data folder from in-memory arrays of ids, for small data, with each split's
-    document index; prepare.py streams instead. Documents are counted by their end-of-text
-    ids."""
-    os.makedirs(data_dir, exist_ok=True)
-    dtype, splits = tokenfile.token_dtype(vocab_size), {}
-    for split, ids in ids_by_split.items():
-        path = os.path.join(data_dir, f"{split}.bin")
-        ids = np.asarray(ids, dtype=dtype)
+def train_config(args):
+    """train.py's configuration for these arguments (config files from the checkout)."""
+    return configurator.parse(TrainConfig, [a if a.startswith("--") else os.path.join(ROOT, a)
+                                            for a in args], "train.py")
+
+
+def random_data(folder, vocab_size, n_train, tokenizer="random (benchmark)"):
+    """A data folder of uniformly random ids, the last one end-of-text, with each split's
+    document index: a model's speed does not depend on the text."""
+    os.makedirs(folder, exist_ok=True)
+    rng, eot, splits = np.random.default_rng(0), vocab_size - 1, {}
+    dtype = tokenfile.token_dtype(vocab_size)
+    for split, n in (("train", n_train), ("val", 20_000)):
+        path = os.path.join(folder, f"{split}.bin")
+        ids = rng.integers(0, vocab_size, n).astype(dtype)
         ids.tofile(path)
-        splits[split] = tokenfile.describe_split(path, dtype,
-                                                 int(np.count_nonzero(ids == eot_token)))
-    tokenfile.write_meta(data_dir, tokenizer=tokenizer, vocab_size=vocab_size,
-                         eot_token=eot_token, splits=splits)
-    for split in ids_by_split:
-        docindex.build(tokenfile.open_split(data_dir, split, 1),
-                       docindex.doc_index_path(data_dir, split), eot_token)
+        splits[split] = tokenfile.describe_split(path, dtype, int(np.count_nonzero(ids == eot)))
+    tokenfile.write_meta(folder, tokenizer=tokenizer, vocab_size=vocab_size, eot_token=eot,
+                         splits=splits)
+    for split in splits:
+        docindex.build(tokenfile.open_split(folder, split, 1),
+                       docindex.doc_index_path(folder, split), eot)
+    return folder
 
 
 @dataclass

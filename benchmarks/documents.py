@@ -15,8 +15,7 @@ import sys
 import numpy as np
 
 from benchmarks import common, preparing
-from ddpgpt import configurator, corpus, data, docindex, sources
-from ddpgpt.settings import TrainConfig
+from ddpgpt import corpus, data, docindex, sources
 
 TITLE = "Documents mode: val loss at equal tokens"
 MODES = ("epoch", "documents")
@@ -97,8 +96,7 @@ def train(name, folder, mode, seed, settings, workdir, env):
                  f"train.py ({name}, {mode})")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         last = [row for row in map(json.loads, f) if "val_loss" in row][-1]
-    cfg = configurator.parse(TrainConfig, [os.path.join(common.ROOT, a) if a.endswith(".py")
-                                           else a for a in args], "train.py")
+    cfg = common.train_config(args)
     return {"corpus": name, "mode": mode, "seed": seed, "steps": last["iter"],
             "tokens": last["iter"] * cfg.global_batch * cfg.block_size,
             "block_size": cfg.block_size,

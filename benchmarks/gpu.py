@@ -32,9 +32,8 @@ import numpy as np
 import torch
 
 from benchmarks import common, evaluating, report
-from ddpgpt import checkpoint, configurator, runtime, tokenfile, weights
+from ddpgpt import checkpoint, runtime, tokenfile, weights
 from ddpgpt.model import GPT, GPTConfig
-from ddpgpt.settings import TrainConfig
 
 TITLE = "GPU"
 NO_GPU = "not run: no GPU in this session (run `python bench.py gpu` on one)"
@@ -111,33 +110,16 @@ class Session:
                                     **({"OMP_NUM_THREADS": "1"} if mode == "dry run" else {}))
         # GPT-2's vocabulary size on the GPU; a tiny one in a dry run, whose CPU would spend
         # most of each step in the output layer
-        self.data = random_data(os.path.join(workdir, "data"), self.spec["vocab"],
-                                "random (benchmark)", self.spec["tokens"])
-        self.bytes = random_data(os.path.join(workdir, "bytes"), 257, "byte", 200_000)
-        self.cfg = parse(self.spec["main"])
+        self.data = common.random_data(os.path.join(workdir, "data"), self.spec["vocab"],
+                                       self.spec["tokens"])
+        # marked as the byte tokenizer's, so that sample.py decodes it with no download
+        self.bytes = common.random_data(os.path.join(workdir, "bytes"), 257, 200_000, "byte")
+        self.cfg = common.train_config(self.spec["main"])
         self.peak = runtime.peak_flops("cuda") if mode == "gpu" else None  # for MFU
         self.runs, self.speed = {}, {}
 
     def out(self, name):
         return os.path.join(self.workdir, name)
-
-
-def random_data(folder, vocab_size, tokenizer, n_train):
-    """Uniformly random ids: a model's speed does not depend on the text. The byte data is
-    marked as the byte tokenizer's, so that sample.py decodes it with no download."""
-    rng = np.random.default_rng(0)
-    common.write_token_files(
-        folder, {"train": rng.integers(0, vocab_size, n_train),
-                 "val": rng.integers(0, vocab_size, 20_000)},
-        tokenizer=tokenizer, vocab_size=vocab_size, eot_token=vocab_size - 1)
-    return folder
-
-
-def parse(args):
-    """train.py's configuration for these arguments (config files from the checkout)."""
-    return configurator.parse(TrainConfig, [a if a.startswith("--") else
-                                            os.path.join(common.ROOT, a) for a in args],
-                              "train.py")
 
 
 def train_args(args, data_dir, out_dir, steps, save_at):
@@ -473,7 +455,7 @@ def one_rank(s):
     finished = launch(s, name, [*common.torchrun(1), "train.py", *args], spec["caps"]["ranks"])
     if not succeeded(finished):
         return failed_row(name, finished)
-    cfg = parse(args)
+    cfg = common.train_config(args)
     steps = step_rows(out)
     evals = [r["iter"] for r in metrics_rows(out) if "val_loss" in r]
     # the peak after the second evaluation (the first steps allocate the optimizer's state)
@@ -540,7 +522,7 @@ def modern_muon(s):
         return failed_row("modern + muon", finished)
     steps = step_rows(out)
     s.speed["modern + muon"] = stats = speed_of(s, steps[spec["warmup"]:], train_py=True,
-                                                cfg=parse(main))
+                                                cfg=common.train_config(main))
     first, after, breaks = compile_events(finished.output)
     show("modern + muon", compile_lines(finished.output))
     ours = s.speed.get("train.py")
@@ -644,8 +626,9 @@ def not_run():
     """The record of a session with no GPU: every check and target not run."""
     checks = [{"check": name, "status": NO_GPU, "passed": None} for name in CHECKS]
     speed = [{"loop": name, "status": NO_GPU} for name in LOOPS]
-    return {"settings": settings("not run", MODES["gpu"], parse(MODES["gpu"]["main"])),
-            "results": checks, "speed": speed, "targets": targets(checks, speed)}
+    cfg = common.train_config(MODES["gpu"]["main"])
+    return {"settings": settings("not run", MODES["gpu"], cfg), "results": checks,
+            "speed": speed, "targets": targets(checks, speed)}
 
 
 def targets(checks, speed):

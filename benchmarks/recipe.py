@@ -22,8 +22,7 @@ import sys
 
 from benchmarks import common
 from benchmarks.preparing import tiktoken_env
-from ddpgpt import configurator, runtime, tokenfile, weights
-from ddpgpt.settings import TrainConfig
+from ddpgpt import runtime, tokenfile, weights
 
 TITLE = "Recipe"
 COMBOS = [("gpt2", "adamw"), ("gpt2", "muon"), ("modern", "adamw"), ("modern", "muon")]
@@ -78,13 +77,6 @@ def name(arch, optimizer):
     return f"{arch}+{optimizer}"
 
 
-def parse(args):
-    """train.py's configuration for these arguments (config files from the checkout)."""
-    return configurator.parse(TrainConfig, [a if a.startswith("--") else
-                                            os.path.join(common.ROOT, a) for a in args],
-                              "train.py")
-
-
 # ---- the data ----
 
 def make_data(small, tokenizer, workdir, env):
@@ -127,7 +119,7 @@ def curve_run(job):
     command = train_command(spec["args"], arch, optimizer, seed, data_dir, out_dir)
     common.check(common.run_watched([sys.executable, *command], env, TIME_CAP_S),
                  f"train.py ({corpus}, {name(arch, optimizer)}, seed {seed})")
-    cfg = parse(spec["args"])
+    cfg = common.train_config(spec["args"])
     tokens = cfg.global_batch * cfg.block_size
     curve = [[row["iter"] * tokens, row["val_loss"]] for row in evaluations(out_dir)]
     return {"corpus": corpus, "arch": arch, "optimizer": optimizer,
@@ -248,7 +240,7 @@ def speed_nanogpt(spec, cfg, data_dir, workdir, env):
 def speed(spec, data_dir, workdir, env):
     """The speed rows: each loop and combination, alone, in rounds that take turns, so that a
     change in the machine's load falls on all of them alike; each the median of its rounds."""
-    cfg = parse(spec["args"])
+    cfg = common.train_config(spec["args"])
     tokens = cfg.global_batch * cfg.block_size
     loops = [("train.py", c) for c in spec["combos"]] + \
         [("minimal loop", c) for c in MINIMAL] + [("nanoGPT", COMBOS[0])]
@@ -297,9 +289,9 @@ def commands(spec_args, speed_args):
             ["OMP_NUM_THREADS=1 python -m benchmarks.minimal_loop", *speed_cmd, "--arch=<arch>",
              "--optimizer=<optimizer>", "--data_dir=<data>"])},
         {"what": "speed: nanoGPT, in its checkout", "command": " ".join(
-            ["OMP_NUM_THREADS=1 python", *nanogpt_command(parse(speed_args["args"]),
-                                                          speed_args["steps"], "<data>",
-                                                          "<out>")])}]
+            ["OMP_NUM_THREADS=1 python", *nanogpt_command(
+                common.train_config(speed_args["args"]), speed_args["steps"], "<data>",
+                "<out>")])}]
 
 
 def run(small, device, workdir):

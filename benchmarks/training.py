@@ -53,14 +53,7 @@ def make_data(kind, workdir):
             [sys.executable, "prepare.py", "--dataset=pystdlib", "--tokenizer=byte",
              f"--out_dir={folder}"], common.child_env(), TIME_CAP_S), "prepare.py")
         return folder
-    # uniformly random ids: the model's speed does not depend on the text
-    vocab_size, n_train = RANDOM[kind]
-    rng = np.random.default_rng(0)
-    common.write_token_files(
-        folder, {"train": rng.integers(0, vocab_size, n_train),
-                 "val": rng.integers(0, vocab_size, 20_000)},
-        tokenizer="random (benchmark)", vocab_size=vocab_size, eot_token=vocab_size - 1)
-    return folder
+    return common.random_data(folder, *RANDOM[kind])
 
 
 def train_args(spec, data_dir, out_dir):
