@@ -1,6 +1,6 @@
 """Benchmarks behind the project's claims. Each part writes <out_dir>/<part>.json (its numbers,
 the command, the machine) and <out_dir>/<part>.png, then docs/benchmarks.md is regenerated from
-every part's JSON. How to run it: docs/benchmarks.md; what each part measures: bench/."""
+every part's JSON. How to run it: docs/benchmarks.md; what each part measures: benchmarks/."""
 import argparse
 import datetime
 import json
@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from bench import (common, datapath, documents, evaluating, fsdp, gpu, memplan, mixing, muon,
-                   preparing, preparing_hf, recipe, recompute, report, training)
+from benchmarks import (common, datapath, documents, evaluating, fsdp, gpu, memplan, mixing,
+                        muon, preparing, preparing_hf, recipe, recompute, report, training)
 
 PARTS = {"data": datapath, "mix": mixing, "training": training, "prepare": preparing,
          "prepare_hf": preparing_hf, "eval": evaluating, "documents": documents, "fsdp": fsdp,
@@ -68,6 +68,9 @@ def run_part(name, args, command):
                 [sys.executable, "plot.py", *runs, f"--out={curves_png(args.out_dir, name)}",
                  f"--title={PARTS[name].TITLE}: the runs' curves (plot.py)"],
                 common.child_env(), 600), "plot.py")
+    # a command that names the part's temporary folder shows it as <workdir>: the page and the
+    # JSON keep no path of a folder that is gone
+    numbers = json.loads(json.dumps(numbers).replace(workdir, "<workdir>"))
     result = {"part": name, "command": command, "small": args.small,
               "started": started.isoformat(timespec="seconds"),
               "elapsed_s": round(time.time() - t0, 1), "load_1m_start": load_start,

@@ -108,7 +108,7 @@ def init_worker(tokenizer):
     _tokenizer = tokenizer
     # a Hugging Face tokenizer's batches on one thread: the workers are the parallelism, one
     # per core. One thread of its parallel path, not its sequential one: that costs a fifth
-    # less CPU per token (bench/preparing_hf.py). The pool is made on the first batch, here.
+    # less CPU per token (benchmarks/preparing_hf.py). The pool is made on the first batch, here.
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
     os.environ["RAYON_NUM_THREADS"] = "1"
 

@@ -5,7 +5,6 @@ them; each class checks itself when it is made (__post_init__), the ranges with
 configurator.check and what involves several keys below it. A Literal[...] type lists a key's
 choices.
 """
-import dataclasses
 import os
 import re
 from dataclasses import dataclass

@@ -327,7 +327,7 @@ def from_pretrained(name):
 @contextlib.contextmanager
 def torch_hidden():
     """For a process that never uses torch (prepare.py): transformers imports it wherever it
-    can find it, half of a tokenizer's load (bench/text/prepare_hf.md), and decides once per
+    can find it, half of a tokenizer's load (benchmarks/text/prepare_hf.md), and decides once per
     process whether it can. Hidden while it decides (None in sys.modules), then shown again,
     since other libraries take a name in sys.modules for a module (datasets does); its advisory
     line that it found no torch would only puzzle the user. Nothing where torch is imported."""

@@ -158,10 +158,10 @@ class BlockDataModule(L.LightningDataModule):
                                      micro_steps=trainer.accumulate_grad_batches,
                                      start_step=self.samples_at_start // self.global_batch)
         dataset = IndexedBlocks(self.train_file, self.block_size, self.seed, self.mode)
-        loader = DataLoader(dataset, batch_size=self.batch_size, sampler=sampler,
-                            num_workers=self.num_workers)
-        self.check_not_resharded(trainer, loader)
-        return loader
+        batches = DataLoader(dataset, batch_size=self.batch_size, sampler=sampler,
+                             num_workers=self.num_workers)
+        self.check_not_resharded(trainer, batches)
+        return batches
 
     def check_accumulation(self, trainer):
         micro_steps = trainer.accumulate_grad_batches * trainer.world_size

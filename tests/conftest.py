@@ -2,9 +2,11 @@
 
   env            a user's shell, offline, one thread per process, GPT-2's vocabulary cached
                  (from tests/fixtures/r50k_base.tiktoken: a plain clone needs nothing beside it)
-  python(...)    python <script> <args>; torchrun(n, ...) the same on n ranks (gloo, CPU)
+  python(...)    python <script> <args>; torchrun(n, ...) the same on n ranks (gloo, CPU);
+                 on_ranks(n, ...) either, as a user starts n ranks
   fails(...)     a run that must end in one clear error: exit 1 and no traceback of ours
-  corpus         a few standard-library modules, prepared with the byte tokenizer
+  corpus         stdlib_data(...): a few standard-library modules, prepared (byte tokenizer)
+  write_token_files(...)  a data folder from arrays of ids
   TINY           a model of a few thousand parameters that trains in seconds on a CPU
   metrics(out)   the rows of out/metrics.jsonl; steps(out) the step rows by iter
   read_with_ranks(...)  what each rank of a torchrun job reads through loader.rank_batches
@@ -27,14 +29,22 @@ import numpy as np
 import psutil
 import pytest
 
-from ddpgpt import checkpoint, tokenfile
-from bench.common import ROOT, child_env
-from bench.common import torchrun as torchrun_command
+from ddpgpt import checkpoint, docindex, tokenfile
 from ddpgpt.tokenizer import install_tiktoken_file
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # GPT-2's vocabulary in tiktoken's file (OpenAI's, MIT licence), shipped so that the tests need
 # no network and nothing beside the checkout; its sha256 is the one tiktoken checks for r50k_base
 VOCAB = os.path.join(ROOT, "tests", "fixtures", "r50k_base.tiktoken")
+VOCAB_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+# what prepare.py writes by default
+OUTPUTS = ("train.bin", "val.bin", tokenfile.META_NAME, "train.docidx", "val.docidx")
+# 8 micro-steps a step, not train.py's 40 (nanoGPT's): no test checks that number, the world
+# sizes the tests train on (1, 2, 4) divide 8, and the micro-steps were most of a tiny run's
+# time after its imports
+TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
+        "--gradient_accumulation_steps=8", "--eval_iters=4", "--device=cpu",
+        "--learning_rate=3e-3", "--warmup_iters=2", "--lr_decay_iters=40", "--min_lr=3e-4"]
 
 
 @pytest.fixture(autouse=True)
@@ -48,16 +58,6 @@ def unconfigured_logging():
         logger.removeHandler(handler)
     logger.setLevel(logging.NOTSET)
     logger.propagate = True
-VOCAB_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
-# what prepare.py writes by default
-OUTPUTS = ("train.bin", "val.bin", tokenfile.META_NAME, "train.docidx", "val.docidx")
-# 8 micro-steps a step, not train.py's 40 (nanoGPT's): no test checks that number, the world
-# sizes the tests train on (1, 2, 4) divide 8, and the micro-steps were most of a tiny run's
-# time after its imports
-TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
-        "--gradient_accumulation_steps=8", "--eval_iters=4", "--device=cpu",
-        "--learning_rate=3e-3", "--warmup_iters=2", "--lr_decay_iters=40", "--min_lr=3e-4"]
-
 
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pytest.ini): one test file per core, and one more. Part of the suite waits
@@ -79,9 +79,14 @@ def tiktoken_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def session_env(tiktoken_cache):
-    """The environment a user's shell would have, offline, one thread per process."""
-    return child_env(TIKTOKEN_CACHE_DIR=tiktoken_cache, OMP_NUM_THREADS="1",
-                     HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+    """The environment a user's shell would have, offline, one thread per process, with this
+    checkout importable (by tests/*.py's programs), and no torchrun variables of a caller that
+    would make a child think it is a rank."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return dict(env, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])),
+                TIKTOKEN_CACHE_DIR=tiktoken_cache, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline")
 
 
 @pytest.fixture
@@ -115,19 +120,29 @@ def stacks_then_kill(pid):
     which are then killed: torchrun's ranks too, which would keep the output pipes open. It
     ends with each process's main thread in one line: CI's log keeps a failure's first and last
     lines only, and the dumps of four ranks fill the middle."""
-    tree = [psutil.Process(pid)]
-    tree += tree[0].children(recursive=True)
+    tree = process_tree(pid)
     ranks = [rank_of(p) for p in tree]
     dumps = [subprocess.run(["py-spy", "dump", "--native", "--pid", str(p.pid)],
                             capture_output=True, text=True, timeout=60) for p in tree]
-    for p in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
+    kill(tree)
     where = [f"{p.pid} ({rank}): {main_thread_frames(d.stdout) or d.stderr.strip()}"
              for p, rank, d in zip(tree, ranks, dumps)]
     return "\n".join([*(d.stdout + d.stderr for d in dumps),
                       "--- each main thread, innermost first: native frames | Python frames",
                       *where])
+
+
+def process_tree(pid):
+    """A process and all its descendants: torchrun starts every rank in a session of its own,
+    which a kill of the launcher's process group would not reach."""
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def kill(processes):
+    for p in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
 
 
 def rank_of(process):
@@ -146,6 +161,19 @@ def main_thread_frames(dump, count=3):
     return f"{' < '.join(native[:count])} | {' < '.join(python[:count])}" if frames else ""
 
 
+def torchrun_command(nproc):
+    """The start of a torchrun command line, as a user types it. benchmarks/common.py has its
+    own: the tests stand on nothing of the benchmarks' but what they test."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}"]
+
+
+def ranks_command(nproc):
+    """torchrun's command line, or for one rank plain python, as a user runs train.py on one:
+    one rank has no process group (launch.init_distributed)."""
+    return torchrun_command(nproc) if nproc > 1 else [sys.executable]
+
+
 def python(script, *args, env, **kw):
     return run([sys.executable, os.path.join(ROOT, script), *map(str, args)], env, **kw)
 
@@ -155,16 +183,38 @@ def torchrun(nproc, script, *args, env, **kw):
                **kw)
 
 
+def on_ranks(nproc, script, *args, env, **kw):
+    return run([*ranks_command(nproc), os.path.join(ROOT, script), *map(str, args)], env, **kw)
+
+
 def fails(script, *args, env, nproc=1, **kw):
     """A run that must fail with one clear error: exit 1, and no traceback from our files
     (under torchrun, torchrun prints its own summary of the failed ranks)."""
-    p = (torchrun(nproc, script, *args, env=env, check=False, **kw) if nproc > 1
-         else python(script, *args, env=env, check=False, **kw))
+    p = on_ranks(nproc, script, *args, env=env, check=False, **kw)
     assert p.returncode != 0 if nproc > 1 else p.returncode == 1, p.stdout + p.stderr
     # our files: the package and the scripts, not a virtual environment inside the checkout
     ours = rf'File "{re.escape(ROOT)}/(ddpgpt/|examples/|[^/"]+")' if nproc > 1 else "Traceback"
     assert not re.search(ours, p.stderr), p.stderr
     return p
+
+
+def write_token_files(data_dir, ids_by_split, *, tokenizer, vocab_size, eot_token):
+    """A complete data folder from arrays of ids, with each split's document index (documents
+    counted by their end-of-text ids). benchmarks/common.py writes its random data alike: the
+    tests stand on nothing of the benchmarks' but what they test."""
+    os.makedirs(data_dir, exist_ok=True)
+    dtype, splits = tokenfile.token_dtype(vocab_size), {}
+    for split, ids in ids_by_split.items():
+        path = os.path.join(data_dir, f"{split}.bin")
+        ids = np.asarray(ids, dtype=dtype)
+        ids.tofile(path)
+        splits[split] = tokenfile.describe_split(path, dtype,
+                                                 int(np.count_nonzero(ids == eot_token)))
+    tokenfile.write_meta(data_dir, tokenizer=tokenizer, vocab_size=vocab_size,
+                         eot_token=eot_token, splits=splits)
+    for split in ids_by_split:
+        docindex.build(tokenfile.open_split(data_dir, split, 1),
+                       docindex.doc_index_path(data_dir, split), eot_token)
 
 
 def read_with_ranks(env, folder, out, nproc, micro_steps, start_step=0, steps=3, batch=4,
@@ -276,19 +326,35 @@ def same_on_any_world_size_and_resumed(args, tmp_path, env, steps_in_all=6):
     return one, p
 
 
+class RunsCode:
+    """Unpickling this would run a command: a checkpoint or a meta.pkl must never be loaded that
+    way."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def stdlib_data(root, modules, tokenizer, env):
+    """root/data: standard-library modules as text files (root/docs), prepared with tokenizer."""
+    (root / "docs").mkdir()
+    for name in modules:
+        with open(os.path.join(sysconfig.get_paths()["stdlib"], f"{name}.py"),
+                  encoding="utf-8") as f:
+            (root / "docs" / f"{name.replace('/', '_')}.txt").write_text(f.read())
+    python("prepare.py", f"--dataset={root / 'docs'}", f"--tokenizer={tokenizer}",
+           "--val_docs=1", f"--out_dir={root / 'data'}", "--num_proc=1", env=env)
+    return str(root / "data")
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory, session_env):
-    """A few standard-library modules as text files, prepared with the byte tokenizer."""
-    root = tmp_path_factory.mktemp("corpus")
-    docs = root / "docs"
-    docs.mkdir()
-    stdlib = sysconfig.get_paths()["stdlib"]
-    for name in ("os", "argparse", "json/decoder", "shutil", "textwrap"):
-        with open(os.path.join(stdlib, f"{name}.py"), encoding="utf-8") as f:
-            (docs / f"{name.replace('/', '_')}.txt").write_text(f.read())
-    python("prepare.py", f"--dataset={docs}", "--tokenizer=byte", "--val_docs=1",
-           f"--out_dir={root / 'data'}", "--num_proc=1", env=session_env)
-    return str(root / "data")
+    """A few standard-library modules, prepared with the byte tokenizer."""
+    return stdlib_data(tmp_path_factory.mktemp("corpus"),
+                       ("os", "argparse", "json/decoder", "shutil", "textwrap"), "byte",
+                       session_env)
 
 
 @pytest.fixture

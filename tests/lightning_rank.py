@@ -8,7 +8,7 @@ each, every rank rewrites OUT.rank<r>.json with a row per fit: the sampler Light
 time from opening the data to that batch (wall and CPU) and the memory then. DESIGN is what
 reads the data:
   ddpgpt           examples/lightning_datamodule.py's DataModule, use_distributed_sampler=False
-  seed             the seed's design: a sample per token offset (bench/datapath_rank.py's
+  seed             the seed's design: a sample per token offset (benchmarks/datapath_rank.py's
                    EveryOffset) in a plain DataLoader, under Lightning's default
                    use_distributed_sampler=True, which puts a DistributedSampler in it
   default_sampler  ddpgpt's DataModule under that default, which it must refuse
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 from ddpgpt import tokenfile
 from ddpgpt.settings import TrainConfig
 from ddpgpt.arch import model_args
-from bench.datapath_rank import BATCH, BLOCK, EveryOffset
+from benchmarks.datapath_rank import BATCH, BLOCK, EveryOffset
 from lightning_datamodule import BlockDataModule, GPTModule, LightningConfig
 
 

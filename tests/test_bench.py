@@ -5,7 +5,6 @@ prepare, recipe, memory), a file a few minutes long, so that pytest-xdist spread
 workers. Here: the committed page is what its JSON gives; bench.py's command line; and the
 watchdog that caps the reference loaders: it kills a command, and its children, at its memory or
 time cap."""
-import importlib.util
 import json
 import os
 import shutil
@@ -15,7 +14,8 @@ import psutil
 import pytest
 import torch
 
-from bench import common, report
+import bench
+from benchmarks import common, report
 from conftest import ROOT, python
 
 DOCS = os.path.join(ROOT, "docs")
@@ -227,6 +227,7 @@ def bench_part(part, env, tmp_path, flag="--small", timeout=600):
     page = (out / "benchmarks.md").read_text()
     assert f"Command: `python bench.py {part} {flag} --out_dir={out}`" in page
     assert [t["met"] for t in result["targets"]] == VERDICTS[part](result)
+    assert f"bench-{part}-" not in json.dumps(result)  # its temporary folder reads <workdir>
     for t in result["targets"]:
         assert t["measured"] and f"{report.verdict(t['met'])}: {t['target']}." in page
     assert result["machine"]["cores"] >= 1 and result["machine"]["torch"]
@@ -234,25 +235,15 @@ def bench_part(part, env, tmp_path, flag="--small", timeout=600):
     return result, page
 
 
-def load_bench_cli():
-    # bench.py by its path: the name `bench` is the package of its parts
-    spec = importlib.util.spec_from_file_location("bench_cli", os.path.join(ROOT, "bench.py"))
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    return cli
-
-
 def test_every_part_is_all_but_gpu_without_a_gpu():
     # so that a CPU run of every part never replaces a GPU run's results with "not run"
-    cli = load_bench_cli()
-    every = list(cli.PARTS) if torch.cuda.is_available() else ["data", "mix", "training",
-                                                                "prepare", "prepare_hf", "eval",
-                                                                "documents", "fsdp", "muon",
-                                                                "recipe", "recompute", "memplan"]
-    assert cli.parse_args([]).parts == every
-    assert cli.parse_args(["--small"]).parts == list(cli.PARTS)
-    assert cli.parse_args(["gpu"]).parts == ["gpu"]
-    dry = cli.parse_args(["gpu", "--dry-run"])
+    every = list(bench.PARTS) if torch.cuda.is_available() else [
+        "data", "mix", "training", "prepare", "prepare_hf", "eval", "documents", "fsdp", "muon",
+        "recipe", "recompute", "memplan"]
+    assert bench.parse_args([]).parts == every
+    assert bench.parse_args(["--small"]).parts == list(bench.PARTS)
+    assert bench.parse_args(["gpu"]).parts == ["gpu"]
+    dry = bench.parse_args(["gpu", "--dry-run"])
     assert dry.small and dry.out_dir == os.path.join(ROOT, "out-bench-small")
 
 

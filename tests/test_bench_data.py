@@ -3,7 +3,7 @@ part's run must show): the data path and the mixtures; and the shard set the dat
 import numpy as np
 import pytest
 
-from bench import datapath, report
+from benchmarks import datapath, report
 from ddpgpt import tokenfile
 from test_bench import bench_part
 

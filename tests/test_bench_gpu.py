@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from bench import common, gpu
+from benchmarks import common, gpu
 from conftest import python
 from test_bench import DOCS, bench_part, gpu_verdicts
 

@@ -2,7 +2,7 @@
 part's run must show): recipe, muon, recompute."""
 import pytest
 
-from bench import recipe
+from benchmarks import recipe
 from test_bench import bench_part
 
 

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from bench.common import write_token_files
 from ddpgpt import data, loader, permutation, tokenfile
-from conftest import TINY, fails, global_batches, python, read_with_ranks
+from conftest import TINY, fails, global_batches, python, read_with_ranks, write_token_files
 from ddpgpt.errors import UserError
 
 

@@ -10,11 +10,10 @@ from collections import deque
 import numpy as np
 import pytest
 
-from bench.common import write_token_files
 from ddpgpt import configurator, data, schedule, tokenfile
 from ddpgpt import metrics as run_metrics
 from ddpgpt.settings import TrainConfig
-from conftest import TINY, fails, metrics, python, steps, torchrun
+from conftest import TINY, fails, metrics, python, steps, torchrun, write_token_files
 
 RUN = [*TINY, "--gradient_accumulation_steps=1", "--eval_interval=1000", "--log_interval=1"]
 

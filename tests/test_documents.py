@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from bench.common import write_token_files
 from ddpgpt import data, docindex, loader, sources, tokenfile
 from conftest import (TINY, evals, fails, python, read_with_ranks,
-                      same_on_any_world_size_and_resumed, steps)
+                      same_on_any_world_size_and_resumed, steps, write_token_files)
 
 EOT, BLOCK = 65535, 32  # a vocabulary of 65,536: the counting tokens fit below the end-of-text
 

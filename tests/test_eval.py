@@ -12,10 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.common import write_token_files
 from ddpgpt import checkpoint, data, hellaswag, tokenfile
 from ddpgpt.errors import UserError
-from conftest import TINY, evals, fails, python, torchrun
+from conftest import TINY, evals, fails, python, torchrun, write_token_files
 from ddpgpt.model import GPT, GPTConfig
 
 # a dozen examples: short and long contexts and endings, non-ASCII text, a label given as a

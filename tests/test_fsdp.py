@@ -10,17 +10,16 @@ import pickle
 import re
 import shutil
 import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 import torch
 
-from conftest import ROOT, TINY, evals, fails, metrics, python, run, steps, torchrun
+from conftest import (ROOT, TINY, RunsCode, evals, fails, kill, metrics, on_ranks, process_tree,
+                      python, ranks_command, run, steps, torchrun, torchrun_command)
 from ddpgpt import checkpoint
 from ddpgpt.runtime import Ranks
-from bench.common import torchrun as torchrun_command, kill_tree
 
 RTOL = 1e-5  # ddp and fsdp sum the gradients over the ranks in other orders
 ARGS = ["--gradient_accumulation_steps=4", "--max_iters=20", "--eval_interval=10",
@@ -52,13 +51,12 @@ def relative_difference(a, b, key="loss"):
 def resumed_from(source, out, env, corpus, nproc, *extra):
     """A run that resumes from a copy of source (a checkpoint) in a new out_dir, to iter 20:
     on nproc ranks under torchrun, or on one as a plain process (one rank has no process
-    group: runtime.init_distributed), as a user runs train.py on one."""
+    group: launch.init_distributed), as a user runs train.py on one."""
     os.makedirs(out)
     copy = shutil.copytree if os.path.isdir(source) else shutil.copy
     copy(source, os.path.join(out, os.path.basename(source)))
     args = train_args(corpus, out, "--init_from=resume", *extra)
-    p = torchrun(nproc, "train.py", *args, env=env) if nproc > 1 else \
-        python("train.py", *args, env=env)
+    p = on_ranks(nproc, "train.py", *args, env=env)
     assert f"resuming from {os.path.join(out, os.path.basename(source))} (iter 10)" in p.stdout
     return str(out)
 
@@ -205,7 +203,7 @@ def test_a_run_killed_while_a_save_is_in_flight_resumes_from_the_one_before(
     5 steps here, change no step)."""
     out = str(tmp_path / "out")
     args = train_args(corpus, out, f"--parallel={kind}", "--eval_interval=5")
-    launch = torchrun_command(nproc) if nproc > 1 else [sys.executable]
+    launch = ranks_command(nproc)
     with open(tmp_path / "log", "w+") as log:
         proc = subprocess.Popen(
             [*launch, os.path.join(ROOT, "tests", "launch_slow_save.py"), *args], cwd=ROOT,
@@ -216,7 +214,7 @@ def test_a_run_killed_while_a_save_is_in_flight_resumes_from_the_one_before(
                      any(r.get("iter", -1) >= 13 for r in rows_of(out)), proc, timeout=300)
             in_flight = glob.glob(os.path.join(out, "ckpt_0000010*tmp"))
         finally:
-            kill_tree(psutil.Process(proc.pid))
+            kill(process_tree(proc.pid))
             proc.wait()
     assert in_flight, "the save at 10 was not in flight when the run was killed"
     assert checkpoint.list_checkpoints(out) == [
@@ -296,14 +294,6 @@ def test_a_damaged_or_dangerous_checkpoint_folder_is_passed_over(runs, tmp_path,
     caplog.clear()
     assert checkpoint.load_latest(out) == (None, None)
     assert f"{older} has no loadable values.pt" in caplog.messages[1]
-
-
-class RunsCode:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ from ddpgpt import checkpoint, configurator, hf, optim, tokenfile
 from ddpgpt.tokenizer import get_tokenizer
 from ddpgpt.weights import for_training
 from ddpgpt.settings import TrainConfig
-from conftest import ROOT, TINY, fails, python, run, steps
+from conftest import ROOT, TINY, fails, python, run, stdlib_data, steps
 from ddpgpt.model import GPT, GPTConfig
 
 SMALL = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64)
@@ -70,14 +69,8 @@ def random_ids(t, vocab_size=50257):
 @pytest.fixture(scope="module")
 def gpt2_data(tmp_path_factory, session_env):
     """A few standard-library modules in GPT-2's tokens."""
-    root = tmp_path_factory.mktemp("gpt2_data")
-    (root / "docs").mkdir()
-    for name in ("argparse", "shutil", "textwrap"):
-        with open(os.path.join(sysconfig.get_paths()["stdlib"], f"{name}.py")) as f:
-            (root / "docs" / f"{name}.txt").write_text(f.read())
-    python("prepare.py", f"--dataset={root / 'docs'}", "--tokenizer=gpt2", "--val_docs=1",
-           f"--out_dir={root / 'data'}", "--num_proc=1", env=session_env)
-    return str(root / "data")
+    return stdlib_data(tmp_path_factory.mktemp("gpt2_data"), ("argparse", "shutil", "textwrap"), "gpt2",
+                       session_env)
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from bench.datapath import sparse_token_file
-from bench.common import write_token_files
+from benchmarks.datapath import sparse_token_file
 from ddpgpt import data, sources, tokenfile
-from bench.datapath_rank import BLOCK
-from conftest import TINY, fails, python, steps
+from benchmarks.datapath_rank import BLOCK
+from conftest import TINY, fails, python, steps, write_token_files
 
 EXAMPLE = "examples/lightning_datamodule.py"
 MiB, GiB = 2**20, 2**30

@@ -1,5 +1,5 @@
 """plan.py, the memory plan, as a user runs it: its peak against the peak the same tracker
-measures in real runs of the same settings on the CPU (bench/memory_rank.py, under torchrun,
+measures in real runs of the same settings on the CPU (benchmarks/memory_rank.py, under torchrun,
 gloo; a 1-rank run as a plain process, as train.py runs on one), and its refusal of a GPU
 memory that is not one."""
 import dataclasses
@@ -10,8 +10,7 @@ import shlex
 import pytest
 import torch
 
-from bench.common import ranks_command
-from conftest import fails, python, run
+from conftest import fails, python, ranks_command, run
 
 SMALL = ["--n_layer=2", "--n_head=4", "--n_embd=64", "--block_size=64", "--batch_size=4",
          "--vocab_size=512", "--gradient_accumulation_steps=4", "--device=cpu",
@@ -33,12 +32,12 @@ def settings(kind, optimizer, arch, recompute="none"):
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory, session_env):
     """{run: rank 0's measured Plan} of each of RUNS, on real tensors (a run of 1 rank as a
-    plain process: bench.common.ranks_command)."""
+    plain process: conftest.ranks_command)."""
     root = tmp_path_factory.mktemp("measured")
     found = {}
     for kind, n, optimizer, arch, recompute in RUNS:
         out = root / f"{kind}-{n}-{optimizer}-{arch}-{recompute}"
-        run([*ranks_command(n), "-m", "bench.memory_rank", str(out),
+        run([*ranks_command(n), "-m", "benchmarks.memory_rank", str(out),
              *settings(kind, optimizer, arch, recompute)], session_env)
         with open(f"{out}.rank0.json") as f:
             found[kind, n, optimizer, arch, recompute] = json.load(f)

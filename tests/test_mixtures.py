@@ -7,9 +7,9 @@ import shutil
 import numpy as np
 import pytest
 
-from bench.common import write_token_files
 from ddpgpt import data, tokenfile
-from conftest import TINY, evals, fails, python, same_on_any_world_size_and_resumed, steps
+from conftest import (TINY, evals, fails, python, same_on_any_world_size_and_resumed, steps,
+                      write_token_files)
 
 WEIGHTS = (0.7, 0.2, 0.1)
 

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import ROOT, TINY, evals, python, steps, torchrun
+from conftest import ROOT, TINY, evals, on_ranks, python, steps, torchrun
 from test_fsdp import killing_rank_1, rows_of
 from ddpgpt import checkpoint, muon, optim
 from ddpgpt.errors import UserError
@@ -231,8 +231,7 @@ def resumed(source, out, nproc, kind, corpus, env):
     copy(source, os.path.join(out, os.path.basename(source)))
     args = [f"--data_dir={corpus}", *ARGS, f"--out_dir={out}", f"--parallel={kind}",
             "--init_from=resume"]
-    p = torchrun(nproc, "train.py", *args, env=env) if nproc > 1 else \
-        python("train.py", *args, env=env)
+    p = on_ranks(nproc, "train.py", *args, env=env)
     assert f"resuming from {os.path.join(out, os.path.basename(source))} (iter 4)" in p.stdout
     return str(out)
 

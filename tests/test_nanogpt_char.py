@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY, fails, python
+from conftest import TINY, RunsCode, fails, python
 
 # shakespeare_char's 65 characters, in the order its prepare.py gives them ids (sorted)
 CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
@@ -113,16 +113,6 @@ def test_an_export_carries_its_characters_as_a_hugging_face_tokenizer(char_run, 
     assert set(p.stdout.split(SEP)[0]) <= set(CHARS)
     message = fails("sample.py", f"--init_from={dest}", "--start=Café", env=env).stderr
     assert f"the tokenizer '{dest}' cannot encode the text 'Café' (Unk token" in message
-
-
-class RunsCode:
-    """Unpickling this would run a command."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 @pytest.mark.parametrize("case", ["runs code", "damaged", "not a table"])

@@ -5,7 +5,6 @@ work (Muon's resumes: test_muon.py)."""
 import json
 import os
 import shutil
-import sysconfig
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch
 # transformers' Qwen3 costs ~7 CPU s, for the worker that runs this file only
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from conftest import TINY, evals, fails, python, steps
+from conftest import TINY, evals, fails, python, stdlib_data, steps
 from ddpgpt import checkpoint, hf, optim, schedule
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig, swiglu_hidden
@@ -146,14 +145,8 @@ def test_float16_gradient_scaling_steps_muon_and_resumes(env, corpus, tmp_path):
 @pytest.fixture(scope="module")
 def gpt2_data(tmp_path_factory, session_env):
     """A few standard-library modules in GPT-2's tokens."""
-    root = tmp_path_factory.mktemp("gpt2_data")
-    (root / "docs").mkdir()
-    for name in ("argparse", "shutil"):
-        with open(os.path.join(sysconfig.get_paths()["stdlib"], f"{name}.py")) as f:
-            (root / "docs" / f"{name}.txt").write_text(f.read())
-    python("prepare.py", f"--dataset={root / 'docs'}", "--tokenizer=gpt2", "--val_docs=1",
-           f"--out_dir={root / 'data'}", "--num_proc=1", env=session_env)
-    return str(root / "data")
+    return stdlib_data(tmp_path_factory.mktemp("gpt2_data"), ("argparse", "shutil"), "gpt2",
+                       session_env)
 
 
 @pytest.mark.slow

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from bench.common import write_token_files
 from ddpgpt import checkpoint, data, fileio, tokenfile
-from conftest import ROOT, TINY, fails, first_steps, metrics, python, steps, torchrun
+from conftest import (ROOT, TINY, RunsCode, fails, first_steps, metrics, on_ranks, python, steps,
+                      torchrun, write_token_files)
 
 
 def compare(env, a, b, *flags):
@@ -58,13 +58,6 @@ def one_rank(tmp_path_factory, session_env, corpus):
 RESIZED = ["--gradient_accumulation_steps=2", "--eval_interval=4"]
 
 
-def on_ranks(n, *args, env):
-    """train.py on n ranks as a user starts it: one process with plain python (the README's
-    one-process command, without torchrun's own process), more under torchrun."""
-    return python("train.py", *args, env=env) if n == 1 else \
-        torchrun(n, "train.py", *args, env=env)
-
-
 @pytest.fixture(scope="module")
 def whole_on_two_ranks(tmp_path_factory, session_env, corpus):
     """8 steps on 2 ranks, uninterrupted: what a run resumed on another world size repeats,
@@ -83,9 +76,9 @@ def test_resume_on_another_world_size_reads_the_same_batches(env, corpus, tmp_pa
     if first == 2:  # the whole run's first 4 steps: the same settings, on 2 ranks
         first_steps(whole, 4, resized)
     else:
-        on_ranks(first, *train_args(corpus, resized, *args, "--max_iters=4"), env=env)
-    on_ranks(then, *train_args(corpus, resized, *args, "--max_iters=8", "--init_from=resume"),
-             env=env)
+        on_ranks(first, "train.py", *train_args(corpus, resized, *args, "--max_iters=4"), env=env)
+    on_ranks(then, "train.py", *train_args(corpus, resized, *args, "--max_iters=8",
+                                           "--init_from=resume"), env=env)
     same = compare(env, whole, resized)
     assert same.returncode == 0 and "over 8 steps" in same.stdout, same.stdout
     a, b = steps(whole), steps(resized)
@@ -212,16 +205,6 @@ def test_keeping_few_checkpoints_never_keeps_a_damaged_one_over_the_good(damaged
     assert path == checkpoint.path_for(out, 9) and state["iter_num"] == 9
 
 
-class RunsCode:
-    """Unpickling this would run a command: a checkpoint must never be loaded that way."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_a_checkpoint_that_would_run_code_is_refused(tmp_path, caplog):
     out, marker = str(tmp_path / "out"), tmp_path / "code_ran"
     os.makedirs(out)
@@ -341,7 +324,7 @@ def test_leaving_the_process_group_ends_its_threads(env, tmp_path):
     drops a collective's tensor while the interpreter exits aborts the rank ("terminate called
     without an active exception", SIGABRT: eval.py on 2 ranks about 1 run in 12 here). torch
     keeps it alive when torch._dynamo is first imported after the group is made
-    (runtime.init_distributed imports the module that holds it first)."""
+    (launch.init_distributed imports the module that holds it first)."""
     out = str(tmp_path / "teardown")
     torchrun(2, "tests/rank_teardown.py", out, env=env)
     for rank in range(2):
