@@ -56,25 +56,18 @@ def session(script, device, backend="", timeout_s=600, *, locks=(), watch=None, 
     logs.setup(ranks.master, stream=log_stream)
     device = runtime.pick_device(device, ranks)
     init_distributed(device, ranks.world_size, backend, timeout_s)
-    status = 1
+    status, s = 1, Session(script, ranks, device, received)
     with watched(ranks, standing), contextlib.ExitStack() as held:
-        if agree(take_locks(held, locks, ranks, script), ranks, script):
-            try:
-                yield Session(script, ranks, device, received)
-                status = 0
-            except StartUpFailed:
-                pass
-    finish(ranks.world_size, status)  # the locks released
 
+        def take_locks():  # on rank 0; agreed on as any start-up error
+            for folder, fix in locks if ranks.master else ():
+                held.enter_context(lock.locked(folder, script, fix))
 
-def take_locks(held, locks, ranks, script):
-    """The error of taking the locks on rank 0, or None."""
-    try:
-        for folder, fix in locks if ranks.master else ():
-            held.enter_context(lock.locked(folder, script, fix))
-    except UserError as e:
-        return str(e)
-    return None
+        with contextlib.suppress(StartUpFailed):
+            start(s, take_locks)
+            yield s
+            status = 0
+    finish(ranks.world_size, status)  # the locks released; exits after a failed start-up
 
 
 def start(s, start_up):
