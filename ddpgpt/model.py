@@ -297,7 +297,10 @@ def chunked_loss(head, x, targets, chunks):
     their log-softmax and its gradient: at GPT-2's vocabulary each is 50,304 floats a position,
     more than a block keeps) then take 1/chunks of the memory; the backward pays the
     output-layer matmul again and makes the head's weight gradient once per slice, summed. The
-    sum's rounding differs from one piece's in the last bits."""
+    sum's rounding differs from one piece's in the last bits. Not torch 2.13's chunked
+    F.linear_cross_entropy: it keeps the head's weight gradient from its forward (bench
+    recompute's activations 91 -> 225 MiB at GPT-2's), ignores autocast, sums a bfloat16
+    loss in bfloat16 (11.5 for 11.757), and has no DTensor rule for fsdp's sharded head."""
     x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
 
     def summed(xs, ts):
