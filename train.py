@@ -9,10 +9,10 @@ Every key, its default and its type is in TrainConfig (ddpgpt/settings.py; `pyth
 is a number of global samples (ddpgpt/data.py), so a run resumes exactly, also on another
 world size with the same global batch.
 
-The file reads in the order a run goes: main() starts it (every start-up check runs on every
-rank before any step, so bad input ends all ranks with one message), make_run() builds what
-the loop works with, then the training loop, the evaluation and checkpoint between steps,
-one optimizer step, and what a step reports.
+The file reads in the order a run goes: main() starts it in a launch session (ddpgpt/launch.py:
+every start-up check runs on every rank before any step, so bad input ends all ranks with one
+message), make_run() builds what the loop works with, then the training loop, the evaluation
+and checkpoint between steps, one optimizer step, and what a step reports.
 """
 import dataclasses
 import logging
