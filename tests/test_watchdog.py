@@ -103,7 +103,7 @@ def test_a_rank_whose_data_read_blocks_is_named_in_the_data_path_and_dumps_its_c
     assert p.returncode != 0 and "exitcode  : 124" in p.stderr, p.stderr
     assert re.search(r'hang \(rank 1\):   File ".*tokenfile\.py", line \d+ in read_file',
                      p.stderr), p.stderr
-    data_wait = (r"rank 1 \(iter \d+\) in data\.rank_batches, waiting for its next batch "
+    data_wait = (r"rank 1 \(iter \d+\) in loader\.rank_batches, waiting for its next batch "
                  r"\(reader thread in tokenfile\.read_file -> os\.open\)")
     assert re.search(r"hang \(rank 0\):   " + data_wait, p.stderr), p.stderr
     assert re.search(r"hang \(rank 0\):   rank 0 \(iter \d+\) " + IN_ALL_REDUCE, p.stderr)
