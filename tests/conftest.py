@@ -3,11 +3,12 @@
   env            a user's shell, offline, one thread per process, GPT-2's vocabulary cached
                  (from tests/fixtures/r50k_base.tiktoken: a plain clone needs nothing beside it)
   python(...)    python <script> <args>; torchrun(n, ...) the same on n ranks (gloo, CPU);
-                 on_ranks(n, ...) either, as a user starts n ranks
+                 on_ranks(n, ...) either, as a user starts n ranks; started(...), left running
   fails(...)     a run that must end in one clear error: exit 1 and no traceback of ours
   corpus         stdlib_data(...): a few standard-library modules, prepared (byte tokenizer)
   write_token_files(...)  a data folder from arrays of ids
-  TINY           a model of a few thousand parameters that trains in seconds on a CPU
+  TINY           a model of a few thousand parameters that trains in seconds on a CPU;
+                 train_args(data_dir, out_dir, ...) train.py's arguments for it
   metrics(out)   the rows of out/metrics.jsonl; steps(out) the step rows by iter
   read_with_ranks(...)  what each rank of a torchrun job reads through loader.rank_batches
   decoded(out, tokenizer)  the documents of a prepared folder, its meta.json checked
@@ -24,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 
 import numpy as np
 import psutil
@@ -45,6 +47,11 @@ OUTPUTS = ("train.bin", "val.bin", tokenfile.META_NAME, "train.docidx", "val.doc
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--gradient_accumulation_steps=8", "--eval_iters=4", "--device=cpu",
         "--learning_rate=3e-3", "--warmup_iters=2", "--lr_decay_iters=40", "--min_lr=3e-4"]
+
+
+def train_args(data_dir, out_dir, *args):
+    """train.py's arguments for the TINY model on data_dir, into out_dir, then args."""
+    return [f"--data_dir={data_dir}", f"--out_dir={out_dir}", *TINY, *args]
 
 
 @pytest.fixture(autouse=True)
@@ -179,12 +186,29 @@ def python(script, *args, env, **kw):
 
 
 def torchrun(nproc, script, *args, env, **kw):
-    return run([*torchrun_command(nproc), os.path.join(ROOT, script), *map(str, args)], env,
-               **kw)
+    return run([*torchrun_command(nproc), os.path.join(ROOT, script), *map(str, args)], env, **kw)
 
 
 def on_ranks(nproc, script, *args, env, **kw):
     return run([*ranks_command(nproc), os.path.join(ROOT, script), *map(str, args)], env, **kw)
+
+
+def started(command, env, log, **kw):
+    """command started as run() starts it, left running, all it prints going to the file log."""
+    with open(log, "w") as f:
+        return subprocess.Popen([*map(str, command)], cwd=ROOT, env=env, stdout=f,
+                                stderr=subprocess.STDOUT, **kw)
+
+
+def wait_for_line(log, pattern, proc, timeout):
+    """Until a line of the file log matches pattern, while proc runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if re.search(pattern, log.read_text()):
+            return
+        assert proc.poll() is None, log.read_text()
+        time.sleep(0.1)
+    raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n{log.read_text()}")
 
 
 def fails(script, *args, env, nproc=1, **kw):
@@ -264,6 +288,10 @@ def decoded(out_dir, tok):
     return docs
 
 
+def read_all(folder):
+    return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder))}
+
+
 def prepare_fails(tmp_path, *args, env):
     """prepare.py run in tmp_path on bad input: its one-line message, checked to be one, and
     that nothing it writes (final or temporary) is left anywhere in tmp_path."""
@@ -292,6 +320,29 @@ def evals(out_dir):
     return [r for r in metrics(out_dir) if "val_loss" in r]
 
 
+def rows_so_far(out_dir):
+    """metrics(out_dir) of a run under way: none before it has written its first."""
+    return metrics(out_dir) if os.path.exists(os.path.join(out_dir, "metrics.jsonl")) else []
+
+
+def wait_for_step(out_dir, step, proc, timeout=120):
+    """Until proc's run has logged a row of step or later in out_dir's metrics.jsonl."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, "the run ended before the step it was to be killed at"
+        if any(r.get("iter", -1) >= step for r in rows_so_far(out_dir)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} never came")
+
+
+def batches_and_losses(out_dir, iters=None):
+    """{iter: (batch_fp, loss)} of out_dir's steps (of those iters only, if given): what a run
+    that repeats another must match."""
+    rows = steps(out_dir)
+    return {i: (rows[i]["batch_fp"], rows[i]["loss"]) for i in (rows if iters is None else iters)}
+
+
 def first_steps(run, k, out, *more):
     """out as a run with run's settings leaves it when stopped at iter k: a copy of run's
     checkpoint at k (and at each iter of more) and the rows run wrote before iter k."""
@@ -302,6 +353,17 @@ def first_steps(run, k, out, *more):
         rows = [line for line in f if json.loads(line)["iter"] < k]
     with open(os.path.join(out, "metrics.jsonl"), "w") as f:
         f.writelines(rows)
+    return str(out)
+
+
+def resumed_from(source, out, nproc, args, at, env):
+    """out, a new out_dir holding a copy of the checkpoint source (of iter at), which train.py's
+    args (out_dir out among them) resume on nproc ranks (on_ranks)."""
+    os.makedirs(out)
+    copied = os.path.join(out, os.path.basename(source))
+    (shutil.copytree if os.path.isdir(source) else shutil.copy)(source, copied)
+    p = on_ranks(nproc, "train.py", *args, "--init_from=resume", env=env)
+    assert f"resuming from {copied} (iter {at})" in p.stdout
     return str(out)
 
 
@@ -321,8 +383,7 @@ def same_on_any_world_size_and_resumed(args, tmp_path, env, steps_in_all=6):
     a, b, c = steps(one), steps(two), steps(halves)
     assert sorted(a) == sorted(b) == sorted(c) == list(every)
     assert [a[i]["batch_fp"] for i in every] == [b[i]["batch_fp"] for i in every]
-    assert [(b[i]["batch_fp"], b[i]["loss"]) for i in every] == \
-        [(c[i]["batch_fp"], c[i]["loss"]) for i in every]
+    assert batches_and_losses(two) == batches_and_losses(halves)
     return one, p
 
 

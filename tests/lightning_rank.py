@@ -106,16 +106,14 @@ def peak_rss():
 
 
 def fit(design, data_dir, record):
-    cfg = LightningConfig(data_dir=data_dir, block_size=BLOCK, batch_size=BATCH,
-                          gradient_accumulation_steps=2, num_workers=0, n_layer=1, n_head=1,
-                          n_embd=32)
+    cfg = LightningConfig(data_dir=data_dir, block_size=BLOCK, batch_size=BATCH, num_workers=0,
+                          gradient_accumulation_steps=2, n_layer=1, n_head=1, n_embd=32)
     datamodule = TimedSeed(data_dir) if design == "seed" else TimedBlocks(
         data_dir, BLOCK, BATCH, cfg.gradient_accumulation_steps, cfg.seed)
     module = FirstBatch(model_args(cfg, tokenfile.read_meta(data_dir)), record)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1,
-                        use_distributed_sampler=design != "ddpgpt", logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False,
+                        use_distributed_sampler=design != "ddpgpt", enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, datamodule=datamodule)
 
 

@@ -16,8 +16,7 @@ def main(data_dir, out, block_size, batch_size, micro_steps, start_step, steps, 
     train = data.mixture([sources.open_split(data_dir, "train", block_size, mode=mode)])
     batches = loader.rank_batches(train, block_size=block_size, batch_size=batch_size,
                                   micro_steps=micro_steps, rank=rank, world_size=world, seed=7,
-                                  mode=mode, start_step=start_step, device="cpu",
-                                  vocab_size=2**32)
+                                  mode=mode, start_step=start_step, device="cpu", vocab_size=2**32)
     read, rss_first = [], None
     for step in range(start_step, start_step + steps):
         for micro in range(micro_steps):
@@ -30,8 +29,7 @@ def main(data_dir, out, block_size, batch_size, micro_steps, start_step, steps, 
                          "shift_ok": bool(((x[:, 1:] == y[:, :-1]) | (y[:, :-1] == -1)).all()),
                          "targets": (y != -1).sum(dim=1).tolist()})
     with open(f"{out}.rank{rank}.json", "w") as f:
-        json.dump({"rank": rank, "world": world, "rss_first_batch": rss_first,
-                   "reads": read}, f)
+        json.dump({"rank": rank, "world": world, "rss_first_batch": rss_first, "reads": read}, f)
     dist.barrier()
     dist.destroy_process_group()
 

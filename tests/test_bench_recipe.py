@@ -43,10 +43,8 @@ def test_recipe(env, tmp_path):
 
 def test_recipe_tokens_to_reach_a_loss():
     curve = [[0, 5.0], [100, 3.0], [200, 2.0], [300, 2.5]]
-    assert recipe.tokens_to_reach(curve, 2.5) == 150
-    assert recipe.tokens_to_reach(curve, 2.0) == 200
-    assert recipe.tokens_to_reach(curve, 6.0) == 0
-    assert recipe.tokens_to_reach(curve, 1.9) is None
+    reached = [recipe.tokens_to_reach(curve, loss) for loss in (2.5, 2.0, 6.0, 1.9)]
+    assert reached == [150, 200, 0, None]
 
 
 @pytest.mark.slow

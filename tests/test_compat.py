@@ -39,8 +39,7 @@ def test_a_checkpoint_of_main_d4937ea_resumes_its_run(old_run, env):
     assert [rows[i]["batch_fp"] for i in range(4, 8)] == \
         [expected["steps"][str(i)]["batch_fp"] for i in range(4, 8)]
     for i in range(4, 8):
-        assert rows[i]["loss"] == pytest.approx(expected["steps"][str(i)]["loss"],
-                                                rel=LOSS_RTOL), i
+        assert rows[i]["loss"] == pytest.approx(expected["steps"][str(i)]["loss"], rel=LOSS_RTOL), i
     last = evals(out)[-1]
     assert last["iter"] == 8
     for key, value in expected["eval_8"].items():
@@ -56,7 +55,6 @@ def test_sample_eval_and_export_read_it(old_run, env, tmp_path):
     p = python("eval.py", f"--out_dir={out}", f"--data_dir={data_dir}", "--hellaswag=False",
                "--eval_iters=2", "--batch_size=4", env=env)
     result = json.loads(p.stdout.splitlines()[-1])
-    assert result["val_loss"] == pytest.approx(expected["eval_4"]["val_loss"],
-                                                 rel=LOSS_RTOL)
+    assert result["val_loss"] == pytest.approx(expected["eval_4"]["val_loss"], rel=LOSS_RTOL)
     python("export.py", out, tmp_path / "exported", env=env)
     assert (tmp_path / "exported" / "model.safetensors").is_file()

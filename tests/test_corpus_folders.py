@@ -96,11 +96,9 @@ def test_a_real_folder_is_read_as_its_documents_each_once(env, tmp_path):
 def test_a_glob_reads_each_file_once_and_skips_the_output_of_prepare(env, tmp_path):
     corpus = tmp_path / "corpus"
     expected = messy_corpus(str(corpus))
-    python("prepare.py", f"--dataset={corpus}", *BYTE, f"--out_dir={corpus / 'data'}",
-           env=env)
+    python("prepare.py", f"--dataset={corpus}", *BYTE, f"--out_dir={corpus / 'data'}", env=env)
     out = tmp_path / "out"
-    p = python("prepare.py", f"--dataset={corpus}/**/*.json*", *BYTE, f"--out_dir={out}",
-               env=env)
+    p = python("prepare.py", f"--dataset={corpus}/**/*.json*", *BYTE, f"--out_dir={out}", env=env)
     assert f"{corpus}/data/meta.json" in p.stdout
     assert "reached again through a symlink" in p.stdout  # again.jsonl, and sub/up's loop
     docs = decoded(out, get_tokenizer("byte"))  # a glob is case-sensitive: not f.JSONL.zst
@@ -140,6 +138,5 @@ def test_what_cannot_be_meant_is_refused_with_a_reason(case, env, tmp_path):
                                       ["is the corpus folder itself", "outside it"])}[case]
     out = [] if any(a.startswith("--out_dir") for a in args) else [f"--out_dir={tmp_path / 'o'}"]
     message = fails("prepare.py", *args, *BYTE, *out, env=env).stderr.strip().splitlines()[-1]
-    assert message.startswith("prepare.py: error: ") and all(w in message for w in words), \
-        message
+    assert message.startswith("prepare.py: error: ") and all(w in message for w in words), message
     assert not os.path.exists(tmp_path / "o" / "train.bin")

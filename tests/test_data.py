@@ -40,8 +40,7 @@ def test_epoch_mode_reads_every_block_once_per_epoch_in_a_new_order():
         phase = int(offsets.min())
         assert phase < block
         assert sorted(((offsets - phase) // block).tolist()) == list(range(per_epoch))
-        assert ((offsets - phase) % block == 0).all()
-        assert offsets.max() + block + 1 <= n_tokens
+        assert ((offsets - phase) % block == 0).all() and offsets.max() + block + 1 <= n_tokens
         orders.append(offsets.tolist())
         phases.add(phase)
     assert len({tuple(o) for o in orders}) == 4, "each epoch must have its own order"
@@ -120,8 +119,7 @@ def test_sixteen_gib_file_costs_eight_ranks_no_more_memory_than_sixteen_mib(env,
         folder = tmp_path / name
         folder.mkdir()
         for split in tokenfile.SPLITS:  # sparse: nothing is written, the files read as zeros
-            subprocess.run(["truncate", "-s", str(size), str(folder / f"{split}.bin")],
-                           check=True)
+            subprocess.run(["truncate", "-s", str(size), str(folder / f"{split}.bin")], check=True)
         ranks = read_with_ranks(env, str(folder), str(tmp_path / name), nproc=8,
                                 micro_steps=1, steps=2, batch=12, block=1024)
         rss[name] = max(r["rss_first_batch"] for r in ranks)
@@ -184,10 +182,8 @@ def test_block_dataset_indexing_follows_python(counting_data):
     folder, n = counting_data
     dataset = loader.BlockDataset(tokenfile.open_split(folder, "train", 32), 32, seed=3)
     x, y = dataset[len(dataset) + 5]  # epoch 1
-    assert torch.equal(x[1:], y[:-1])
-    assert torch.equal(dataset[np.int64(7)][0], dataset[7][0])
-    for bad, error in ((-1, IndexError), (2**63, IndexError), (1.0, TypeError),
-                       ("1", TypeError)):
+    assert torch.equal(x[1:], y[:-1]) and torch.equal(dataset[np.int64(7)][0], dataset[7][0])
+    for bad, error in ((-1, IndexError), (2**63, IndexError), (1.0, TypeError), ("1", TypeError)):
         with pytest.raises(error):
             dataset[bad]
     with pytest.raises(IndexError, match="negative ones do not count from the end"):
@@ -209,8 +205,7 @@ def small_folder(tmp_path, n=1000, vocab=257, meta=True):
     folder = str(tmp_path / "d")
     rng = np.random.default_rng(0)
     ids = {split: rng.integers(0, vocab - 1, n) for split in tokenfile.SPLITS}
-    write_token_files(folder, ids, tokenizer="test", vocab_size=vocab,
-                                eot_token=vocab - 1)
+    write_token_files(folder, ids, tokenizer="test", vocab_size=vocab, eot_token=vocab - 1)
     if not meta:
         os.remove(os.path.join(folder, tokenfile.META_NAME))
     return folder

@@ -56,12 +56,10 @@ def spiked_copy(corpus, folder, step, global_batch, block_size, seed=1337):
 
 @pytest.mark.slow
 def test_a_loss_spike_is_skipped_and_the_data_goes_on_as_before(env, corpus, tmp_path):
-    spiked = spiked_copy(corpus, str(tmp_path / "spiked"), step=60, global_batch=4,
-                         block_size=32)
+    spiked = spiked_copy(corpus, str(tmp_path / "spiked"), step=60, global_batch=4, block_size=32)
     args = [*RUN, "--max_iters=66", "--learning_rate=1e-2", "--decay_lr=False",
             "--log_interval=100"]
-    python("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path / 'clean'}", *args,
-           env=env)
+    python("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path / 'clean'}", *args, env=env)
     p = python("train.py", f"--data_dir={spiked}", f"--out_dir={tmp_path / 'skip'}", *args,
                "--spike_policy=skip", env=env)
     clean, skip = steps(tmp_path / "clean"), steps(tmp_path / "skip")

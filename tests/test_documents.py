@@ -123,8 +123,7 @@ def gpt2_sources(session_env, tmp_path_factory):
     for name in (tokenfile.META_NAME, "train.docidx", "val.docidx"):
         (code / name).unlink()
     p = python("index_documents.py", f"--data_dir={code}", env=env)
-    assert "documents end with token 50256" in p.stdout
-    assert indexes(code) == written
+    assert "documents end with token 50256" in p.stdout and indexes(code) == written
     return web, str(code)
 
 
@@ -183,9 +182,8 @@ def test_index_of_nanogpt_files_is_prepares_and_a_stale_one_is_refused(env, corp
            "--eval_interval=3", "--gradient_accumulation_steps=1", "--sampling=documents"]
     python("train.py", *run, env=env)
     recorded = evals(tmp_path / "out")[-1]["val_loss_docs"]
-    p = python("eval.py", f"--out_dir={tmp_path / 'out'}", f"--data_dir={raw}",
-               "--hellaswag=False", "--eval_iters=4", "--batch_size=4", "--block_size=32",
-               env=env)
+    p = python("eval.py", f"--out_dir={tmp_path / 'out'}", f"--data_dir={raw}", "--hellaswag=False",
+               "--eval_iters=4", "--batch_size=4", "--block_size=32", env=env)
     assert json.loads(p.stdout.splitlines()[-1])["val_loss_docs"] == pytest.approx(recorded,
                                                                                   abs=1e-6)
     tokens = np.fromfile(raw / "train.bin", dtype=np.uint16)  # other tokens, of the same size
@@ -245,9 +243,8 @@ def test_block_dataset_in_documents_mode_reads_what_the_trainer_reads(tmp_path):
         dataset, batch_size=4, num_workers=2,
         sampler=loader.RankSampler(4, rank=1, world_size=2, micro_steps=3, num_steps=2))
     trainer = loader.rank_batches(data.mixture([token_split]), block_size=BLOCK, batch_size=4,
-                                  micro_steps=3, rank=1, world_size=2, seed=7,
-                                  mode="documents", start_step=0, device="cpu",
-                                  vocab_size=EOT + 1)
+                                  micro_steps=3, rank=1, world_size=2, seed=7, mode="documents",
+                                  start_step=0, device="cpu", vocab_size=EOT + 1)
     for x, y in workers:
         expected = next(trainer)
         assert torch.equal(x, expected[0]) and torch.equal(y, expected[1])

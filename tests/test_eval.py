@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ddpgpt import checkpoint, data, hellaswag, tokenfile
 from ddpgpt.errors import UserError
-from conftest import TINY, evals, fails, python, torchrun, write_token_files
+from conftest import TINY, evals, fails, python, torchrun, train_args, write_token_files
 from ddpgpt.model import GPT, GPTConfig
 
 # a dozen examples: short and long contexts and endings, non-ASCII text, a label given as a
@@ -186,9 +186,8 @@ def copy_run(tmp_path_factory, session_env, corpus):
     root = tmp_path_factory.mktemp("copy_run")
     data_dir, out = root / "data", root / "out"
     shutil.copytree(corpus, data_dir)
-    python("train.py", f"--data_dir={data_dir}", f"--out_dir={out}", *TINY,
-           "--gradient_accumulation_steps=1", "--max_iters=2", "--eval_interval=2",
-           env=session_env)
+    python("train.py", *train_args(data_dir, out, "--gradient_accumulation_steps=1",
+                                   "--max_iters=2", "--eval_interval=2"), env=session_env)
     return data_dir, out
 
 
@@ -207,16 +206,14 @@ def test_eval_of_a_checkpoint_whose_data_is_gone_says_what_to_give(corpus, swag_
     assert "val_loss" not in last_json(p.stdout) and "hellaswag_n" in last_json(p.stdout)
     p = python("eval.py", f"--out_dir={out}", f"--data_dir={corpus}", "--hellaswag=False",
                "--device=cpu", env=env)
-    assert last_json(p.stdout)["val_loss"] == pytest.approx(evals(out)[-1]["val_loss"],
-                                                            rel=1e-9)
+    assert last_json(p.stdout)["val_loss"] == pytest.approx(evals(out)[-1]["val_loss"], rel=1e-9)
 
 
 @pytest.mark.slow
 def test_a_mixture_reports_bits_per_byte_per_source(corpus, tmp_path, env):
     other = str(tmp_path / "other")
-    write_token_files(other, {s: np.random.default_rng(0).integers(0, 256, 20_000)
-                                        for s in tokenfile.SPLITS},
-                                tokenizer="byte", vocab_size=257, eot_token=256)
+    write_token_files(other, dict.fromkeys(tokenfile.SPLITS, np.random.default_rng(0).integers(
+        0, 256, 20_000)), tokenizer="byte", vocab_size=257, eot_token=256)
     out = tmp_path / "out"
     python("train.py", f"--data_mix={corpus}=0.7,{other}=0.3", f"--out_dir={out}", *TINY,
            "--gradient_accumulation_steps=1", "--max_iters=2", "--eval_interval=2", env=env)
@@ -254,12 +251,10 @@ def test_eval_of_a_checkpoint_whose_data_was_prepared_again_is_refused(corpus, c
 
 
 @pytest.mark.slow
-def test_without_the_data_tokenizer_bits_per_byte_are_left_out_and_hellaswag_refused(tmp_path,
-                                                                                     env):
+def test_without_the_data_tokenizer_bits_per_byte_are_left_out_and_hellaswag_refused(tmp_path, env):
     folder, out = str(tmp_path / "data"), f"--out_dir={tmp_path / 'out'}"
-    write_token_files(folder, {s: np.random.default_rng(0).integers(0, 300, 5_000)
-                                         for s in tokenfile.SPLITS},
-                                tokenizer="test", vocab_size=300, eot_token=299)
+    write_token_files(folder, dict.fromkeys(tokenfile.SPLITS, np.random.default_rng(0).integers(
+        0, 300, 5_000)), tokenizer="test", vocab_size=300, eot_token=299)
     args = [f"--data_dir={folder}", *TINY, "--gradient_accumulation_steps=1", "--max_iters=0"]
     p = python("train.py", *args, out, env=env)
     assert "note: the evaluations leave bits per byte out: unknown tokenizer 'test'" in p.stdout
@@ -284,8 +279,9 @@ def gpt2_setup(tmp_path_factory, session_env):
             p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(root / "gpt2-small")
     (root / "docs").mkdir()
+    text = "".join(f"Paragraph {i}: naïve café, 東京 and 🙂 cost €{i}.\n"
+                   for i in range(40))
     for d in range(4):
-        text = "".join(f"Paragraph {i}: naïve café, 東京 and 🙂 cost €{i}.\n" for i in range(40))
         (root / "docs" / f"doc{d}.txt").write_text(f"Document {d}.\n{text}", encoding="utf-8")
     python("prepare.py", f"--dataset={root / 'docs'}", "--tokenizer=gpt2", "--val_docs=1",
            f"--out_dir={root / 'data'}", "--num_proc=1", env=session_env)
@@ -356,8 +352,7 @@ def test_a_missing_file_and_nothing_to_evaluate(byte_run, tmp_path, env):
     p = fails("eval.py", f"--out_dir={byte_run}", f"--hellaswag_path={tmp_path}/nope.jsonl",
               env=env)
     assert f"hellaswag_path='{tmp_path}/nope.jsonl' is not a file" in p.stderr
-    p = fails("eval.py", f"--out_dir={byte_run}", "--hellaswag=False", "--val_loss=False",
-              env=env)
+    p = fails("eval.py", f"--out_dir={byte_run}", "--hellaswag=False", "--val_loss=False", env=env)
     assert "hellaswag=False and val_loss=False leave nothing to evaluate" in p.stderr
     p = fails("eval.py", f"--out_dir={tmp_path}", env=env)
     assert f"{tmp_path} holds no loadable checkpoint" in p.stderr

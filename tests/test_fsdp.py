@@ -9,15 +9,15 @@ import os
 import pickle
 import re
 import shutil
-import subprocess
 import time
 
 import psutil
 import pytest
 import torch
 
-from conftest import (ROOT, TINY, RunsCode, evals, fails, kill, metrics, on_ranks, process_tree,
-                      python, ranks_command, run, steps, torchrun, torchrun_command)
+from conftest import (ROOT, TINY, RunsCode, evals, fails, kill, process_tree, python,
+                      ranks_command, resumed_from, rows_so_far, run, started, steps, torchrun,
+                      torchrun_command)
 from ddpgpt import checkpoint
 from ddpgpt.runtime import Ranks
 
@@ -48,17 +48,10 @@ def relative_difference(a, b, key="loss"):
     return max(abs(a[i][key] / b[i][key] - 1) for i in b)
 
 
-def resumed_from(source, out, env, corpus, nproc, *extra):
-    """A run that resumes from a copy of source (a checkpoint) in a new out_dir, to iter 20:
-    on nproc ranks under torchrun, or on one as a plain process (one rank has no process
-    group: launch.init_distributed), as a user runs train.py on one."""
-    os.makedirs(out)
-    copy = shutil.copytree if os.path.isdir(source) else shutil.copy
-    copy(source, os.path.join(out, os.path.basename(source)))
-    args = train_args(corpus, out, "--init_from=resume", *extra)
-    p = on_ranks(nproc, "train.py", *args, env=env)
-    assert f"resuming from {os.path.join(out, os.path.basename(source))} (iter 10)" in p.stdout
-    return str(out)
+def resumed(source, out, env, corpus, nproc, *extra):
+    """The out_dir out of a run that resumes from a copy of source (a checkpoint at iter 10) to
+    iter 20, on nproc ranks (conftest.resumed_from)."""
+    return resumed_from(source, out, nproc, train_args(corpus, out, *extra), 10, env)
 
 
 @pytest.mark.slow
@@ -71,8 +64,7 @@ def test_fsdp_trains_as_ddp_and_writes_each_ranks_part(runs, corpus, tmp_path, e
     folder = checkpoint.path_for(runs["fsdp"], 20, folder=True)
     assert checkpoint.list_checkpoints(runs["fsdp"]) == [
         folder, checkpoint.path_for(runs["fsdp"], 10, folder=True)]
-    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp",
-                                          "values.pt"]
+    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "values.pt"]
     # each rank wrote its half of the weights and the optimizer's moments, about a half each
     parts = [os.path.getsize(os.path.join(folder, f"__{r}_0.distcp")) for r in (0, 1)]
     whole = os.path.getsize(checkpoint.path_for(runs["ddp"], 20))
@@ -95,7 +87,7 @@ def test_fsdp_resumes_bit_for_bit_after_a_rank_is_killed(runs, corpus, tmp_path,
         os.path.join(ROOT, "train.py"),
         train_args(corpus, killed, "--parallel=fsdp", "--log_interval=100", "--init_from=auto"),
         env, lambda: checkpoint.list_checkpoints(killed) and
-        any(r.get("iter", -1) >= 11 for r in rows_of(killed)), tmp_path / "log")
+        any(r.get("iter", -1) >= 11 for r in rows_so_far(killed)), tmp_path / "log")
     assert f"resuming from {checkpoint.path_for(killed, 10, folder=True)} (iter 10)" in out
     same = python("compare_runs.py", runs["fsdp"], killed, "--losses", env=env, check=False)
     assert same.returncode == 0 and "over 20 steps" in same.stdout, same.stdout
@@ -104,25 +96,17 @@ def test_fsdp_resumes_bit_for_bit_after_a_rank_is_killed(runs, corpus, tmp_path,
 def killing_rank_1(script, args, env, ready, log_path):
     """What script args printed on 2 ranks under torchrun with one restart, rank 1 killed
     (SIGKILL) once ready(): the restarted ranks must finish (exit 0)."""
-    with open(log_path, "w+") as log:
-        proc = subprocess.Popen(
-            [*torchrun_command(2), "--max-restarts=1", script, *args], cwd=ROOT,
-            env=dict(env, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), stdout=log,
-            stderr=subprocess.STDOUT)
-        wait_for(ready, proc)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if os.path.basename(script) in " ".join(p.cmdline())]
-        assert len(workers) == 2
-        workers[1].kill()
-        proc.wait(timeout=300)
-        log.seek(0)
-        out = log.read()
+    proc = started([*torchrun_command(2), "--max-restarts=1", script, *args],
+                   dict(env, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), log_path)
+    wait_for(ready, proc)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+               if os.path.basename(script) in " ".join(p.cmdline())]
+    assert len(workers) == 2
+    workers[1].kill()
+    proc.wait(timeout=300)
+    out = log_path.read_text()
     assert proc.returncode == 0, out
     return out
-
-
-def rows_of(out_dir):
-    return metrics(out_dir) if os.path.exists(os.path.join(out_dir, "metrics.jsonl")) else []
 
 
 def wait_for(condition, proc, timeout=240):
@@ -139,7 +123,7 @@ def test_a_sharded_checkpoint_resumes_on_another_world_size(runs, corpus, tmp_pa
     process reads it whole."""
     source = checkpoint.path_for(runs["fsdp"], 10, folder=True)
     for nproc, kind in ((4, "fsdp"), (1, "fsdp")):
-        out = resumed_from(source, tmp_path / f"{nproc}", env, corpus, nproc, f"--parallel={kind}")
+        out = resumed(source, tmp_path / f"{nproc}", env, corpus, nproc, f"--parallel={kind}")
         assert relative_difference(runs["fsdp"], out) <= RTOL
         assert checkpoint.list_checkpoints(out)[0] == checkpoint.path_for(out, 20, folder=True)
 
@@ -148,8 +132,8 @@ def test_a_sharded_checkpoint_resumes_on_another_world_size(runs, corpus, tmp_pa
 def test_ddp_and_fsdp_resume_each_others_checkpoints(runs, corpus, tmp_path, env):
     folder = checkpoint.path_for(runs["fsdp"], 10, folder=True)
     file = checkpoint.path_for(runs["ddp"], 10)
-    under_ddp = resumed_from(folder, tmp_path / "ddp", env, corpus, 2, "--parallel=ddp")
-    under_fsdp = resumed_from(file, tmp_path / "fsdp", env, corpus, 2, "--parallel=fsdp")
+    under_ddp = resumed(folder, tmp_path / "ddp", env, corpus, 2, "--parallel=ddp")
+    under_fsdp = resumed(file, tmp_path / "fsdp", env, corpus, 2, "--parallel=fsdp")
     assert relative_difference(runs["ddp"], under_ddp) <= RTOL
     assert relative_difference(runs["fsdp"], under_fsdp) <= RTOL
     # each wrote its own kind from there on; the one resumed from is not written again
@@ -204,21 +188,18 @@ def test_a_run_killed_while_a_save_is_in_flight_resumes_from_the_one_before(
     out = str(tmp_path / "out")
     args = train_args(corpus, out, f"--parallel={kind}", "--eval_interval=5")
     launch = ranks_command(nproc)
-    with open(tmp_path / "log", "w+") as log:
-        proc = subprocess.Popen(
-            [*launch, os.path.join(ROOT, "tests", "launch_slow_save.py"), *args], cwd=ROOT,
-            env=dict(env, SLOW_SAVE_S="10"), stdout=log, stderr=subprocess.STDOUT)
-        try:
-            # the save at 5 is published while the run goes on; the one at 10 is in flight
-            wait_for(lambda: checkpoint.list_checkpoints(out) and
-                     any(r.get("iter", -1) >= 13 for r in rows_of(out)), proc, timeout=300)
-            in_flight = glob.glob(os.path.join(out, "ckpt_0000010*tmp"))
-        finally:
-            kill(process_tree(proc.pid))
-            proc.wait()
+    proc = started([*launch, os.path.join(ROOT, "tests", "launch_slow_save.py"), *args],
+                   dict(env, SLOW_SAVE_S="10"), tmp_path / "log")
+    try:
+        # the save at 5 is published while the run goes on; the one at 10 is in flight
+        wait_for(lambda: checkpoint.list_checkpoints(out) and
+                 any(r.get("iter", -1) >= 13 for r in rows_so_far(out)), proc, timeout=300)
+        in_flight = glob.glob(os.path.join(out, "ckpt_0000010*tmp"))
+    finally:
+        kill(process_tree(proc.pid))
+        proc.wait()
     assert in_flight, "the save at 10 was not in flight when the run was killed"
-    assert checkpoint.list_checkpoints(out) == [
-        checkpoint.path_for(out, 5, folder=kind == "fsdp")]
+    assert checkpoint.list_checkpoints(out) == [checkpoint.path_for(out, 5, folder=kind == "fsdp")]
     p = run([*launch, os.path.join(ROOT, "train.py"), *args, "--init_from=resume"], env)
     assert "resuming from " + checkpoint.path_for(out, 5, folder=kind == "fsdp") in p.stdout
     assert not glob.glob(os.path.join(out, "*tmp"))  # what the killed save left is gone
@@ -228,8 +209,7 @@ def test_a_run_killed_while_a_save_is_in_flight_resumes_from_the_one_before(
         whole = tmp_path / "whole"
         python("train.py", *train_args(corpus, whole, f"--parallel={kind}",
                                        "--eval_interval=5"), env=env)
-    assert sorted(steps(out)) == list(range(20))
-    assert relative_difference(whole, out) == 0
+    assert sorted(steps(out)) == list(range(20)) and relative_difference(whole, out) == 0
 
 
 @pytest.mark.slow
@@ -268,7 +248,7 @@ def test_export_eval_and_sample_read_a_checkpoint_folder(runs, corpus, tmp_path,
     python("export.py", checkpoint.path_for(runs["fsdp"], 10, folder=True), one_file, env=env)
     assert same_state(loaded(str(one_file)),
                       loaded(checkpoint.path_for(runs["fsdp"], 10, folder=True)))
-    out = resumed_from(str(one_file), tmp_path / "out", env, corpus, 1)
+    out = resumed(str(one_file), tmp_path / "out", env, corpus, 1)
     assert relative_difference(runs["fsdp"], out) <= RTOL
 
 

@@ -22,8 +22,7 @@ def expected_entries(config_cls):
     """What --help must say of each key: `--key=default  (type[, range])` and its help."""
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
-            else f.default
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         kind = configurator.type_name(hints[f.name])
         if configurator.bounds_text(f.metadata):
             kind += f", {configurator.bounds_text(f.metadata)}"
@@ -58,8 +57,7 @@ def test_help_lists_every_key_with_its_type_default_and_help(script, env, reques
 @pytest.mark.slow
 def test_h_is_help_too_wherever_it_is(env, train_help):
     out = train_help
-    assert python("train.py", "config/quickstart.py", "--max_iters=5", "-h",
-                  env=env).stdout == out
+    assert python("train.py", "config/quickstart.py", "--max_iters=5", "-h", env=env).stdout == out
 
 
 @pytest.mark.slow

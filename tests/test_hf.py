@@ -21,7 +21,7 @@ from ddpgpt import checkpoint, configurator, hf, optim, tokenfile
 from ddpgpt.tokenizer import get_tokenizer
 from ddpgpt.weights import for_training
 from ddpgpt.settings import TrainConfig
-from conftest import ROOT, TINY, fails, python, run, stdlib_data, steps
+from conftest import ROOT, fails, python, run, stdlib_data, steps, train_args
 from ddpgpt.model import GPT, GPTConfig
 
 SMALL = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64)
@@ -69,8 +69,8 @@ def random_ids(t, vocab_size=50257):
 @pytest.fixture(scope="module")
 def gpt2_data(tmp_path_factory, session_env):
     """A few standard-library modules in GPT-2's tokens."""
-    return stdlib_data(tmp_path_factory.mktemp("gpt2_data"), ("argparse", "shutil", "textwrap"), "gpt2",
-                       session_env)
+    return stdlib_data(tmp_path_factory.mktemp("gpt2_data"), ("argparse", "shutil", "textwrap"),
+                       "gpt2", session_env)
 
 
 @pytest.fixture(scope="module")
@@ -175,8 +175,7 @@ def test_a_nanogpt_checkpoint_samples_resumes_and_exports(gpt2_data, tmp_path, e
     assert p.stdout.startswith("Hello") and "tokenizer 'gpt2' from nanoGPT's default" in p.stderr
     p = python("train.py", "--init_from=resume", f"--data_dir={gpt2_data}", f"--out_dir={out}",
                *RUN, "--max_iters=4", "--eval_interval=2", env=env)
-    assert f"resuming from {out / 'ckpt.pt'} (iter 2)" in p.stdout
-    assert sorted(steps(out)) == [2, 3]
+    assert f"resuming from {out / 'ckpt.pt'} (iter 2)" in p.stdout and sorted(steps(out)) == [2, 3]
     python("export.py", out / "ckpt.pt", dest, env=env)
     theirs = GPT2LMHeadModel.from_pretrained(dest).eval()
     assert theirs.config.vocab_size == 50257 and theirs.config.activation_function == "gelu"
@@ -191,14 +190,12 @@ def byte_run(corpus, tmp_path_factory, session_env):
     it, and read what it imported. A test that exports or writes copies it first."""
     out = tmp_path_factory.mktemp("byte_run") / "out"
     p = run([sys.executable, "-X", "importtime", os.path.join(ROOT, "train.py"),
-             f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
-             "--gradient_accumulation_steps=1", "--max_iters=1", "--eval_interval=1"],
-            session_env)
+             *train_args(corpus, out, "--gradient_accumulation_steps=1", "--max_iters=1",
+                         "--eval_interval=1")], session_env)
     return str(out), p
 
 
 def copy_of(byte_run, out):
-    """out, a copy of byte_run's out_dir."""
     shutil.copytree(byte_run[0], out)
     return out
 
@@ -215,8 +212,7 @@ def byte_exports(byte_run, tmp_path_factory, session_env):
     (root / "exported.tmp" / "notes.txt").write_text("mine")
     procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "export.py"), out, dest],
                               env=session_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True)
-             for _ in range(2)]
+                              text=True) for _ in range(2)]
     ends = [(p, *p.communicate(timeout=600)) for p in procs]
     return root, [(p.returncode, stdout, stderr) for p, stdout, stderr in ends]
 

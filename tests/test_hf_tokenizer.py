@@ -16,7 +16,7 @@ import pytest
 
 from ddpgpt import tokenfile
 from ddpgpt.tokenizer import byte_lengths, get_tokenizer
-from conftest import TINY, evals, fails, prepare_fails, python, torchrun
+from conftest import evals, fails, prepare_fails, python, torchrun, train_args
 
 # tokenizers, sentencepiece and transformers are imported in the functions that use them, not
 # here: each pytest-xdist worker imports every test file to collect it, for the worker that
@@ -202,9 +202,8 @@ def pipeline(prepared, tmp_path_factory, session_env):
     its export."""
     data, _ = prepared("bpe")
     work = tmp_path_factory.mktemp("hf_pipeline")
-    torchrun(2, "train.py", f"--data_dir={data}", f"--out_dir={work / 'out'}", *TINY,
-             "--max_iters=4", "--eval_interval=4", "--gradient_accumulation_steps=2",
-             env=session_env)
+    torchrun(2, "train.py", *train_args(data, work / "out", "--max_iters=4", "--eval_interval=4",
+                                        "--gradient_accumulation_steps=2"), env=session_env)
     python("export.py", work / "out", work / "export", env=session_env)
     return data, work / "out", work / "export"
 
@@ -272,9 +271,8 @@ def test_the_exports_autotokenizer_encodes_exactly_as_training_did(pipeline, tok
 
 
 @pytest.mark.slow
-def test_a_tokenizer_changed_after_prepare_is_refused_by_train_and_sample(pipeline,
-                                                                         tokenizers_dir, env,
-                                                                         tmp_path):
+def test_a_tokenizer_changed_after_prepare_is_refused_by_train_and_sample(pipeline, tokenizers_dir,
+                                                                         env, tmp_path):
     """The pipeline's tokenizer folder saved again as another tokenizer; the folder is put
     back after, for the other tests that read it."""
     data, out, _ = pipeline
@@ -282,8 +280,7 @@ def test_a_tokenizer_changed_after_prepare_is_refused_by_train_and_sample(pipeli
     os.rename(tok, tmp_path / "kept")
     try:
         save_bpe(tok, eos_token="<|endoftext|>")  # the same folder, another tokenizer
-        for script, args in (("train.py", [f"--data_dir={data}", *TINY,
-                                           f"--out_dir={tmp_path / 'out'}"]),
+        for script, args in (("train.py", train_args(data, tmp_path / "out")),
                              ("sample.py", [f"--out_dir={out}", "--device=cpu"])):
             message = fails(script, *args, env=env).stderr.strip().splitlines()[-1]
             assert message.startswith(f"{script}: error: the tokenizer '{tok}' is not the one "

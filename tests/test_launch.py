@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, TINY, evals, run, steps
+from conftest import ROOT, TINY, batches_and_losses, evals, run, steps
 from test_restarts import kill_at_steps
 
 SLURM_SCRIPTS = os.path.join(ROOT, "..", "shared", "slurm")
@@ -103,6 +103,14 @@ def sbatch(env, log, *train_args, nodes=2, **extra_env):
     return p.stdout.strip().split(";")[0]
 
 
+def train_job(env, corpus, folder, *train_args, **extra_env):
+    """sbatch of TINY on the corpus into folder/out, logged in folder/job.log: (job id, log,
+    out_dir)."""
+    log, out = str(folder / "job.log"), str(folder / "out")
+    return sbatch(env, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY, *train_args,
+                  **extra_env), log, out
+
+
 def job(env, job_id):
     """JobState, Restarts and ExitCode of a job, from scontrol."""
     out = run(["scontrol", "show", "job", "-o", job_id], env).stdout
@@ -128,8 +136,9 @@ def wait_for(env, job_id, log, until, timeout=240, what="the job"):
 
 
 def wait_done(env, job_id, log, timeout=240):
+    """The ended job's state (job()) and its log."""
     return wait_for(env, job_id, log, lambda i: i["JobState"] in FINAL_STATES, timeout,
-                    "the end of the job")
+                    "the end of the job"), read(log)
 
 
 def checkpoints(out_dir):
@@ -146,9 +155,11 @@ def wait_for_steps(env, job_id, log, out_dir, n, timeout):
         time.sleep(0.1)
 
 
-def start_requeued_now(env, job_id, log):
-    """SLURM holds a requeued job for about two minutes (BeginTime). Once both nodes are idle
-    and the old job's credential is at least a second old, start it at once."""
+def usr1_then_start_requeued(env, job_id, log):
+    """USR1 to the batch script, as SLURM sends it at --signal=B:USR1@<seconds> before the time
+    limit. SLURM then holds the requeued job for about two minutes (BeginTime): once both nodes
+    are idle and the old job's credential is at least a second old, start it at once."""
+    run(["scancel", "--signal=USR1", "--batch", job_id], env)
     wait_for(env, job_id, log, lambda i: i["JobState"] == "PENDING" and i["Restarts"] == "1",
              what="the requeue")
     deadline = time.monotonic() + 60
@@ -164,13 +175,11 @@ def start_requeued_now(env, job_id, log):
 @pytest.fixture(scope="module")
 def uninterrupted(slurm, corpus, tmp_path_factory):
     """One job of 2 nodes x 2 ranks from start to max_iters: (job id, log, out_dir)."""
-    d = tmp_path_factory.mktemp("uninterrupted")
-    log, out = str(d / "job.log"), str(d / "out")
-    job_id = sbatch(slurm, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
-                    f"--max_iters={MAX_ITERS}", f"--eval_interval={MAX_ITERS}",
-                    "--log_interval=100")
-    info = wait_done(slurm, job_id, log)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, read(log))
+    job_id, log, out = train_job(slurm, corpus, tmp_path_factory.mktemp("uninterrupted"),
+                                 f"--max_iters={MAX_ITERS}", f"--eval_interval={MAX_ITERS}",
+                                 "--log_interval=100")
+    info, text = wait_done(slurm, job_id, log)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text)
     return job_id, log, out
 
 
@@ -194,16 +203,11 @@ def test_two_nodes_of_two_ranks_train_to_the_end(uninterrupted):
 @pytest.mark.slow
 def test_usr1_saves_requeues_and_resumes_on_the_same_batches(slurm, corpus, uninterrupted,
                                                              tmp_path):
-    log, out = str(tmp_path / "job.log"), str(tmp_path / "out")
-    job_id = sbatch(slurm, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
-                    f"--max_iters={MAX_ITERS}", f"--eval_interval={MAX_ITERS}",
-                    "--log_interval=100")
+    job_id, log, out = train_job(slurm, corpus, tmp_path, f"--max_iters={MAX_ITERS}",
+                                 f"--eval_interval={MAX_ITERS}", "--log_interval=100")
     wait_for_steps(slurm, job_id, log, out, 3, timeout=120)
-    # what SLURM does at --signal=B:USR1@<seconds> before the time limit
-    run(["scancel", "--signal=USR1", "--batch", job_id], slurm)
-    start_requeued_now(slurm, job_id, log)
-    info = wait_done(slurm, job_id, log)
-    text = read(log)
+    usr1_then_start_requeued(slurm, job_id, log)
+    info, text = wait_done(slurm, job_id, log)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, text)
 
     stopped = int(re.search(r"stopping at iter (\d+): signal received", text).group(1))
@@ -215,12 +219,9 @@ def test_usr1_saves_requeues_and_resumes_on_the_same_batches(slurm, corpus, unin
     assert checkpoints(out) == [f"ckpt_{stopped:07d}.pt", f"ckpt_{MAX_ITERS:07d}.pt"]
 
     # the same global batches and the same losses, bit for bit, as the uninterrupted job
-    rows, whole = steps(out), steps(uninterrupted[2])
-    assert sorted(rows) == sorted(whole) == list(range(MAX_ITERS))
-    for i in range(MAX_ITERS):
-        assert (rows[i]["batch_fp"], rows[i]["loss"]) == (whole[i]["batch_fp"], whole[i]["loss"]), i
-    assert evals(out)[-1] == evals(uninterrupted[2])[-1]
-    assert evals(out)[-1]["iter"] == MAX_ITERS
+    assert sorted(steps(out)) == list(range(MAX_ITERS))
+    assert batches_and_losses(out) == batches_and_losses(uninterrupted[2])
+    assert evals(out)[-1] == evals(uninterrupted[2])[-1] and evals(out)[-1]["iter"] == MAX_ITERS
 
 
 @pytest.mark.slow
@@ -229,15 +230,13 @@ def test_fsdp_on_two_nodes_saves_each_ranks_part_at_usr1_and_resumes_from_it(slu
     """launch/ passes --parallel=fsdp through like any key: 4 ranks on 2 nodes write their
     parts of one checkpoint folder at the USR1 stop, and the requeued job resumes from it."""
     # 40 steps: the USR1 sent at step 3 lands by step ~14 even at a load of 15 (MAX_ITERS)
-    log, out, iters = str(tmp_path / "job.log"), str(tmp_path / "out"), 40
-    job_id = sbatch(slurm, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
-                    "--parallel=fsdp", f"--max_iters={iters}", f"--eval_interval={iters}",
-                    "--log_interval=100")
+    iters = 40
+    job_id, log, out = train_job(slurm, corpus, tmp_path, "--parallel=fsdp",
+                                 f"--max_iters={iters}", f"--eval_interval={iters}",
+                                 "--log_interval=100")
     wait_for_steps(slurm, job_id, log, out, 3, timeout=180)
-    run(["scancel", "--signal=USR1", "--batch", job_id], slurm)
-    start_requeued_now(slurm, job_id, log)
-    info = wait_done(slurm, job_id, log, timeout=400)
-    text = read(log)
+    usr1_then_start_requeued(slurm, job_id, log)
+    info, text = wait_done(slurm, job_id, log, timeout=400)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, text)
     stopped = int(re.search(r"stopping at iter (\d+): signal received", text).group(1))
     assert 3 <= stopped < iters and "parallel = 'fsdp'" in text, text
@@ -251,40 +250,31 @@ def test_fsdp_on_two_nodes_saves_each_ranks_part_at_usr1_and_resumes_from_it(slu
 
 
 @pytest.mark.slow
-def test_sigterm_saves_at_one_step_and_a_cancelled_job_stays_cancelled(slurm, corpus,
-                                                                      tmp_path):
-    log, out = str(tmp_path / "job.log"), str(tmp_path / "out")
-    job_id = sbatch(slurm, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
-                    f"--max_iters={MAX_ITERS}", f"--eval_interval={MAX_ITERS}")
-    metrics = os.path.join(out, "metrics.jsonl")
-    deadline = time.monotonic() + 120
-    while not (os.path.exists(metrics) and len(steps(out)) >= 3):
-        assert time.monotonic() < deadline, read(log) if os.path.exists(log) else ""
-        time.sleep(0.1)
+def test_sigterm_saves_at_one_step_and_a_cancelled_job_stays_cancelled(slurm, corpus, tmp_path):
+    job_id, log, out = train_job(slurm, corpus, tmp_path, f"--max_iters={MAX_ITERS}",
+                                 f"--eval_interval={MAX_ITERS}")
+    wait_for_steps(slurm, job_id, log, out, 3, timeout=120)
     run(["scancel", job_id], slurm)  # SIGTERM to every process, SIGKILL after KillWait (5 s)
-    info = wait_done(slurm, job_id, log)
+    info = wait_done(slurm, job_id, log)[0]
     time.sleep(1)
     text = read(log)
     assert info["JobState"] == "CANCELLED" and job(slurm, job_id)["Restarts"] == "0", text
     stopped = int(re.search(r"stopping at iter (\d+): signal received", text).group(1))
     assert f"saved {out}/ckpt_{stopped:07d}.pt" in text, text
     assert checkpoints(out) == [f"ckpt_{stopped:07d}.pt"]
-    assert sorted(steps(out)) == list(range(stopped))
-    assert "requeueing" not in text
+    assert sorted(steps(out)) == list(range(stopped)) and "requeueing" not in text
 
 
 @pytest.mark.slow
 def test_a_failing_rank_ends_the_job_at_once_with_its_error(slurm, corpus, tmp_path):
-    log, out = str(tmp_path / "job.log"), str(tmp_path / "out")
     t0 = time.monotonic()
     # rank 3 (on the second node) fails reading its 5th batch; the collective timeout stays
     # at 600 s, which the job must not wait for
-    job_id = sbatch(slurm, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
-                    f"--max_iters={MAX_ITERS}", f"--eval_interval={MAX_ITERS}",
-                    "--dist_timeout_s=600",
-                    TRAIN_SCRIPT=os.path.join(ROOT, "tests", "launch_failing_rank.py"),
-                    FAIL_RANK="3", FAIL_AFTER="5")
-    info = wait_done(slurm, job_id, log, timeout=180)
+    job_id, log, out = train_job(
+        slurm, corpus, tmp_path, f"--max_iters={MAX_ITERS}", f"--eval_interval={MAX_ITERS}",
+        "--dist_timeout_s=600", TRAIN_SCRIPT=os.path.join(ROOT, "tests", "launch_failing_rank.py"),
+        FAIL_RANK="3", FAIL_AFTER="5")
+    info = wait_done(slurm, job_id, log, timeout=180)[0]
     elapsed = time.monotonic() - t0
     text = read(log)
     assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", (info, text)
@@ -301,19 +291,14 @@ def test_a_killed_rank_restarts_within_the_job_and_goes_on_on_the_same_batches(
     its ranks within the job step, they resume from the newest checkpoint (a checkpoint every
     30 steps: one before each kill and one between them), and the steps are the uninterrupted
     job's, bit for bit."""
-    log, out = str(tmp_path / "job.log"), str(tmp_path / "out")
-    job_id = sbatch(slurm, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
-                    f"--max_iters={MAX_ITERS}", "--eval_interval=30", "--log_interval=100",
-                    MAX_RESTARTS="2")
+    job_id, log, out = train_job(slurm, corpus, tmp_path, f"--max_iters={MAX_ITERS}",
+                                 "--eval_interval=30", "--log_interval=100", MAX_RESTARTS="2")
     kill_at_steps(out, [(40, 3, signal.SIGKILL), (80, 0, signal.SIGKILL)], procs=[])
-    info = wait_done(slurm, job_id, log)
-    text = read(log)
+    info, text = wait_done(slurm, job_id, log)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", (info, text)
     assert "max restarts 2" in text and text.count("resuming from") == 2, text
-    rows, whole = steps(out), steps(uninterrupted[2])
-    assert sorted(rows) == sorted(whole) == list(range(MAX_ITERS))
-    for i in range(MAX_ITERS):
-        assert (rows[i]["batch_fp"], rows[i]["loss"]) == (whole[i]["batch_fp"], whole[i]["loss"]), i
+    assert sorted(steps(out)) == list(range(MAX_ITERS))
+    assert batches_and_losses(out) == batches_and_losses(uninterrupted[2])
 
 
 @pytest.mark.slow
@@ -325,8 +310,7 @@ def test_an_init_from_in_a_config_file_wins_over_the_batch_scripts_auto(slurm, c
     config.write_text('init_from = "resume"\n')
     job_id = sbatch(slurm, log, config, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
                     "--max_iters=10", nodes=1, NPROC_PER_NODE="1")
-    info = wait_done(slurm, job_id, log)
-    text = read(log)
+    info, text = wait_done(slurm, job_id, log)
     assert info["JobState"] == "FAILED", (info, text)
     assert f"init_from='resume' but {out} holds no loadable checkpoint" in text, text
 
@@ -334,15 +318,12 @@ def test_an_init_from_in_a_config_file_wins_over_the_batch_scripts_auto(slurm, c
 @pytest.mark.slow
 def test_one_srun_task_per_rank(slurm, corpus, tmp_path):
     """LAUNCHER=srun: no torchrun; train.py takes its rank from SLURM_PROCID."""
-    log, out = str(tmp_path / "job.log"), str(tmp_path / "out")
-    job_id = sbatch(slurm, log, f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
-                    "--max_iters=10", "--eval_interval=10", LAUNCHER="srun")
-    info = wait_done(slurm, job_id, log)
-    text = read(log)
+    job_id, log, out = train_job(slurm, corpus, tmp_path, "--max_iters=10", "--eval_interval=10",
+                                 LAUNCHER="srun")
+    info, text = wait_done(slurm, job_id, log)
     assert info["JobState"] == "COMPLETED", (info, text)
     assert "2 node(s) x 2 rank(s), srun" in text and "world size 4," in text
-    assert checkpoints(out) == ["ckpt_0000010.pt"]
-    assert sorted(steps(out)) == list(range(10))
+    assert checkpoints(out) == ["ckpt_0000010.pt"] and sorted(steps(out)) == list(range(10))
 
 
 FLIGHT_RECORDER = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE")
@@ -357,8 +338,7 @@ def test_every_rank_gets_the_flight_recorder_settings(slurm, tmp_path):
                     TRAIN_SCRIPT=os.path.join(ROOT, "tests", "print_rank_env.py"))
     folder = os.path.join(ROOT, "flight_recorder", f"{job_id}-0")
     try:
-        info = wait_done(slurm, job_id, log)
-        text = read(log)
+        info, text = wait_done(slurm, job_id, log)
         assert info["JobState"] == "COMPLETED", (info, text)
         assert (f"srun.sh: NCCL flight recorder: the last 4000 collectives of each rank, written "
                 f"on a collective timeout to {folder}/rank_<rank>") in text, text
@@ -374,8 +354,7 @@ def test_every_rank_gets_the_flight_recorder_settings(slurm, tmp_path):
 
 def test_srun_sh_outside_an_allocation(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
-    p = run(["bash", os.path.join(ROOT, "launch", "srun.sh"), "config/owt.py"], env,
-            check=False)
+    p = run(["bash", os.path.join(ROOT, "launch", "srun.sh"), "config/owt.py"], env, check=False)
     assert p.returncode == 2 and "not inside a SLURM allocation" in p.stderr
 
 

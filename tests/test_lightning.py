@@ -91,8 +91,7 @@ def test_sixteen_gib_file_costs_lightning_ranks_what_sixteen_mib_does_unlike_the
 
     seed = {d: [r for r in rows if r["design"] == "seed" and r["data_dir"] == d]
             for d in (small, larger)}
-    assert all(r["sampler"] == "DistributedSampler" and r["shuffle"]
-               for d in seed for r in seed[d])
+    assert all(r["sampler"] == "DistributedSampler" and r["shuffle"] for d in seed for r in seed[d])
     # the least over both fits and both ranks: the permutation is the same work in each, and
     # under load a rank's CPU time varies by more than the permutation's 0.9 s (once 1.15 s at
     # 16 MiB against 1.14 s at 32)
@@ -107,13 +106,11 @@ def test_sixteen_gib_file_costs_lightning_ranks_what_sixteen_mib_does_unlike_the
 
 
 def lightning(devices, out_dir, *args, env, **kw):
-    return python(EXAMPLE, f"--devices={devices}", f"--out_dir={out_dir}", *args, env=env,
-                  **kw)
+    return python(EXAMPLE, f"--devices={devices}", f"--out_dir={out_dir}", *args, env=env, **kw)
 
 
 @pytest.mark.slow
-def test_ranks_read_train_py_batches_and_a_resumed_checkpoint_continues_them(
-        env, corpus, tmp_path):
+def test_ranks_read_train_py_batches_and_a_resumed_checkpoint_continues_them(env, corpus, tmp_path):
     ref, whole, halves = tmp_path / "train_py", tmp_path / "whole", tmp_path / "halves"
     python("train.py", f"--data_dir={corpus}", f"--out_dir={ref}", *TINY,
            "--gradient_accumulation_steps=4", "--max_iters=6", env=env)
@@ -153,8 +150,7 @@ def test_ranks_read_train_py_batches_and_a_resumed_checkpoint_continues_them(
     a, b, c = steps(ref), steps(whole), steps(halves)
     assert sorted(a) == sorted(b) == sorted(c) == list(range(6))
     fps = [[run[i]["batch_fp"] for i in range(6)] for run in (a, b, c)]
-    assert fps[0] == fps[1] == fps[2]
-    assert len(set(fps[0])) == 6
+    assert fps[0] == fps[1] == fps[2] and len(set(fps[0])) == 6
     # the same initial weights on the same tokens: the same first loss as train.py
     assert b[0]["loss"] == pytest.approx(a[0]["loss"], rel=1e-5)
     assert [b[i]["loss"] for i in range(6)] == [c[i]["loss"] for i in range(6)]

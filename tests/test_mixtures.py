@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from ddpgpt import data, tokenfile
-from conftest import (TINY, evals, fails, python, same_on_any_world_size_and_resumed, steps,
-                      write_token_files)
+from conftest import (TINY, batches_and_losses, evals, fails, python,
+                      same_on_any_world_size_and_resumed, steps, write_token_files)
 
 WEIGHTS = (0.7, 0.2, 0.1)
 
@@ -95,9 +95,8 @@ def test_a_single_source_is_data_dir(env, corpus, tmp_path):
     args = [*TINY, "--gradient_accumulation_steps=1", "--max_iters=3", "--eval_interval=3"]
     python("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path / 'dir'}", *args, env=env)
     python("train.py", f"--data_mix={corpus}", f"--out_dir={tmp_path / 'mix'}", *args, env=env)
-    a, b = steps(tmp_path / "dir"), steps(tmp_path / "mix")
-    assert [(a[i]["batch_fp"], a[i]["loss"]) for i in range(3)] == \
-        [(b[i]["batch_fp"], b[i]["loss"]) for i in range(3)]
+    assert batches_and_losses(tmp_path / "dir", range(3)) == \
+        batches_and_losses(tmp_path / "mix", range(3))
     assert evals(tmp_path / "dir") == evals(tmp_path / "mix")
 
 

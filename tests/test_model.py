@@ -104,22 +104,14 @@ def test_gpt2_init():
 # nanoGPT's names and shapes for n_layer=1, n_embd=C, vocab V, block_size T, bias=True
 C, V, T = 32, 64, 16
 NANOGPT_KEYS = {
-    "transformer.wte.weight": (V, C),
-    "transformer.wpe.weight": (T, C),
-    "transformer.h.0.ln_1.weight": (C,),
-    "transformer.h.0.ln_1.bias": (C,),
-    "transformer.h.0.attn.c_attn.weight": (3 * C, C),
-    "transformer.h.0.attn.c_attn.bias": (3 * C,),
-    "transformer.h.0.attn.c_proj.weight": (C, C),
-    "transformer.h.0.attn.c_proj.bias": (C,),
-    "transformer.h.0.ln_2.weight": (C,),
-    "transformer.h.0.ln_2.bias": (C,),
-    "transformer.h.0.mlp.c_fc.weight": (4 * C, C),
-    "transformer.h.0.mlp.c_fc.bias": (4 * C,),
-    "transformer.h.0.mlp.c_proj.weight": (C, 4 * C),
-    "transformer.h.0.mlp.c_proj.bias": (C,),
-    "transformer.ln_f.weight": (C,),
-    "transformer.ln_f.bias": (C,),
+    "transformer.wte.weight": (V, C), "transformer.wpe.weight": (T, C),
+    "transformer.h.0.ln_1.weight": (C,), "transformer.h.0.ln_1.bias": (C,),
+    "transformer.h.0.attn.c_attn.weight": (3 * C, C), "transformer.h.0.attn.c_attn.bias": (3 * C,),
+    "transformer.h.0.attn.c_proj.weight": (C, C), "transformer.h.0.attn.c_proj.bias": (C,),
+    "transformer.h.0.ln_2.weight": (C,), "transformer.h.0.ln_2.bias": (C,),
+    "transformer.h.0.mlp.c_fc.weight": (4 * C, C), "transformer.h.0.mlp.c_fc.bias": (4 * C,),
+    "transformer.h.0.mlp.c_proj.weight": (C, 4 * C), "transformer.h.0.mlp.c_proj.bias": (C,),
+    "transformer.ln_f.weight": (C,), "transformer.ln_f.bias": (C,),
     "lm_head.weight": (V, C),
 }
 
@@ -173,8 +165,7 @@ def test_num_params_and_flops_per_token():
 def test_crop_block_size():
     model = tiny()
     model.crop_block_size(8)
-    assert model.config.block_size == 8
-    assert model.transformer.wpe.weight.shape == (8, 32)
+    assert model.config.block_size == 8 and model.transformer.wpe.weight.shape == (8, 32)
     x, y = batch(t=8)
     assert model(x, y)[0].shape == (4, 8, 64)
     with pytest.raises(ValueError):
@@ -187,8 +178,7 @@ def test_generate_length_and_context_crop():
     model = tiny().eval()
     idx = torch.zeros(2, 3, dtype=torch.long)
     out = model.generate(idx, 20)  # runs past block_size=16, so the context is cropped
-    assert out.shape == (2, 23)
-    assert torch.equal(out[:, :3], idx)
+    assert out.shape == (2, 23) and torch.equal(out[:, :3], idx)
     assert out.min() >= 0 and out.max() < 64
 
 

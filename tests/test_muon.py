@@ -5,13 +5,13 @@ under fsdp on 4 ranks, fsdp's folder on one process and under ddp, and a rank ki
 under fsdp."""
 import copy
 import os
-import shutil
 
 import pytest
 import torch
 
-from conftest import ROOT, TINY, evals, on_ranks, python, steps, torchrun
-from test_fsdp import killing_rank_1, rows_of
+from conftest import (ROOT, TINY, batches_and_losses, evals, python, resumed_from, rows_so_far,
+                      steps, torchrun)
+from test_fsdp import killing_rank_1, relative_difference
 from ddpgpt import checkpoint, muon, optim
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
@@ -135,19 +135,12 @@ ARGS = [*TINY, "--arch=modern", "--optimizer=muon", "--muon_ns_dtype=float32",
         "--grad_clip=0.1"]
 
 
-def relative_difference(a, b):
-    a, b = steps(a), steps(b)
-    assert b and set(b) <= set(a) and all(a[i]["batch_fp"] == b[i]["batch_fp"] for i in b)
-    return max(abs(a[i]["loss"] / b[i]["loss"] - 1) for i in b)
-
-
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory, session_env):
     """Out_dirs of the same 8 steps: 'one' process, 'ddp' and 'fsdp' on 2 ranks, saving at 4
     and 8."""
     root = tmp_path_factory.mktemp("muon")
-    python("train.py", f"--data_dir={corpus}", *ARGS, f"--out_dir={root / 'one'}",
-           env=session_env)
+    python("train.py", f"--data_dir={corpus}", *ARGS, f"--out_dir={root / 'one'}", env=session_env)
     for kind in ("ddp", "fsdp"):
         torchrun(2, "train.py", f"--data_dir={corpus}", *ARGS, f"--out_dir={root / kind}",
                  f"--parallel={kind}", env=session_env)
@@ -167,20 +160,15 @@ def test_muon_resumes_bit_for_bit_on_2_ranks_and_on_1_reads_the_same_batches(run
     """ddp's file at 4 resumed on 2 ranks repeats the uninterrupted run bit for bit, Muon's
     momentum saved in it; on one process, the same batches and the same losses but for the
     order of the sums (the one process accumulates what DDP's all-reduce adds)."""
-    half = resumed(checkpoint.path_for(runs["ddp"], 4), tmp_path / "half", 2, "ddp", corpus,
-                   env)
-    a, b = steps(runs["ddp"]), steps(half)
-    assert sorted(b) == list(range(4, 8))
-    assert [(a[i]["loss"], a[i]["batch_fp"]) for i in range(4, 8)] == \
-        [(b[i]["loss"], b[i]["batch_fp"]) for i in range(4, 8)]
+    half = resumed(checkpoint.path_for(runs["ddp"], 4), tmp_path / "half", 2, "ddp", corpus, env)
+    assert sorted(steps(half)) == list(range(4, 8))
+    assert batches_and_losses(runs["ddp"], range(4, 8)) == batches_and_losses(half)
     assert evals(runs["ddp"])[-1] == evals(half)[-1]
     state, _ = checkpoint.load_latest(runs["ddp"])
-    assert state["model_args"]["arch"] == "modern" and set(state["optimizer"]) == {"muon",
-                                                                                    "adamw"}
+    assert state["model_args"]["arch"] == "modern" and set(state["optimizer"]) == {"muon", "adamw"}
     assert state["optimizer"]["muon"]["state"], "Muon's momentum buffers are saved"
     one = resumed(checkpoint.path_for(runs["ddp"], 4), tmp_path / "one", 1, "ddp", corpus, env)
-    assert sorted(steps(one)) == list(range(4, 8))
-    assert relative_difference(runs["ddp"], one) <= RTOL
+    assert sorted(steps(one)) == list(range(4, 8)) and relative_difference(runs["ddp"], one) <= RTOL
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +185,7 @@ def killed(runs, corpus, tmp_path_factory, session_env):
         [f"--data_dir={corpus}", *ARGS, f"--out_dir={out}", "--parallel=fsdp",
          "--init_from=auto"], dict(session_env, SLOW_RANK="0"),
         lambda: checkpoint.list_checkpoints(out) and
-        any(r.get("iter", -1) >= 5 for r in rows_of(out)), root / "log")
+        any(r.get("iter", -1) >= 5 for r in rows_so_far(out)), root / "log")
     return out, said
 
 
@@ -208,9 +196,7 @@ def test_fsdp_resumes_bit_for_bit_and_its_folder_on_one_process(runs, killed, co
     # the uninterrupted run's
     out, said = killed
     assert f"resuming from {checkpoint.path_for(out, 4, folder=True)} (iter 4)" in said
-    a, b = steps(runs["fsdp"]), steps(out)
-    assert [(a[i]["loss"], a[i]["batch_fp"]) for i in range(4, 8)] == \
-        [(b[i]["loss"], b[i]["batch_fp"]) for i in range(4, 8)]
+    assert batches_and_losses(runs["fsdp"], range(4, 8)) == batches_and_losses(out, range(4, 8))
     state = checkpoint.read(checkpoint.path_for(out, 8, folder=True))[0]
     shapes = {i: tuple(p.shape) for i, p in enumerate(
         p for n, p in GPT(GPTConfig(**state["model_args"])).named_parameters()
@@ -224,16 +210,10 @@ def test_fsdp_resumes_bit_for_bit_and_its_folder_on_one_process(runs, killed, co
 
 
 def resumed(source, out, nproc, kind, corpus, env):
-    """out_dir of a run that resumes from a copy of source (a checkpoint at iter 4) to 8, on
-    nproc ranks under kind."""
-    os.makedirs(out)
-    copy = shutil.copytree if os.path.isdir(source) else shutil.copy
-    copy(source, os.path.join(out, os.path.basename(source)))
-    args = [f"--data_dir={corpus}", *ARGS, f"--out_dir={out}", f"--parallel={kind}",
-            "--init_from=resume"]
-    p = on_ranks(nproc, "train.py", *args, env=env)
-    assert f"resuming from {os.path.join(out, os.path.basename(source))} (iter 4)" in p.stdout
-    return str(out)
+    """The out_dir out of a run that resumes from a copy of source (a checkpoint at iter 4) to
+    8, on nproc ranks under kind (conftest.resumed_from)."""
+    args = [f"--data_dir={corpus}", *ARGS, f"--out_dir={out}", f"--parallel={kind}"]
+    return resumed_from(source, out, nproc, args, 4, env)
 
 
 @pytest.mark.slow
@@ -255,6 +235,4 @@ def test_fsdp_recovers_from_a_rank_killed_mid_run_bit_for_bit(runs, killed):
     which resume from Muon's sharded momentum and repeat the uninterrupted run."""
     out, said = killed
     assert f"resuming from {checkpoint.path_for(out, 4, folder=True)} (iter 4)" in said
-    a, b = steps(runs["fsdp"]), steps(out)
-    assert [(a[i]["loss"], a[i]["batch_fp"]) for i in range(8)] == \
-        [(b[i]["loss"], b[i]["batch_fp"]) for i in range(8)]
+    assert batches_and_losses(runs["fsdp"], range(8)) == batches_and_losses(out, range(8))

@@ -39,8 +39,7 @@ def char_run(tmp_path_factory, session_env):
     text = "".join(rng.choice(list(CHARS), 30_000)) + CHARS  # every character, at least once
     data_dir = write_char_data(str(root / "data" / "shakespeare_char"), text)
     out = str(root / "out")
-    p = python("train.py", f"--data_dir={data_dir}", f"--out_dir={out}", *TRAIN,
-               env=session_env)
+    p = python("train.py", f"--data_dir={data_dir}", f"--out_dir={out}", *TRAIN, env=session_env)
     assert "vocab_size = 128" in p.stdout  # 65, rounded up to a multiple of 64
     assert f"data: {data_dir} has nanoGPT's meta.pkl: 65 characters" in p.stdout
     return root, data_dir, out

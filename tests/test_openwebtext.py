@@ -26,7 +26,8 @@ ODD_MEMBERS = [
     ("openwebtext/0002-b.txt", ""),
     ("openwebtext/0003-c.txt", "\n \n\n\t\n"),
     ("openwebtext/0004-d.txt", "one\n\n\ntwo\n\n\n\n\nthree\r\n\r\n\r\nfour\n\n"),
-    ("openwebtext/0005-e.txt", "  ünïcödé — 日本語 🎉\n\n\n\n\u00a0ends in an ideographic space\u3000"),
+    ("openwebtext/0005-e.txt",
+     "  ünïcödé — 日本語 🎉\n\n\n\n\u00a0ends in an ideographic space\u3000"),
     ("openwebtext/notes.md", "not a document"),
     ("openwebtext/._0006-f.txt", "macOS metadata, hidden"),
     ("openwebtext/0007-g.txt.bak", "a backup, not a document"),
@@ -103,9 +104,8 @@ def test_documents_are_what_the_loading_script_made(env, tmp_path, monkeypatch):
     outputs = []
     for num_proc in (2, 1):  # the same bytes, whatever the number of processes
         out = tmp_path / f"out{num_proc}"
-        p = python("prepare.py", "--dataset", tmp_path / "owt", "--tokenizer=gpt2",
-                   "--val_docs=3", "--seed=11", f"--num_proc={num_proc}", "--out_dir", out,
-                   env=env)
+        p = python("prepare.py", "--dataset", tmp_path / "owt", "--tokenizer=gpt2", "--val_docs=3",
+                   "--seed=11", f"--num_proc={num_proc}", "--out_dir", out, env=env)
         assert f"OpenWebText: {len(documents)} documents (.txt files) in 3 archives" in p.stdout
         assert "8,013,769" in p.stderr and "urlsf_subset03.tar, " in p.stderr  # the warning
         outputs.append([(out / name).read_bytes() for name in OUTPUTS])

@@ -213,7 +213,6 @@ def test_offline_tiktoken_error_gives_commands_that_work(env, tmp_path):
     offline = dict(env, TIKTOKEN_CACHE_DIR=str(tmp_path / "empty"))
     message = fails("prepare.py", *args, env=offline, cwd=tmp_path).stderr.strip()
     commands = message.split("point tiktoken at it: ")[1].split(" (this checkout ships")[0]
-    subprocess.run(["bash", "-c", f"{commands} && python {ROOT}/prepare.py "
-                    f"{' '.join(args)}"], cwd=tmp_path, env=offline, check=True,
-                   capture_output=True)
+    subprocess.run(["bash", "-c", f"{commands} && python {ROOT}/prepare.py {' '.join(args)}"],
+                   cwd=tmp_path, env=offline, check=True, capture_output=True)
     assert (tmp_path / "out" / "train.bin").stat().st_size > 0

@@ -4,8 +4,10 @@ import collections
 import contextlib
 import glob
 import json
+import multiprocessing
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -14,8 +16,9 @@ import numpy as np
 import psutil
 import pytest
 
-from ddpgpt import fileio, signals
-from conftest import OUTPUTS, ROOT, decoded, fails, python
+from ddpgpt import fileio, signals, workers
+from conftest import OUTPUTS, ROOT, decoded, fails, python, read_all
+from ddpgpt.errors import UserError
 from ddpgpt.tokenizer import get_tokenizer
 
 
@@ -26,10 +29,6 @@ def write_jsonl(path, n_docs, words=200):
             f.write(json.dumps({"text": f"document {d}: " + "lorem ipsum dolor " * (words // 3)})
                     + "\n")
     return path
-
-
-def read_all(folder):
-    return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder))}
 
 
 def last_line(stderr):
@@ -179,12 +178,6 @@ def test_a_worker_killed_while_sending_an_answer_is_named_too():
     cut short (multiprocessing's OSError, 'got end of file during message'), not the end of
     the pipe, and names the worker all the same. A real worker, killed, and a real pipe that
     ends inside a message."""
-    import multiprocessing
-    import struct
-
-    from ddpgpt import workers
-    from ddpgpt.errors import UserError
-
     context = multiprocessing.get_context("fork")
     process = context.Process(target=time.sleep, args=(60,))
     process.start()
@@ -204,8 +197,7 @@ def test_a_full_disk_says_where_and_damages_nothing_published(env, small_disk, t
     """A previous prepare's output in the out_dir stays as it was, byte for byte."""
     out = tmp_path / "disk" / "data"
     args = ["--tokenizer=byte", "--val_docs=2", "--num_proc=1", f"--out_dir={out}"]
-    python("prepare.py", f"--dataset={write_jsonl(tmp_path / 'small.jsonl', 20)}", *args,
-           env=env)
+    python("prepare.py", f"--dataset={write_jsonl(tmp_path / 'small.jsonl', 20)}", *args, env=env)
     before = read_all(out)
     big = write_jsonl(tmp_path / "big.jsonl", 2000)  # 2 MB of tokens, on a 1 MiB disk
     message = last_line(fails("prepare.py", f"--dataset={big}", *args, env=env).stderr)

@@ -245,8 +245,7 @@ def test_eval_sample_and_lightning_with_the_modern_block(modern_run, corpus, tmp
         "empty muon_params", "muon without a schedule", "rope_theta with gpt2",
         "rope_theta overflows float32", "rope_theta vanishes in float32"])
 def test_combinations_that_cannot_work(args, message, env, corpus, tmp_path):
-    p = fails("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path}", *TINY, *args,
-              env=env)
+    p = fails("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path}", *TINY, *args, env=env)
     assert message in p.stderr.strip().splitlines()[-1], p.stderr
 
 
@@ -264,12 +263,10 @@ def test_a_resume_keeps_its_optimizer_and_its_arch(modern_run, env, corpus, tmp_
     assert "optimizer='muon' ('adamw' there): the checkpoint in" in p.stderr
     assert "Resume with --optimizer=adamw" in p.stderr
     p = fails("train.py", *resume, f"--out_dir={muon}", env=env)  # the default: adamw
-    assert ("optimizer='adamw' ('muon' there)" in p.stderr and
-            "Resume with --optimizer=muon --muon_params='transformer.h.*.c_*.weight'"
-            in p.stderr)
+    assert "optimizer='adamw' ('muon' there)" in p.stderr and "Resume with --optimizer=muon " \
+           "--muon_params='transformer.h.*.c_*.weight'" in p.stderr
     p = fails("train.py", *resume, f"--out_dir={adamw}", "--arch=modern", env=env)
-    assert "arch='modern' ('gpt2' there): the architecture comes from the checkpoint" in \
-        p.stderr
+    assert "arch='modern' ('gpt2' there): the architecture comes from the checkpoint" in p.stderr
     # the arch comes from the checkpoint when it is not given, as the other architecture keys
     p = python("train.py", *resume, "--optimizer=muon", f"--out_dir={muon}", env=env)
     assert "arch = 'modern'" in p.stdout and sorted(steps(muon)) == [0, 1, 2, 3, 4]

@@ -4,12 +4,9 @@ recompute must draw its masks again), and selective without (where the CPU runs 
 attention kernel it keeps), under ddp and fsdp, with the loss in one piece and in chunks; a run
 resumes exactly under another mode than the one that saved its checkpoint; the loss in chunks
 trains as in one piece but for the sums' rounding."""
-import os
-import shutil
-
 import pytest
 
-from conftest import TINY, evals, steps, torchrun
+from conftest import TINY, evals, resumed_from, steps, torchrun
 from ddpgpt import checkpoint, configurator
 from ddpgpt.errors import UserError
 from ddpgpt.settings import TrainConfig
@@ -78,12 +75,7 @@ def test_a_run_resumes_exactly_under_another_mode(runs, corpus, tmp_path, env):
         out = tmp_path / case
         source = checkpoint.path_for(runs[case, saved_by], STEPS // 2,
                                      folder=CASES[case][0] == "fsdp")
-        os.makedirs(out)
-        (shutil.copytree if os.path.isdir(source) else shutil.copy)(
-            source, out / os.path.basename(source))
-        p = torchrun(2, "train.py", *train_args(corpus, out, case, resumed_in,
-                                                "--init_from=resume"), env=env)
-        assert f"(iter {STEPS // 2})" in p.stdout
+        resumed_from(source, out, 2, train_args(corpus, out, case, resumed_in), STEPS // 2, env)
         assert losses(out) == losses(runs[case, "none"])[STEPS // 2:]
 
 

@@ -16,32 +16,18 @@ import pytest
 import torch
 
 from ddpgpt import checkpoint, data, fileio, tokenfile
-from conftest import (ROOT, TINY, RunsCode, fails, first_steps, metrics, on_ranks, python, steps,
-                      torchrun, write_token_files)
+from conftest import (ROOT, RunsCode, fails, first_steps, metrics, on_ranks, python, started,
+                      steps, torchrun, train_args, wait_for_line, wait_for_step,
+                      write_token_files)
 
 
 def compare(env, a, b, *flags):
     return python("compare_runs.py", a, b, *flags, env=env, check=False)
 
 
-def train_args(corpus, out, *extra):
-    return [f"--data_dir={corpus}", f"--out_dir={out}", *TINY, *extra]
-
-
 def sha(path):
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
-
-
-def wait_for_step(out_dir, step, proc, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, "the run ended before the step it was to be killed at"
-        if os.path.exists(os.path.join(out_dir, "metrics.jsonl")) and any(
-                r.get("iter", -1) >= step for r in metrics(out_dir)):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"step {step} never came")
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +49,7 @@ def whole_on_two_ranks(tmp_path_factory, session_env, corpus):
     """8 steps on 2 ranks, uninterrupted: what a run resumed on another world size repeats,
     and whose checkpoint at 4 is what a first half on 2 ranks saves."""
     whole = str(tmp_path_factory.mktemp("whole") / "out")
-    torchrun(2, "train.py", *train_args(corpus, whole, *RESIZED, "--max_iters=8"),
-             env=session_env)
+    torchrun(2, "train.py", *train_args(corpus, whole, *RESIZED, "--max_iters=8"), env=session_env)
     return whole
 
 
@@ -100,8 +85,7 @@ def killed_mid_row_and_resumed(tmp_path_factory, session_env, corpus, one_rank):
 
 
 @pytest.mark.slow
-def test_compare_runs_names_the_first_step_that_differs(env, one_rank,
-                                                        killed_mid_row_and_resumed):
+def test_compare_runs_names_the_first_step_that_differs(env, one_rank, killed_mid_row_and_resumed):
     """b is one_rank (a) stopped at 2 and resumed with another seed."""
     a, (b, _) = one_rank, killed_mid_row_and_resumed
     diff = compare(env, a, b)
@@ -116,8 +100,7 @@ def test_compare_runs_counts_nan_losses_as_equal_and_leaves_out_a_cut_off_line(e
             for i in range(3)]
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "metrics.jsonl").write_text(
-            "".join(json.dumps(r) + "\n" for r in rows))
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with open(tmp_path / "b" / "metrics.jsonl", "a") as f:
         f.write('{"iter": 3, "loss": 4.9, "batch_')  # killed mid-write
     p = compare(env, tmp_path / "a", tmp_path / "b", "--losses")
@@ -136,10 +119,8 @@ def test_a_resume_after_a_kill_mid_row_starts_its_rows_on_a_line_of_their_own(
     JSON lines, and compare_runs.py and plot.py refused it from then on."""
     out, p = killed_mid_row_and_resumed
     assert [r["run"] for r in metrics(out) if "run" in r] == ["fresh", "resumed"]
-    assert sorted(steps(out)) == [0, 1, 2, 3]
-    assert compare(env, out, out).returncode == 0
-    assert f"note: {out}/metrics.jsonl ended in a line cut off when a run was stopped (" \
-        in p.stdout
+    assert sorted(steps(out)) == [0, 1, 2, 3] and compare(env, out, out).returncode == 0
+    assert f"note: {out}/metrics.jsonl ended in a line cut off when a run was stopped (" in p.stdout
 
 
 def save_big_checkpoint(out_dir, iter_num):
@@ -215,8 +196,7 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path, caplog):
     state, path = checkpoint.load_latest(out)
     assert path == checkpoint.path_for(out, 1) and state["iter_num"] == 1
     assert "ckpt_0000002.pt was refused: loading it would execute code" in caplog.messages[0]
-    assert "posix.system" in caplog.messages[0]
-    assert not marker.exists()
+    assert "posix.system" in caplog.messages[0] and not marker.exists()
 
 
 def test_refusing_a_checkpoint_that_would_run_code_never_suggests_loading_it(env, tmp_path):
@@ -343,22 +323,18 @@ def interrupted(tmp_path_factory, session_env, corpus):
     root = tmp_path_factory.mktemp("interrupted")
     out = str(root / "out")
     args = train_args(corpus, out, "--max_iters=100000", "--eval_interval=100000")
-    with open(root / "log", "w+") as log:
-        proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=session_env,
-                                stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_for_step(out, 1, proc)
-            second = fails("train.py", *train_args(corpus, out, "--max_iters=2"),
-                           env=session_env).stderr
-            wait_for_step(out, 3, proc)
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=60)
-        finally:
-            proc.kill()
-            proc.wait()
-        log.seek(0)
-        text = log.read()
-    return out, proc.pid, proc.returncode, text, second
+    proc = started([sys.executable, "train.py", *args], session_env, root / "log")
+    try:
+        wait_for_step(out, 1, proc)
+        second = fails("train.py", *train_args(corpus, out, "--max_iters=2"),
+                       env=session_env).stderr
+        wait_for_step(out, 3, proc)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    return out, proc.pid, proc.returncode, (root / "log").read_text(), second
 
 
 @pytest.mark.slow
@@ -384,21 +360,15 @@ def test_a_second_ctrl_c_stops_at_once(env, corpus, tmp_path):
     """The first Ctrl-C comes during the evaluation at iter 2, a long one here, so the second
     comes before any step could take the first into account. (Before the first step, the
     first Ctrl-C alone ends the run: tests/test_restarts.py.)"""
-    out = str(tmp_path / "out")
-    with open(tmp_path / "log", "w+") as log:
-        proc = subprocess.Popen([sys.executable, "train.py", *train_args(
-            corpus, out, "--eval_iters=500", "--eval_interval=2", "--max_iters=10")],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 300
-        while "iter 1: loss" not in (tmp_path / "log").read_text():
-            assert proc.poll() is None and time.time() < deadline
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
-        log.seek(0)
-        text = log.read()
+    out, log = str(tmp_path / "out"), tmp_path / "log"
+    proc = started([sys.executable, "train.py", *train_args(
+        corpus, out, "--eval_iters=500", "--eval_interval=2", "--max_iters=10")], env, log)
+    wait_for_line(log, "iter 1: loss", proc, timeout=300)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=30)
+    text = log.read_text()
     assert proc.returncode == 130 and "interrupted again: stopping now" in text, text
     assert "Traceback" not in text and not checkpoint.list_checkpoints(out)
 
@@ -423,15 +393,12 @@ def test_a_token_file_truncated_during_the_run_is_a_clear_error(env, corpus, tmp
     copy = tmp_path / "data"
     shutil.copytree(corpus, copy)
     out = str(tmp_path / "out")
-    with open(tmp_path / "log", "w+") as log:
-        proc = subprocess.Popen([sys.executable, "train.py", *train_args(copy, out),
-                                 "--max_iters=100000", "--eval_interval=100000"],
-                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        wait_for_step(out, 5, proc)
-        os.truncate(copy / "train.bin", 200)
-        proc.wait(timeout=120)
-        log.seek(0)
-        text = log.read()
+    proc = started([sys.executable, "train.py", *train_args(copy, out), "--max_iters=100000",
+                    "--eval_interval=100000"], env, tmp_path / "log")
+    wait_for_step(out, 5, proc)
+    os.truncate(copy / "train.bin", 200)
+    proc.wait(timeout=120)
+    text = (tmp_path / "log").read_text()
     assert proc.returncode == 1 and "Traceback" not in text, text
     assert "train.py: error: " in text and "train.bin is shorter than the" in text
     assert "truncated or replaced during the run" in text

@@ -18,8 +18,8 @@ import torch
 import pytest
 
 from ddpgpt import checkpoint, errors, peers, signals
-from conftest import ROOT, TINY, metrics, python, torchrun
-from test_reliability import wait_for_step
+from conftest import (ROOT, TINY, metrics, python, rows_so_far, started, torchrun,
+                      torchrun_command, wait_for_line, wait_for_step)
 
 # the restarts in a row of the test below; DDPGPT_TEST_RESTARTS=20 for the long loop
 RESTARTS = int(os.environ.get("DDPGPT_TEST_RESTARTS", "3"))
@@ -31,7 +31,6 @@ ARGS = [*TINY, "--gradient_accumulation_steps=2", f"--max_iters={MAX_ITERS}",
         "--eval_interval=50", "--log_interval=100", "--init_from=auto",
         # a restart that hangs in init_process_group (today's failure) fails within the test
         "--dist_timeout_s=60"]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def train_args(corpus, out, *extra):
@@ -64,16 +63,12 @@ def kill_at_steps(out, kills, procs):
     seen = 0
     for step, rank, sig in kills:
         deadline = time.monotonic() + 180
-        while not any(r.get("iter", -1) >= step for r in rows(out)[seen:]):
+        while not any(r.get("iter", -1) >= step for r in rows_so_far(out)[seen:]):
             assert all(p.poll() is None for p in procs), "the run ended before the kill"
             assert time.monotonic() < deadline, f"step {step} never came"
             time.sleep(0.05)
         os.kill(rank_process(rank, out).pid, sig)
-        seen = len(rows(out))
-
-
-def rows(out):
-    return metrics(out) if os.path.exists(os.path.join(out, "metrics.jsonl")) else []
+        seen = len(rows_so_far(out))
 
 
 def assert_same_run(env, reference, restarted, log, restarts):
@@ -95,10 +90,8 @@ def test_torchrun_restarts_a_run_again_and_again_and_it_continues_exactly(
     spacing = (MAX_ITERS - 30) // RESTARTS
     kills = [(30 + i * spacing, (i + 1) % 2, signal.SIGKILL) for i in range(RESTARTS)]
     args = [*ARGS, f"--eval_interval={min(50, spacing - 2)}"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen([*TORCHRUN, "--standalone", "--nproc_per_node=2",
-                                 f"--max-restarts={RESTARTS}", *train_args(corpus, out, *args)],
-                                cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    proc = started([*torchrun_command(2), f"--max-restarts={RESTARTS}",
+                    *train_args(corpus, out, *args)], env, log)
     try:
         kill_at_steps(out, kills, [proc])
         assert proc.wait(timeout=300) == 0, log.read_text()
@@ -121,10 +114,8 @@ def test_with_init_from_scratch_the_survivor_says_the_restart_will_be_refused(en
     restart is refused (was: 'init_from=scratch would start over', which it does not)."""
     out, log = str(tmp_path / "out"), tmp_path / "log"
     args = [a for a in ARGS if not a.startswith("--init_from")] + ["--eval_interval=10"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen([*TORCHRUN, "--standalone", "--nproc_per_node=2",
-                                 "--max-restarts=1", *train_args(corpus, out, *args)],
-                                cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    proc = started([*torchrun_command(2), "--max-restarts=1", *train_args(corpus, out, *args)],
+                   env, log)
     try:
         kill_at_steps(out, [(15, 1, signal.SIGKILL)], [proc])
         assert proc.wait(timeout=300) != 0
@@ -145,10 +136,7 @@ def test_ranks_whose_torchrun_is_killed_stop_save_and_free_the_out_dir(env, corp
     out, log = str(tmp_path / "out"), tmp_path / "log"
     args = [a for a in ARGS if not a.startswith("--max_iters")] + ["--max_iters=100000",
                                                                     "--log_interval=1"]
-    with open(log, "w") as f:
-        agent = subprocess.Popen([*TORCHRUN, "--standalone", "--nproc_per_node=2",
-                                  *train_args(corpus, out, *args)],
-                                 cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    agent = started([*torchrun_command(2), *train_args(corpus, out, *args)], env, log)
     try:
         wait_for_step(out, 3, agent)
         ranks = [rank_process(r, out) for r in (0, 1)]
@@ -180,15 +168,12 @@ def test_two_agents_as_two_nodes_restart_after_a_kill_on_either(env, corpus, uni
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = []
-    for node, log in enumerate(logs):
-        with open(log, "w") as f:
-            procs.append(subprocess.Popen(
-                [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
-                 f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=two-nodes-{port}",
-                 f"--rdzv-conf=is_host={int(node == 0)}", "--max-restarts=2",
-                 *train_args(corpus, out, *ARGS, "--eval_interval=20")],
-                cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT))
+    procs = [started([sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                      "--nproc_per_node=1", "--rdzv-backend=c10d",
+                      f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=two-nodes-{port}",
+                      f"--rdzv-conf=is_host={int(node == 0)}", "--max-restarts=2",
+                      *train_args(corpus, out, *ARGS, "--eval_interval=20")], env, log)
+             for node, log in enumerate(logs)]
     try:
         kill_at_steps(out, [(30, 1, signal.SIGKILL), (70, 0, signal.SIGKILL)], procs)
         for p, log in zip(procs, logs):
@@ -211,10 +196,7 @@ def test_the_survivors_of_a_dead_rank_say_whom_they_lost_and_end(env, corpus, tm
     out, log = str(tmp_path / "out"), tmp_path / "log"
     args = [*TINY, f"--gradient_accumulation_steps={2 * nproc}", "--max_iters=100000",
             "--eval_interval=20", "--log_interval=100000"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen([*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}",
-                                 *train_args(corpus, out, *args)],
-                                cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    proc = started([*torchrun_command(nproc), *train_args(corpus, out, *args)], env, log)
     try:
         wait_for_step(out, 25, proc)
         dead = rank_process(victim, out)
@@ -241,8 +223,7 @@ def test_the_survivors_of_a_dead_rank_say_whom_they_lost_and_end(env, corpus, tm
     assert f"The newest checkpoint is {out}/ckpt_00000" in paragraph
     assert "--init_from=auto" in paragraph and "The backend said: " in paragraph
     others = set(range(nproc)) - {victim, first}
-    assert len(re.findall(rf"lost rank {victim} \(pid \d+ on \S+\) too, in ", text)) == \
-        len(others)
+    assert len(re.findall(rf"lost rank {victim} \(pid \d+ on \S+\) too, in ", text)) == len(others)
     assert text.count("Traceback (most recent call last)") == 1  # torchrun's ChildFailedError
     assert f'File "{ROOT}' not in text and "[rank" not in text
 
@@ -296,14 +277,9 @@ def test_a_stop_signal_before_the_first_step_ends_the_run_at_once(env, corpus, t
 @pytest.mark.slow
 def test_ctrl_c_in_the_first_evaluation_ends_the_run_at_once(env, corpus, tmp_path):
     out, log = str(tmp_path / "out"), tmp_path / "log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, *train_args(
-            corpus, out, *TINY, "--eval_iters=20000", "--max_iters=10")], cwd=ROOT, env=env,
-            stdout=f, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while "world size" not in log.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
+    proc = started([sys.executable, *train_args(corpus, out, *TINY, "--eval_iters=20000",
+                                                "--max_iters=10")], env, log)
+    wait_for_line(log, "world size", proc, timeout=60)
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=10)
@@ -357,9 +333,8 @@ def test_ctrl_c_while_the_ranks_import_torch_is_one_line_from_each(env, corpus, 
     """torchrun passes Ctrl-C on to its ranks as SIGINT: in the seconds of torch's import each
     rank printed a KeyboardInterrupt traceback of ~28 lines."""
     out = str(tmp_path / "out")
-    proc = subprocess.Popen([*TORCHRUN, "--standalone", "--nproc_per_node=2", *train_args(
-        corpus, out, *TINY)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([*torchrun_command(2), *train_args(corpus, out, *TINY)], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
     ranks = []
     while len(ranks) < 2 or not all(importing_torch(r.pid) for r in ranks):
@@ -396,19 +371,13 @@ def test_a_line_to_stderr_is_written_whole():
 
 
 @pytest.mark.slow
-def test_a_rank_killed_in_start_up_leaves_the_survivor_saying_who_stopped_it(env, corpus,
-                                                                            tmp_path):
+def test_a_rank_killed_in_start_up_leaves_the_survivor_saying_who_stopped_it(env, corpus, tmp_path):
     """kill -9 of rank 1 in the first evaluation: torchrun stops rank 0 with SIGTERM, which
     said only "stopped by SIGTERM", as if a user had stopped the run."""
     out, log = str(tmp_path / "out"), tmp_path / "log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([*TORCHRUN, "--standalone", "--nproc_per_node=2", *train_args(
-            corpus, out, *TINY, "--eval_iters=20000", "--max_iters=10")], cwd=ROOT, env=env,
-            stdout=f, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 90
-    while "world size" not in log.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.05)
+    proc = started([*torchrun_command(2), *train_args(corpus, out, *TINY, "--eval_iters=20000",
+                                                      "--max_iters=10")], env, log)
+    wait_for_line(log, "world size", proc, timeout=90)
     rank_process(1, out).kill()
     proc.wait(timeout=60)
     assert "train.py: stopped by SIGTERM (rank 0) before the first step: nothing to save yet " \
@@ -457,16 +426,14 @@ def test_the_lost_rank_is_found_by_the_address_gloo_names(monkeypatch):
 def test_a_survivor_follows_the_notes_in_the_store_to_the_rank_lost_first(monkeypatch):
     """Rank 1 lost rank 2, left its note and exited, which broke rank 0's connection to it:
     rank 0 names rank 2."""
-    store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True,
-                                       wait_for_workers=False)
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     monkeypatch.setitem(peers.GROUP, "store", store)
     store.set(peers.NOTE.format(1), "2")
     assert peers.lost_first(1, rank=0) == 2
     assert store.get(peers.NOTE.format(0)) == b"2"  # its own note, for the next in line
     assert peers.lost_first(3, rank=0) == 3  # no note: rank 3 is the one
     store.set(peers.NOTE.format(4), "0")  # a note that leads back to this rank
-    assert peers.lost_first(4, rank=0) == 4
-    assert peers.lost_first(None, rank=0) is None
+    assert peers.lost_first(4, rank=0) == 4 and peers.lost_first(None, rank=0) is None
     monkeypatch.setitem(peers.GROUP, "store", None)
     assert peers.lost_first(5, rank=0) == 5
 

@@ -96,9 +96,8 @@ def test_prints_num_samples_each_starting_with_the_prompt(def_samples):
 @pytest.mark.slow
 def test_same_seed_same_samples_other_seed_others(trained, def_samples, env):
     # def_samples ran with the default seed, 1337: the same again, then another seed
-    runs = [def_samples.stdout] + [
-        sample(trained["byte"], "--start=def ", "--num_samples=3", f"--seed={seed}",
-               env=env).stdout for seed in (1337, 6)]
+    runs = [def_samples.stdout] + [sample(trained["byte"], "--start=def ", "--num_samples=3",
+                                          f"--seed={seed}", env=env).stdout for seed in (1337, 6)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
     assert len(set(samples(runs[0]))) == 3  # the samples of one run differ too
 

@@ -16,10 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from ddpgpt import data, tokenfile
-from conftest import (ROOT, TINY, decoded, fails, global_batches, python, read_with_ranks,
-                      same_on_any_world_size_and_resumed)
-
-
+from conftest import (ROOT, TINY, decoded, fails, global_batches, python, read_all,
+                      read_with_ranks, same_on_any_world_size_and_resumed)
 from ddpgpt.tokenizer import get_tokenizer
 
 
@@ -120,8 +118,7 @@ def test_ten_thousand_shards_cost_no_per_sample_table():
 def test_shard_sets_read_the_same_global_batches_on_any_world_size(env, tmp_path):
     folder = counting_shards(tmp_path / "shards")
     out = str(tmp_path / "read")
-    reference = global_batches(read_with_ranks(env, folder, out, nproc=1, micro_steps=4,
-                                               steps=4))
+    reference = global_batches(read_with_ranks(env, folder, out, nproc=1, micro_steps=4, steps=4))
     assert global_batches(read_with_ranks(env, folder, out, nproc=2, micro_steps=2,
                                           steps=4)) == reference
     resumed = read_with_ranks(env, folder, out, nproc=2, micro_steps=2, start_step=2, steps=2)
@@ -150,14 +147,28 @@ def write_corpus(path, n_docs, seed=0):
             f.write(json.dumps({"text": " ".join(rng.choice(words, 200 + d % 300))}) + "\n")
 
 
-def prepare_shards(env, corpus_path, out_dir, *extra, **kw):
-    return python("prepare.py", f"--dataset={corpus_path}", f"--out_dir={out_dir}",
-                  "--tokenizer=gpt2", "--val_fraction=0.01", "--num_proc=1", *extra, env=env,
-                  **kw)
+def shards_args(corpus_path, out_dir, *extra):
+    return [f"--dataset={corpus_path}", f"--out_dir={out_dir}", "--tokenizer=gpt2",
+            "--val_fraction=0.01", "--num_proc=1", *extra]
 
 
-def read_all(folder):
-    return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder))}
+def prepare_shards(env, corpus_path, out_dir, *extra):
+    return python("prepare.py", *shards_args(corpus_path, out_dir, *extra), env=env)
+
+
+def stopped_prepare(env, corpus_path, out_dir, shard, stop, *extra):
+    """A sharded prepare stopped (stop, a signal) once it has published the train shard
+    numbered shard: its exit code and stderr."""
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "prepare.py"),
+                             *shards_args(corpus_path, out_dir, *extra)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out_dir / f"train_{shard:06d}.bin").exists():
+        assert proc.poll() is None and time.time() < deadline, "it ended before the kill"
+        time.sleep(0.01)
+    proc.send_signal(stop)
+    stderr = proc.communicate(timeout=60)[1]
+    return proc.returncode, stderr
 
 
 @pytest.fixture(scope="module")
@@ -181,20 +192,10 @@ def test_a_stopped_sharded_prepare_resumes_and_writes_the_same_bytes(stop, env, 
     docs_jsonl, whole = whole_prepare
     shard = ["--shard_tokens=100000"]
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "prepare.py"),
-                             f"--dataset={docs_jsonl}", f"--out_dir={out}",
-                             "--tokenizer=gpt2", "--val_fraction=0.01", "--num_proc=1",
-                             *shard], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not (out / "train_000002.bin").exists():
-        assert proc.poll() is None and time.time() < deadline, "it ended before the kill"
-        time.sleep(0.01)
-    proc.send_signal(stop)
-    _, stderr = proc.communicate(timeout=60)
+    returncode, stderr = stopped_prepare(env, docs_jsonl, out, 2, stop, *shard)
     assert not (out / tokenfile.META_NAME).exists()
     if stop == signal.SIGTERM:
-        assert proc.returncode == 128 + stop and "Traceback" not in stderr, stderr
+        assert returncode == 128 + stop and "Traceback" not in stderr, stderr
         progress = json.loads((out / "prepare.progress.json").read_text())
         kept = sum(map(len, progress["splits"].values()))
         assert stderr.strip().splitlines()[-1] == (
@@ -213,21 +214,6 @@ def test_a_stopped_sharded_prepare_resumes_and_writes_the_same_bytes(stop, env, 
     assert len(docs) == 6_000
 
 
-def start_and_kill(env, corpus_path, out_dir, *extra):
-    """A sharded prepare killed outright once it has published its second train shard."""
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "prepare.py"),
-                             f"--dataset={corpus_path}", f"--out_dir={out_dir}",
-                             "--tokenizer=gpt2", "--val_fraction=0.01", "--num_proc=1",
-                             *extra], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while not (out_dir / "train_000001.bin").exists():
-        assert proc.poll() is None and time.time() < deadline, "it ended before the kill"
-        time.sleep(0.01)
-    proc.kill()
-    proc.wait()
-
-
 def test_a_resume_after_the_corpus_changed_starts_over(env, tmp_path):
     """Resumed with the old document count, it wrote other data than a fresh prepare does."""
     docs, shard = tmp_path / "docs", ["--shard_tokens=50000"]
@@ -235,7 +221,7 @@ def test_a_resume_after_the_corpus_changed_starts_over(env, tmp_path):
     for k in range(6):
         write_corpus(docs / f"part{k}.jsonl", 400, seed=k)
     out = tmp_path / "out"
-    start_and_kill(env, docs, out, *shard)
+    stopped_prepare(env, docs, out, 1, signal.SIGKILL, *shard)  # at its second train shard
     for k in range(3):
         (docs / f"part{k + 3}.jsonl").unlink()
     p = prepare_shards(env, docs, out, *shard)
@@ -254,9 +240,8 @@ def test_a_sharded_prepare_never_starts_over_a_complete_output(env, tmp_path):
     out, shard = tmp_path / "out", ["--shard_tokens=50000"]
     prepare_shards(env, tmp_path / "docs.jsonl", out, *shard)
     before = read_all(out)
-    message = fails("prepare.py", f"--dataset={tmp_path / 'docs.jsonl'}", f"--out_dir={out}",
-                    "--tokenizer=gpt2", "--val_fraction=0.01", "--num_proc=1", "--seed=7",
-                    *shard, env=env).stderr.strip().splitlines()[-1]
+    message = fails("prepare.py", *shards_args(tmp_path / "docs.jsonl", out, "--seed=7", *shard),
+                    env=env).stderr.strip().splitlines()[-1]
     assert message == (
         f"prepare.py: error: {out} holds a complete prepared dataset ({out / 'meta.json'}: "
         f"'gpt2' tokens of '{tmp_path / 'docs.jsonl'}', with other settings (seed 2357 then, 7 "
@@ -309,8 +294,7 @@ def test_llmc_format_output_is_what_llmc_reads(env, tmp_path, monkeypatch):
             assert (out / name).stat().st_size == 1024 + 2 * header[2]
     # and without meta.json, as llm.c shards downloaded elsewhere come, training reads them
     (out / tokenfile.META_NAME).unlink()
-    assert tokenfile.read_meta(str(out))["format"] == "llmc"
-    assert len(decoded_shards(out)) == 3_000
+    assert tokenfile.read_meta(str(out))["format"] == "llmc" and len(decoded_shards(out)) == 3_000
 
 
 @pytest.mark.slow
@@ -415,8 +399,7 @@ def unclear_folder(case, shards, llmc_data):
                            "which would be read as one train split"),
 ])
 @pytest.mark.slow
-def test_what_a_shard_folder_lacks_is_said(case, message, env, byte_shards, llmc_data,
-                                           tmp_path):
+def test_what_a_shard_folder_lacks_is_said(case, message, env, byte_shards, llmc_data, tmp_path):
     """Each said `train.bin does not exist`, advised a smaller block_size, raised
     FileNotFoundError, or read two datasets as one, while the folder told what was wrong."""
     folder, block_size = unclear_folder(case, byte_shards, llmc_data)

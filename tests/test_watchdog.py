@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from ddpgpt import watchdog
-from conftest import ROOT, TINY, fails, python, torchrun
-from test_reliability import wait_for_step
+from conftest import (ROOT, TINY, fails, python, started, torchrun, torchrun_command,
+                      wait_for_line, wait_for_step)
 
 HANG_S = 5
 ARGS = [*TINY, "--gradient_accumulation_steps=2", "--max_iters=100000",
@@ -31,16 +31,6 @@ def workers(proc):
             if "train.py" in " ".join(p.cmdline())}
 
 
-def wait_for_line(log, pattern, proc, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if re.search(pattern, log.read_text()):
-            return
-        assert proc.poll() is None, log.read_text()
-        time.sleep(0.1)
-    raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n{log.read_text()}")
-
-
 @pytest.mark.slow
 def test_a_stopped_rank_is_named_and_the_run_ends(env, corpus, tmp_path):
     """Rank 1 stops (SIGSTOP) mid-run: rank 0 dumps its stacks within the limit, names rank 1
@@ -51,11 +41,8 @@ def test_a_stopped_rank_is_named_and_the_run_ends(env, corpus, tmp_path):
     (out / "hang").mkdir(parents=True)
     (out / "hang" / "rank1.txt").write_text(json.dumps(
         {"rank": 1, "at": "iter 3", "where": "an earlier run", "time": time.time() - 3600}))
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-             os.path.join(ROOT, "train.py"), f"--data_dir={corpus}", f"--out_dir={out}", *ARGS],
-            cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    proc = started([*torchrun_command(2), os.path.join(ROOT, "train.py"), f"--data_dir={corpus}",
+                    f"--out_dir={out}", *ARGS], env, log)
     ranks = {}
     try:
         wait_for_step(str(out), 5, proc)
@@ -79,8 +66,7 @@ def test_a_stopped_rank_is_named_and_the_run_ends(env, corpus, tmp_path):
                      r'(forward_backward|share_step_results)', text), text
     assert re.search(r"hang \(rank 0\): +rank 0 \(iter \d+\) " + IN_ALL_REDUCE, text), text
     assert "hang (rank 0):   rank 1: no report (stopped, gone" in text
-    assert "hang (rank 1)" not in text
-    assert "exitcode  : 124" in text
+    assert "hang (rank 1)" not in text and "exitcode  : 124" in text
     assert ended < HANG_S + watchdog.REPORT_WAIT_S + TORCHRUN_GRACE_S + 15, ended
 
 
@@ -96,8 +82,7 @@ def test_a_rank_whose_data_read_blocks_is_named_in_the_data_path_and_dumps_its_c
     start = time.monotonic()
     p = torchrun(2, "tests/launch_stalling_rank.py", f"--data_dir={corpus}", f"--out_dir={out}",
                  *ARGS, env=dict(env, STALL_RANK="1", STALL_AFTER="10", STALL_FIFO=str(fifo),
-                                 TORCH_FR_BUFFER_SIZE="100",
-                                 TORCH_FR_DUMP_TEMP_FILE=str(recorded)),
+                                 TORCH_FR_BUFFER_SIZE="100", TORCH_FR_DUMP_TEMP_FILE=str(recorded)),
                  check=False, timeout=120)
     took = time.monotonic() - start
     assert p.returncode != 0 and "exitcode  : 124" in p.stderr, p.stderr
@@ -183,12 +168,10 @@ def test_a_start_up_hang_in_an_import_names_the_module(env, corpus, tmp_path):
     folder = tmp_path / "gpt2"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 257}))
-    p = python("train.py", f"--init_from={folder}", f"--data_dir={corpus}",
-               f"--out_dir={tmp_path / 'out'}", *TINY, "--startup_timeout_s=1", env=env,
-               check=False)
+    p = python("train.py", f"--init_from={folder}", f"--data_dir={corpus}", *TINY,
+               f"--out_dir={tmp_path / 'out'}", "--startup_timeout_s=1", env=env, check=False)
     assert p.returncode == watchdog.EXIT_CODE, p.stderr
-    assert re.search(r"hang \(rank 0\): where: hf\.\w+ -> import transformers",
-                     p.stderr), p.stderr
+    assert re.search(r"hang \(rank 0\): where: hf\.\w+ -> import transformers", p.stderr), p.stderr
     assert "<frozen" not in p.stderr.split("where:")[1]
 
 
@@ -202,8 +185,7 @@ def test_a_rank_stuck_where_python_cannot_run_still_dumps_its_stacks_and_exits(e
     p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 1 and p.stderr.startswith("Timeout (0:00:03)!"), p.stderr
-    assert 'File "<string>", line 1 in <module>' in p.stderr
-    assert "train.py: hang" not in p.stderr
+    assert 'File "<string>", line 1 in <module>' in p.stderr and "train.py: hang" not in p.stderr
 
 
 @pytest.mark.slow
@@ -212,8 +194,7 @@ def test_a_healthy_run_with_evaluations_and_saves_never_fires(env, corpus, tmp_p
     p = torchrun(2, "train.py", f"--data_dir={corpus}", f"--out_dir={out}", *TINY,
                  "--gradient_accumulation_steps=2", "--max_iters=20", "--eval_interval=10",
                  f"--hang_timeout_s={HANG_S}", "--startup_timeout_s=60", env=env)
-    assert "hang" not in p.stderr and not (out / "hang").exists()
-    assert "saved" in p.stdout
+    assert "hang" not in p.stderr and not (out / "hang").exists() and "saved" in p.stdout
 
 
 @pytest.mark.parametrize("key", ["hang_timeout_s", "startup_timeout_s"])
@@ -222,8 +203,7 @@ def test_a_negative_timeout_is_a_clear_error(env, key):
 
 
 def test_the_limit_is_ten_times_the_median_step_when_that_is_longer():
-    assert watchdog.limit_s(0, [1.0] * 10) is None
-    assert watchdog.limit_s(30, []) == 30
+    assert watchdog.limit_s(0, [1.0] * 10) is None and watchdog.limit_s(30, []) == 30
     assert watchdog.limit_s(30, [1.0] * 10) == 30
     assert watchdog.limit_s(30, [5.0] * 9 + [600.0]) == 50
 
