@@ -129,6 +129,7 @@ def doc_lengths(index):
 def doc_starts(index, places):
     """The first token of the documents at these places in length order (longest first), one
     pread each."""
+    make = f"`{INDEX_HINT.format(os.path.dirname(index.path))}`"
     try:
         fd = os.open(index.path, os.O_RDONLY)
         try:
@@ -137,12 +138,10 @@ def doc_starts(index, places):
             os.close(fd)
     except OSError as e:
         raise UserError(f"{index.path} could not be read during the run ({e.strerror}): make it "
-                        f"again with `{INDEX_HINT.format(os.path.dirname(index.path))}`, and "
-                        f"resume.") from None
+                        f"again with {make}, and resume.") from None
     if len(raw) != 8 * len(places):
         raise UserError(f"{index.path} is shorter than it was at start-up: it was cut or "
-                        f"replaced during the run. Make it again with "
-                        f"`{INDEX_HINT.format(os.path.dirname(index.path))}`, and resume.")
+                        f"replaced during the run. Make it again with {make}, and resume.")
     return np.frombuffer(raw, dtype="<i8").astype(np.int64)
 
 
