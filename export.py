@@ -96,8 +96,7 @@ def readme(state, path, tok, dest):
             f"    from transformers import AutoModelForCausalLM\n"
             f"    model = AutoModelForCausalLM.from_pretrained({dest!r})\n\n"
             f"## Tokenizer\n\n{tokenizer_note(tok, dest)}\n")
-    padding = args["vocab_size"] - tok.vocab_size
-    if padding:
+    if padding := args["vocab_size"] - tok.vocab_size:
         text += (f"\n## Vocabulary\n\nThe checkpoint's embedding had {args['vocab_size']} rows: "
                  f"train.py pads the vocabulary to a multiple of 64, which runs faster. The "
                  f"{padding} padding rows belong to no token (ids >= {tok.vocab_size} never "
