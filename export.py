@@ -130,16 +130,12 @@ def write(dest, state, path, tok):
 
 def write_file(dest, state):
     """DEST, a checkpoint file, complete or not at all."""
-    tmp = fileio.tmp_path(dest)
     try:
-        torch.save(state, tmp)
-        fileio.publish(tmp, dest)
+        with fileio.publishing(dest) as tmp:
+            torch.save(state, tmp)
     except (OSError, RuntimeError) as e:  # torch.save reports a short write as RuntimeError
         raise UserError(f"could not write {dest} ({e}); nothing is left there: free space or "
                         f"give another DEST.") from e
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def main(argv):

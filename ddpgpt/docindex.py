@@ -164,21 +164,16 @@ class Writer:
         """Write the index of token_split (whose documents were all added, ended by eot, or None)
         under a temporary name and publish it; the temporary files go, whatever happens."""
         self.file.close()
-        tmp = fileio.tmp_path(self.path)
         try:
-            lengths, counts = self.histogram(token_split.n_tokens)
-            with open(tmp, "wb") as out:
-                out.write(bytes(DOCS_HEADER_BYTES))  # written last, with fingerprints
-                self.write_by_length(out, lengths, counts, token_split.n_tokens)
-                fileio.write_array(out, np.concatenate([lengths, counts]).astype("<i8"))
-            own = tokenfile.sampled_fingerprint([tmp], DOCS_HEADER_BYTES)
-            with open(tmp, "r+b") as out:
-                out.write(doc_header(self.documents, len(lengths), token_split, eot, own))
-            fileio.publish(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(tmp)
-            raise
+            with fileio.publishing(self.path) as tmp:
+                lengths, counts = self.histogram(token_split.n_tokens)
+                with open(tmp, "wb") as out:
+                    out.write(bytes(DOCS_HEADER_BYTES))  # written last, with fingerprints
+                    self.write_by_length(out, lengths, counts, token_split.n_tokens)
+                    fileio.write_array(out, np.concatenate([lengths, counts]).astype("<i8"))
+                own = tokenfile.sampled_fingerprint([tmp], DOCS_HEADER_BYTES)
+                with open(tmp, "r+b") as out:
+                    out.write(doc_header(self.documents, len(lengths), token_split, eot, own))
         finally:
             self.discard()
 
