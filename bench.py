@@ -41,8 +41,7 @@ def parse_args(argv):
     p.add_argument("--report_only", action="store_true",
                    help="run nothing: rewrite the page from the JSON already in out_dir")
     args = p.parse_args(argv)
-    unknown = [part for part in args.parts if part not in PARTS]
-    if unknown:
+    if unknown := [part for part in args.parts if part not in PARTS]:
         p.error(f"unknown part(s) {', '.join(unknown)}: choose from {', '.join(PARTS)}")
     args.small = args.small or args.dry_run
     # with no GPU, "every part" leaves out the GPU's, whose results it could only replace with
@@ -62,8 +61,7 @@ def run_part(name, args, command):
     started, t0, load_start = datetime.datetime.now().astimezone(), time.time(), common.load_1m()
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as workdir:
         numbers = PARTS[name].run(args.small, args.device, workdir)
-        runs = numbers.pop("curves", [])  # out_dirs of train.py runs, drawn by plot.py
-        if runs:
+        if runs := numbers.pop("curves", []):  # out_dirs of train.py runs, drawn by plot.py
             common.check(common.run_watched(
                 [sys.executable, "plot.py", *runs, f"--out={curves_png(args.out_dir, name)}",
                  f"--title={PARTS[name].TITLE}: the runs' curves (plot.py)"],

@@ -96,8 +96,7 @@ def readme(state, path, tok, dest):
             f"    from transformers import AutoModelForCausalLM\n"
             f"    model = AutoModelForCausalLM.from_pretrained({dest!r})\n\n"
             f"## Tokenizer\n\n{tokenizer_note(tok, dest)}\n")
-    padding = args["vocab_size"] - tok.vocab_size
-    if padding:
+    if padding := args["vocab_size"] - tok.vocab_size:
         text += (f"\n## Vocabulary\n\nThe checkpoint's embedding had {args['vocab_size']} rows: "
                  f"train.py pads the vocabulary to a multiple of 64, which runs faster. The "
                  f"{padding} padding rows belong to no token (ids >= {tok.vocab_size} never "
@@ -131,16 +130,12 @@ def write(dest, state, path, tok):
 
 def write_file(dest, state):
     """DEST, a checkpoint file, complete or not at all."""
-    tmp = fileio.tmp_path(dest)
     try:
-        torch.save(state, tmp)
-        fileio.publish(tmp, dest)
+        with fileio.publishing(dest) as tmp:
+            torch.save(state, tmp)
     except (OSError, RuntimeError) as e:  # torch.save reports a short write as RuntimeError
         raise UserError(f"could not write {dest} ({e}); nothing is left there: free space or "
                         f"give another DEST.") from e
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def main(argv):

@@ -127,16 +127,12 @@ def main(argv):
     out = args.out or (os.path.join(args.runs[0], "curves.png") if len(args.runs) == 1
                        else "curves.png")
     fig = draw(runs, args.smooth, args.title)
-    tmp = fileio.tmp_path(out)
     try:
-        fig.savefig(tmp, format="png", dpi=100)
-        fileio.publish(tmp, out)
+        with fileio.publishing(out) as tmp:
+            fig.savefig(tmp, format="png", dpi=100)
     except OSError as e:
         raise UserError(f"could not write {out} ({e.strerror or e}): give --out a path in a "
                         f"folder you can write to") from e
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     print(f"plot.py: wrote {out} ({', '.join(labels)})")
     return 0
 

@@ -357,8 +357,7 @@ def prepare(cfg):
     llmc_name = docs.name.replace("_", "-")  # llm.c's names are <name>_<split>_<index>.bin
     settings = output_settings(cfg, llmc_name, docs, tokenizer)
     with lock.locked(out_dir, "prepare.py"):  # a second prepare would destroy this one's output
-        stale = fileio.remove_stale_temporaries(out_dir)
-        if stale:
+        if stale := fileio.remove_stale_temporaries(out_dir):
             print(f"prepare.py: removed {len(stale)} temporary file(s) that a killed run left "
                   f"in {out_dir}")
         progress = read_progress(out_dir, settings)

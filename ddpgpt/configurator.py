@@ -205,8 +205,7 @@ def end_now_if_unreadable(config_cls, argv, script):
         parse_given(config_cls, argv, script)
         return 0
 
-    status = errors.run(read, script, argv)
-    if status:
+    if status := errors.run(read, script, argv):
         raise SystemExit(status)
 
 

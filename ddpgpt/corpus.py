@@ -345,8 +345,7 @@ def local_archives(dataset):
     """The archives of a copy of OpenWebText: urlsf_subset*.tar in <dataset>/subsets (where
     `hf download --local-dir` puts them) or in <dataset> itself; [] for anything else."""
     for folder in (os.path.join(dataset, "subsets"), dataset):
-        archives = sorted(glob.glob(os.path.join(glob.escape(folder), OWT_GLOB)))
-        if archives:
+        if archives := sorted(glob.glob(os.path.join(glob.escape(folder), OWT_GLOB))):
             return archives
     return []
 
@@ -446,9 +445,10 @@ def open_corpus(dataset, column, num_proc, streaming=False, hub_config=""):
     return text_corpus(dataset, column)
 
 
-def counted(name, description, documents, identity=""):
-    """A Corpus whose documents are counted by reading them all once."""
-    return Corpus(name, description, documents, lambda: count_documents(documents), identity)
+def counted(name, description, documents, identity="", names=None):
+    """A Corpus whose documents are counted by reading them all once (names: see tally)."""
+    return Corpus(name, description, documents, lambda: count_documents(documents, names),
+                  identity)
 
 
 def text_corpus(dataset, column):
@@ -456,11 +456,9 @@ def text_corpus(dataset, column):
     if dataset == "pystdlib":
         root = sysconfig.get_paths()["stdlib"]
         files = stdlib_files(root)
-        return Corpus("pystdlib", f"{len(files)} .py files of {root}",
-                      lambda: map(python_source, files),
-                      lambda: count_documents(lambda: map(python_source, files),
-                                              [os.path.relpath(p, root) for p in files]),
-                      files_identity(files))
+        return counted("pystdlib", f"{len(files)} .py files of {root}",
+                       lambda: map(python_source, files), files_identity(files),
+                       [os.path.relpath(p, root) for p in files])
     if os.path.exists(dataset) or glob.has_magic(dataset) or dataset.endswith(EXTENSIONS):
         files = local_files(dataset)
         return counted(local_name(dataset), f"{dataset}, {len(files)} file(s)",

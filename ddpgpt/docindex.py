@@ -129,6 +129,7 @@ def doc_lengths(index):
 def doc_starts(index, places):
     """The first token of the documents at these places in length order (longest first), one
     pread each."""
+    make = f"`{INDEX_HINT.format(os.path.dirname(index.path))}`"
     try:
         fd = os.open(index.path, os.O_RDONLY)
         try:
@@ -137,12 +138,10 @@ def doc_starts(index, places):
             os.close(fd)
     except OSError as e:
         raise UserError(f"{index.path} could not be read during the run ({e.strerror}): make it "
-                        f"again with `{INDEX_HINT.format(os.path.dirname(index.path))}`, and "
-                        f"resume.") from None
+                        f"again with {make}, and resume.") from None
     if len(raw) != 8 * len(places):
         raise UserError(f"{index.path} is shorter than it was at start-up: it was cut or "
-                        f"replaced during the run. Make it again with "
-                        f"`{INDEX_HINT.format(os.path.dirname(index.path))}`, and resume.")
+                        f"replaced during the run. Make it again with {make}, and resume.")
     return np.frombuffer(raw, dtype="<i8").astype(np.int64)
 
 
@@ -165,21 +164,16 @@ class Writer:
         """Write the index of token_split (whose documents were all added, ended by eot, or None)
         under a temporary name and publish it; the temporary files go, whatever happens."""
         self.file.close()
-        tmp = fileio.tmp_path(self.path)
         try:
-            lengths, counts = self.histogram(token_split.n_tokens)
-            with open(tmp, "wb") as out:
-                out.write(bytes(DOCS_HEADER_BYTES))  # written last, with fingerprints
-                self.write_by_length(out, lengths, counts, token_split.n_tokens)
-                fileio.write_array(out, np.concatenate([lengths, counts]).astype("<i8"))
-            own = tokenfile.sampled_fingerprint([tmp], DOCS_HEADER_BYTES)
-            with open(tmp, "r+b") as out:
-                out.write(doc_header(self.documents, len(lengths), token_split, eot, own))
-            fileio.publish(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(tmp)
-            raise
+            with fileio.publishing(self.path) as tmp:
+                lengths, counts = self.histogram(token_split.n_tokens)
+                with open(tmp, "wb") as out:
+                    out.write(bytes(DOCS_HEADER_BYTES))  # written last, with fingerprints
+                    self.write_by_length(out, lengths, counts, token_split.n_tokens)
+                    fileio.write_array(out, np.concatenate([lengths, counts]).astype("<i8"))
+                own = tokenfile.sampled_fingerprint([tmp], DOCS_HEADER_BYTES)
+                with open(tmp, "r+b") as out:
+                    out.write(doc_header(self.documents, len(lengths), token_split, eot, own))
         finally:
             self.discard()
 

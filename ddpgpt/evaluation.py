@@ -112,6 +112,7 @@ def split_loss(model, token_split, offsets, ev, ranks, autocast, device, bpb=Tru
     """(mean loss, bits per byte or None) of one source's windows, shared out over the ranks.
     The losses stay on the device until the one transfer at the end."""
     mine = offsets[ranks.rank::ranks.world_size]
+    bpb = bpb and ev.token_bytes is not None
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     windows = n_bytes = 0
     # every rank runs as many forwards as the rank with the most windows: under fsdp each one
@@ -134,7 +135,7 @@ def split_loss(model, token_split, offsets, ev, ranks, autocast, device, bpb=Tru
         weight = int((y != -1).sum()) / ev.block_size
         loss_sum += loss.double() * weight
         windows += weight
-        if bpb and ev.token_bytes is not None:
+        if bpb:
             n_bytes += int(ev.token_bytes[y[:len(chunk)]].sum())
     total = torch.stack([loss_sum, torch.full_like(loss_sum, windows),
                          torch.full_like(loss_sum, n_bytes)])
@@ -142,8 +143,7 @@ def split_loss(model, token_split, offsets, ev, ranks, autocast, device, bpb=Tru
         dist.all_reduce(total)
     loss_sum, n, n_bytes = total.tolist()
     # every window's loss is the mean over its block_size targets: times block_size, the sum
-    with_bpb = bpb and ev.token_bytes is not None
-    return loss_sum / n, loss_sum * ev.block_size / math.log(2) / n_bytes if with_bpb else None
+    return loss_sum / n, loss_sum * ev.block_size / math.log(2) / n_bytes if bpb else None
 
 
 def hellaswag_scores(model, ev, ranks, autocast, device):

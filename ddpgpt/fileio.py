@@ -76,17 +76,23 @@ def write_array(file, array):
     file.write(memoryview(np.ascontiguousarray(array)).cast("B"))
 
 
-def write_json(path, obj):
+@contextlib.contextmanager
+def publishing(path):
+    """This process's temporary name for path (tmp_path), for the block to write; published
+    when the block ends, or on any way out of it (a full disk, a signal) removed."""
     tmp = tmp_path(path)
     try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
+        yield tmp
         publish(tmp, path)
-    except BaseException:  # a full disk, a signal: no temporary file stays behind
-        with contextlib.suppress(FileNotFoundError):
+    finally:
+        with contextlib.suppress(FileNotFoundError):  # published, or never made
             os.remove(tmp)
-        raise
+
+
+def write_json(path, obj):
+    with publishing(path) as tmp, open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
 
 
 def publish_folder(tmp_dir, final_dir):

@@ -141,8 +141,7 @@ def parse(line, where):
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise UserError(f"{where} is not JSON ({e.msg}): {FORMAT}.") from e
-    problem = problem_of(obj)
-    if problem:
+    if problem := problem_of(obj):
         raise UserError(f"{where}: {problem}: {FORMAT}.")
     return Example(obj["ctx"], tuple(obj["endings"]), int(obj["label"]))
 
@@ -152,8 +151,7 @@ def problem_of(obj):
     Hugging Face copy of the data set."""
     if not isinstance(obj, dict):
         return f"a JSON {type(obj).__name__}, not an object"
-    missing = [key for key in ("ctx", "endings", "label") if key not in obj]
-    if missing:
+    if missing := [key for key in ("ctx", "endings", "label") if key not in obj]:
         return f"no {', '.join(map(repr, missing))}"
     if not isinstance(obj["ctx"], str) or not obj["ctx"]:
         return f"the ctx {str(obj['ctx'])[:40]!r} is not a non-empty text"
@@ -204,14 +202,12 @@ def pack(rendered, labels, budget):
     def width(i):
         return max(map(len, rendered[i][0])) - 1
 
-    batches, current = [], []
+    groups = [[]]  # each batch's examples
     for i in sorted(range(len(rendered)), key=width):
-        if current and ENDINGS * (len(current) + 1) * width(i) > budget:
-            batches.append(make_batch([rendered[j] for j in current], [labels[j] for j in current]))
-            current = []
-        current.append(i)
-    batches.append(make_batch([rendered[j] for j in current], [labels[j] for j in current]))
-    return batches
+        if groups[-1] and ENDINGS * (len(groups[-1]) + 1) * width(i) > budget:
+            groups.append([])
+        groups[-1].append(i)
+    return [make_batch([rendered[j] for j in g], [labels[j] for j in g]) for g in groups]
 
 
 def prepare(path, tok, block_size, budget):

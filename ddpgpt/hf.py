@@ -285,20 +285,16 @@ def load(init_from):
     repo = repo_of(init_from)
     if init_from in NAMES:
         say_the_hub_comes_first(repo)
-    if model_type == "qwen3":
-        config = _fetch(lambda: transformers.Qwen3Config.from_pretrained(repo), init_from)
-        args = qwen3_args_of(config)
-        model = _fetch(lambda: transformers.Qwen3ForCausalLM.from_pretrained(
-            repo, config=config, dtype=torch.float32), init_from)
-        log.info(f"loaded the Qwen3 (arch='modern') weights of {repo}: "
-                 f"{model.num_parameters() / 1e6:.1f}M parameters")
-        return from_qwen3_state(model.state_dict()), args
-    config = _fetch(lambda: transformers.GPT2Config.from_pretrained(repo), init_from)
-    args = model_args_of(config)
-    model = _fetch(lambda: transformers.GPT2LMHeadModel.from_pretrained(
+    config_name, model_name, args_of, from_state, what = {
+        "gpt2": ("GPT2Config", "GPT2LMHeadModel", model_args_of, from_hf_state, "GPT-2"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", qwen3_args_of, from_qwen3_state,
+                  "Qwen3 (arch='modern')")}[model_type]
+    config = _fetch(lambda: getattr(transformers, config_name).from_pretrained(repo), init_from)
+    args = args_of(config)
+    model = _fetch(lambda: getattr(transformers, model_name).from_pretrained(
         repo, config=config, dtype=torch.float32), init_from)
-    log.info(f"loaded the GPT-2 weights of {repo}: {model.num_parameters() / 1e6:.1f}M parameters")
-    return from_hf_state(model.state_dict()), args
+    log.info(f"loaded the {what} weights of {repo}: {model.num_parameters() / 1e6:.1f}M parameters")
+    return from_state(model.state_dict()), args
 
 
 # ---- out: writing a folder ----

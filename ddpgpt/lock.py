@@ -73,15 +73,14 @@ def acquire(path, script):
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         holder = read_holder(fd)
+        locked_now = True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            locked_now = True
         except BlockingIOError:
             locked_now = False
         except OSError as e:  # a file system that cannot lock (ENOLCK, EOPNOTSUPP)
             log.warning(f"warning: the file system of {path} cannot lock files ({e.strerror}): "
                         f"only its contents keep a second writer out")
-            locked_now = True
         if locked_now and not same_file(fd, path):
             os.close(fd)  # its holder removed it between our open and our lock: a new one
             continue

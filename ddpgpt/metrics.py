@@ -210,11 +210,10 @@ def rank_telemetry(alone_s, data_wait_s, device, world_size):
         memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     mine = torch.tensor([alone_s * 1000, data_wait_s * 1000, memory / 2**20],
                         dtype=torch.float64, device=device)
-    every = [torch.zeros_like(mine) for _ in range(world_size)]
+    every = [mine]
     if world_size > 1:
+        every = [torch.zeros_like(mine) for _ in range(world_size)]
         dist.all_gather(every, mine)
-    else:
-        every = [mine]
     ms, wait, mib = zip(*torch.stack(every).tolist())
     return {"rank_ms": list(ms), "rank_data_wait_ms": list(wait), "rank_mem_mib": list(mib)}
 

@@ -55,13 +55,12 @@ def ns_dtype(setting, device_type):
     BF16. Others (ARM CPUs, mps) take float32, which is exact everywhere, until measured."""
     if setting != "auto":
         return NS_DTYPES[setting]
+    native = False
     if device_type == "cuda":
         native = torch.cuda.is_bf16_supported(including_emulation=False)
     elif device_type == "cpu":
         caps = torch.cpu.get_capabilities()
         native = bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
-    else:
-        native = False
     return torch.bfloat16 if native else torch.float32
 
 

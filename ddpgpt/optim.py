@@ -132,12 +132,9 @@ class MuonAdamW:
         return self.muon.param_groups + self.adamw.param_groups
 
     def step(self, closure=None):
-        """closure (Lightning's: the forward and backward) runs once, for both parts."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.muon.step()
+        """closure (Lightning's: the forward and backward) runs once, for both parts: in Muon's
+        step, which runs it first, as every torch optimizer does."""
+        loss = self.muon.step(closure)
         self.adamw.step()
         return loss
 

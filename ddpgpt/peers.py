@@ -13,7 +13,6 @@ from typing import Any, NamedTuple
 import torch.distributed as dist
 
 
-
 # ---- a store for each restart ----
 #
 # torchrun (torch 2.4 and later) hands every restart of the workers the same TCPStore: its
@@ -175,26 +174,21 @@ def lost_first(lost, rank):
     connections of the ranks that wait for it: those follow the notes back to the rank that
     went first. `lost` where there are none, or the store does not answer in time."""
     def follow():
-        first, seen = lost, {rank}
-        while first is not None:
-            key = NOTE.format(first)
-            note = store.get(key).decode() if store.check([key]) else ""
-            if not note or int(note) in seen:
-                break
-            seen.add(first)
-            first = int(note)
-        store.set(NOTE.format(rank), "" if first is None else str(first))
-        found.append(first)
-
-    def in_thread():
-        try:
-            follow()
-        except Exception:  # a store gone with its host: this rank's own view stands
-            pass
+        with contextlib.suppress(Exception):  # a store gone with its host: this rank's own view
+            first, seen = lost, {rank}
+            while first is not None:
+                key = NOTE.format(first)
+                note = store.get(key).decode() if store.check([key]) else ""
+                if not note or int(note) in seen:
+                    break
+                seen.add(first)
+                first = int(note)
+            store.set(NOTE.format(rank), "" if first is None else str(first))
+            found.append(first)
 
     store, found = GROUP["store"], []
     if store is not None:
-        thread = threading.Thread(target=in_thread, daemon=True)
+        thread = threading.Thread(target=follow, daemon=True)
         thread.start()
         thread.join(NOTE_WAIT_S)
     return found[0] if found else lost

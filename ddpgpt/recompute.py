@@ -43,10 +43,6 @@ def keep_matmuls(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in KEPT else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def selective_contexts():
-    return create_selective_checkpoint_contexts(keep_matmuls)
-
-
 def apply(model, mode, loss_chunks):
     """Each block of model recomputes in its backward what `mode` says ('none' leaves them),
     and its training loss is computed in loss_chunks checkpointed slices (model.chunked_loss)."""
@@ -55,7 +51,8 @@ def apply(model, mode, loss_chunks):
         return
     options = dict(use_reentrant=False)
     if mode == "selective":
-        options["context_fn"] = selective_contexts
+        options["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
+                                                  keep_matmuls)
     for block in model.transformer.h:
         # the block's forward replaced on the instance, not the block wrapped in a module, so
         # that its weights' names stay transformer.h.N.*; fsdp's hooks and compile still go

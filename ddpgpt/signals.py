@@ -26,10 +26,7 @@ def end_at_once_while_importing(script):
     seconds, and torchrun passes a Ctrl-C on to its ranks as SIGINT), SIGINT and SIGTERM end
     the process with before_steps' line instead of a KeyboardInterrupt traceback from each
     rank. One that the parent ignores (a background job's SIGINT) stays ignored."""
-    def stop(signum, frame):
-        end_before_steps(script, signum)
-
-    listen(EXIT_AT_ONCE, stop)
+    listen(EXIT_AT_ONCE, lambda signum, frame: end_before_steps(script, signum))
 
 
 def listen(signals, handler):

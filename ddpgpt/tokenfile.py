@@ -290,15 +290,11 @@ def missing_split(data_dir, split, meta):
             f"that holds train.bin and val.bin, or llm.c shards *_train_*.bin and *_val_*.bin.")
 
 
-def llmc_datasets(paths, split):
-    """The datasets' names of llm.c shards, <name>_<split>_<index>.bin."""
-    return sorted({os.path.basename(p).rsplit(f"_{split}_", 1)[0] for p in paths})
-
-
 def check_llmc_shards(data_dir, split, paths):
     """llm.c shards of one dataset only (two would be read as one split, in name order), and
     a notice where their numbering has gaps (a download that left some out?)."""
-    names = sorted({n for s in SPLITS for n in llmc_datasets(llmc_shards(data_dir, s), s)})
+    names = sorted({os.path.basename(p).rsplit(f"_{s}_", 1)[0]  # <name>_<split>_<index>.bin
+                    for s in SPLITS for p in llmc_shards(data_dir, s)})
     if len(names) > 1:
         raise UserError(
             f"{data_dir} holds llm.c shards of {len(names)} datasets ("

@@ -111,9 +111,8 @@ def offline_advice(encoding):
     vocab = shipped if os.path.exists(shipped) else f"<a copy of {encoding}.tiktoken>"
     return (f"tiktoken downloads it once and caches it. With no network, install a copy into a "
             f"cache folder and point tiktoken at it: PYTHONPATH={root} python -c \"from "
-            f"ddpgpt.tokenizer import "
-            f"install_tiktoken_file; install_tiktoken_file('{vocab}', 'tiktoken_cache', "
-            f"'{encoding}')\" && export TIKTOKEN_CACHE_DIR=$PWD/tiktoken_cache"
+            f"ddpgpt.tokenizer import install_tiktoken_file; install_tiktoken_file('{vocab}', "
+            f"'tiktoken_cache', '{encoding}')\" && export TIKTOKEN_CACHE_DIR=$PWD/tiktoken_cache"
             f"{' (this checkout ships that copy)' if vocab == shipped else ''}. To prepare data "
             f"with no vocabulary to fetch at all: prepare.py --tokenizer=byte.")
 
@@ -122,8 +121,7 @@ def _char_tokenizer(stoi, itos):
     """nanoGPT's character-level vocabulary: character itos[i] is id i. It has no end-of-text
     (eot None): nanoGPT's character data is one text."""
     def encode(text):
-        missing = sorted(set(text) - stoi.keys())
-        if missing:
+        if missing := sorted(set(text) - stoi.keys()):
             raise UserError(f"the text holds characters that the character-level vocabulary of "
                             f"its data (nanoGPT's meta.pkl, {len(itos)} characters) does not: "
                             f"{''.join(missing)!r}. Use only its characters.")
@@ -204,10 +202,8 @@ def byte_lengths(tok, n_ids):
     tiktoken vocabulary) count none."""
     lengths = np.zeros(n_ids, dtype=np.int64)
     for i in range(tok.vocab_size):
-        try:
+        with contextlib.suppress(KeyError):
             lengths[i] = len(tok.decode_bytes([i]))
-        except KeyError:
-            pass
     if tok.eot is not None:
         lengths[tok.eot] = 1
     return lengths
@@ -375,13 +371,8 @@ def fingerprint_of(hf):
 
 
 def end_of_document(hf):
-    """The id that ends every document: eos, else pad; None where there is neither, which
-    prepare.py refuses (no_end_of_document) and sample.py and eval.py read as 'char' is read,
-    with no end-of-text (export.py's of nanoGPT's characters)."""
-    for kind in ("eos", "pad"):
-        if getattr(hf, f"{kind}_token_id") is not None:
-            return getattr(hf, f"{kind}_token_id")
-    return None
+    """The id that ends every document: eos, else pad, else None (the comment above)."""
+    return hf.eos_token_id if hf.eos_token_id is not None else hf.pad_token_id
 
 
 def no_end_of_document(name):
@@ -405,8 +396,7 @@ def token_bytes(hf, vocab):
     for token, i in vocab.items():
         if i in special:
             continue
-        fallback = BYTE_FALLBACK.fullmatch(token)
-        if fallback:
+        if fallback := BYTE_FALLBACK.fullmatch(token):
             table[i] = bytes([int(fallback.group(1), 16)])
         elif byte_level and all(c in of_char for c in token):
             table[i] = b"".join(of_char[c] for c in token)

@@ -78,8 +78,7 @@ def stop():
 
 
 def limit_s(hang_timeout_s, step_times):
-    """The training limit: hang_timeout_s, or 10 x the median step if that is longer; None if
-    off."""
+    """The training limit: hang_timeout_s, or 10 x the median step if longer; None if off."""
     if not hang_timeout_s:
         return None
     return max(hang_timeout_s, SLOWER_THAN_MEDIAN * statistics.median(step_times or [0]))
@@ -260,8 +259,7 @@ def summary(reports, world_size):
         places.setdefault((report["at"], report["where"]), []).append(rank)
     lines = [f"{ranks_text(ranks)} ({at}) in {where}" for (at, where), ranks
              in sorted(places.items(), key=lambda item: (len(item[1]), item[1]))]
-    missing = [r for r in range(world_size) if r not in reports]
-    if missing:
+    if missing := [r for r in range(world_size) if r not in reports]:
         lines.append(f"{ranks_text(missing)}: no report (stopped, gone, or stuck where Python "
                      f"cannot run; a rank's log may still hold its stacks)")
     return lines
@@ -314,16 +312,11 @@ def described(ours, beyond, world_size):
     return " -> ".join(filter(None, (ours, beyond)))
 
 
-def stack(frame):
-    """The frames of a thread, innermost first."""
-    return [f for f, _ in traceback.walk_stack(frame)]
-
-
 def place(frame):
     """(the innermost frame of ours, the innermost beyond it), e.g. ('train.share_step_results',
     'all_reduce') or ('tokenfile.read_file', 'os.pread'): a C function has no frame of its
     own, so the call that our frame is in names it. '' for either that is not there."""
-    frames = stack(frame)
+    frames = [f for f, _ in traceback.walk_stack(frame)]  # innermost first
     ours = next((f for f in frames if is_ours(f)), None)
     beyond = calling(frames[0]) if is_ours(frames[0]) else qualname(frames[0])
     # an import (start-up, often) runs in frozen importlib frames: name the modules

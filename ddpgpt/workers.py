@@ -135,7 +135,6 @@ def send(worker, task):
     try:
         worker.tasks.send(task)
     except OSError:  # EPIPE: it is gone
-        worker.process.join(5)
         raise UserError(died(worker.process)) from None
     return worker
 
@@ -145,7 +144,6 @@ def result(worker):
     try:
         ok, value = worker.results.recv()
     except (EOFError, OSError):  # OSError: it died in the middle of sending an answer
-        worker.process.join(5)
         raise UserError(died(worker.process)) from None
     if not ok:
         raise value
@@ -153,6 +151,7 @@ def result(worker):
 
 
 def died(process):
+    process.join(5)  # its pipe ended: its exit status comes soon
     code = process.exitcode
     try:
         how = f"was killed by {signal.Signals(-code).name}"
