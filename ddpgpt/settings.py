@@ -199,6 +199,9 @@ class TrainConfig:
         check_bias(self.arch, self.bias)
         if self.init_from == "scratch" or self.init_from in NAMES:  # else the weights' arch
             check_only_for(self, "rope_theta", "arch", "modern")
+        for name in ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_params",
+                     "muon_ns_dtype"):
+            check_only_for(self, name, "optimizer", "muon")
         if self.arch == "modern" and self.init_from in NAMES:
             raise UserError(f"arch='modern' with init_from={self.init_from!r}: OpenAI's GPT-2 "
                             f"weights are arch='gpt2'. Fine-tune them with arch='gpt2' (the "

@@ -238,11 +238,15 @@ def test_eval_sample_and_lightning_with_the_modern_block(modern_run, corpus, tmp
     (["--rope_theta=500000", "--max_iters=1"],
      "rope_theta=500000.0 is a setting of arch='modern', and this run is arch='gpt2': add "
      "--arch=modern, or leave rope_theta out."),
+    (["--muon_ns_dtype=float32", "--muon_lr=0.5"],
+     "muon_lr=0.5 is a setting of optimizer='muon', and this run is optimizer='adamw': add "
+     "--optimizer=muon, or leave muon_lr out."),
     (["--arch=modern", "--rope_theta=1e300"], "rope_theta=1e+300 must be above 1 and below "
                                               "3.4e+38 (rope_theta: modern: the base of"),
     (["--arch=modern", "--rope_theta=1e-300"], "rope_theta=1e-300 must be above 1 and below"),
 ], ids=["modern GPT-2 weights", "modern with biases", "Muon on a norm", "Muon on nothing",
         "empty muon_params", "muon without a schedule", "rope_theta with gpt2",
+        "muon's keys with adamw",
         "rope_theta overflows float32", "rope_theta vanishes in float32"])
 def test_combinations_that_cannot_work(args, message, env, corpus, tmp_path):
     p = fails("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path}", *TINY, *args, env=env)
