@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
+from ddpgpt.fileio import alive
+
 
 # ---- a store for each restart ----
 #
@@ -156,6 +158,15 @@ def same_ip(own, named_ip):
     may be listed in its IPv6 form, ::ffff:10.0.0.7)."""
     return own in (named_ip, "0.0.0.0", "::") or own.endswith(f":{named_ip}") \
         or named_ip.endswith(f":{own}")
+
+
+def ended_here():
+    """The ranks of this host whose process has ended, named: torchrun stops the others with
+    SIGTERM when one fails, and before the first step, where no collective has failed yet to
+    say whom it lost, this names it. Ranks on other hosts are named there."""
+    here = socket.gethostname()
+    return [named(r) for r, peer in enumerate(GROUP["peers"])
+            if peer.host == here and peer.pid != os.getpid() and not alive(peer.pid)]
 
 
 def named(rank):

@@ -77,6 +77,11 @@ def before_steps(script, signum):
             f"nothing to save yet")
     if signum == signal.SIGTERM and "TORCHELASTIC_RUN_ID" in os.environ:
         # the same signal whoever sent it: say the likelier sender's reason too
+        from ddpgpt import peers  # here: it imports torch, which prepare.py does without
+
+        if ended := peers.ended_here():
+            return (f"{line}; {', '.join(ended)} had ended, and torchrun stops the other "
+                    f"ranks this way when one fails (its summary, below, says how)")
         line += (" (torchrun stops the other ranks this way when one fails: its summary, "
                  "below, names the failed rank if there is one)")
     return line
