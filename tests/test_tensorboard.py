@@ -5,6 +5,9 @@ TensorBoardLogger; and what a user sees when tensorboard cannot be imported or i
 written."""
 import glob
 import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -60,6 +63,19 @@ def test_event_files_hold_the_metrics_rows_once_each_across_a_resume(resumed):
     assert {"loss", "grad_norm", "lr", "ms", "tok_per_s", "data_wait", "train_loss",
             "val_loss", "train_bpb", "val_bpb"} <= set(logged)
     assert not {"batch_fp", "rank_ms", "run"} & set(logged)
+
+
+@pytest.mark.slow
+def test_the_tensorboard_viewer_reads_the_run(resumed):
+    """`tensorboard --logdir`, as docs/training.md says, through the entry point of its command
+    (--inspect: what it would show, without the server). tensorboard 2.20 imports
+    pkg_resources, which setuptools 82 and later lack: requirements.txt pins setuptools."""
+    viewer = [sys.executable, "-c", "import sys; from tensorboard.main import run_main; "
+                                    "sys.exit(run_main())"]
+    p = subprocess.run([*viewer, "--inspect", f"--logdir={resumed}"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and f"Event statistics for {resumed}" in p.stdout, p.stderr
+    assert re.search(r"^   max_step +8\n   min_step +0$", p.stdout, re.M), p.stdout
 
 
 @pytest.mark.slow
