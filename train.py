@@ -25,9 +25,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
 
-from ddpgpt import configurator, signals
+from ddpgpt import configurator, cpu, signals
 from ddpgpt.settings import SPIKE_WINDOW, TrainConfig
 
+cpu.wait_passively()  # before torch is imported
 signals.end_at_once_while_importing("train.py")  # one line, not a traceback from each rank
 if __name__ == "__main__":
     configurator.end_now_if_unreadable(TrainConfig, sys.argv[1:], "train.py")

@@ -12,6 +12,7 @@ import torch
 
 from conftest import TINY, batches_and_losses, evals, fails, metrics, python, steps, torchrun
 from ddpgpt import launch, parallel, runtime
+from test_sample import PASSIVE
 from ddpgpt.errors import UserError
 from ddpgpt.runtime import Ranks
 
@@ -140,6 +141,14 @@ def train_error(env, *args, nproc=1):
 ])
 def test_configuration_errors_name_the_key(env, args, message):
     assert message in train_error(env, *args)
+
+
+def test_openmp_threads_wait_passively(env):
+    """As in sample.py and eval.py (docs/sampling.md): a plain `python train.py` on a loaded
+    2-core machine ran the quick start ten times slower with OpenMP's threads spinning."""
+    env.update(OMP_DISPLAY_ENV="VERBOSE")
+    env.pop("OMP_WAIT_POLICY", None)
+    assert PASSIVE in fails("train.py", "--device=tpu:3", env=env).stderr
 
 
 @pytest.mark.slow
