@@ -63,7 +63,8 @@ NANOGPT_META = "meta.pkl"
 PROGRESS_NAME = "prepare.progress.json"  # prepare.py's, while a sharded run is not complete
 SPLITS = ("train", "val")
 FINGERPRINT_CHUNKS, FINGERPRINT_CHUNK_BYTES = 64, 4096
-PREPARE_HINT = "python prepare.py --out_dir={}"
+# the corpus is the user's to name: left out, prepare.py downloads OpenWebText (13 GB)
+PREPARE_HINT = "python prepare.py --dataset=<corpus> --out_dir={}"
 LLMC_MAGIC, LLMC_VERSION, LLMC_HEADER_BYTES = 20240520, 1, 256 * 4
 # GPT-2's tokenizer: 256 bytes, 50,000 merges and end-of-text, the last id; the tokens of
 # nanoGPT's raw files and llm.c's shards, which come without a meta.json to say so
@@ -286,8 +287,10 @@ def missing_split(data_dir, split, meta):
                 f"Move {' and '.join(stray)} out of it to train on the llm.c shards, or the "
                 f"shards out to train on nanoGPT's files.")
     return (f"{os.path.join(data_dir, split + '.bin')} does not exist (nor does {data_dir} hold "
-            f"{split} shards): make the token files with `{hint}` or set data_dir to a folder "
-            f"that holds train.bin and val.bin, or llm.c shards *_train_*.bin and *_val_*.bin.")
+            f"{split} shards): make the token files with `{hint}` (the corpus: a file, a "
+            f"folder or a hub dataset; left out, it is OpenWebText, a 13 GB download), or set "
+            f"data_dir to a folder that holds train.bin and val.bin, or llm.c shards "
+            f"*_train_*.bin and *_val_*.bin.")
 
 
 def check_llmc_shards(data_dir, split, paths):

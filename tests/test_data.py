@@ -215,7 +215,9 @@ def test_missing_file_names_the_path_and_the_prepare_command(env, tmp_path):
     folder = small_folder(tmp_path)
     os.remove(os.path.join(folder, "val.bin"))
     err = train_error(env, folder, tmp_path)
-    assert "val.bin does not exist" in err and "python prepare.py" in err
+    assert "val.bin does not exist" in err and \
+        f"python prepare.py --dataset=<corpus> --out_dir={folder}` (the corpus: a file, a " \
+        f"folder or a hub dataset; left out, it is OpenWebText, a 13 GB download)" in err, err
 
 
 def test_odd_sized_file_is_not_a_whole_number_of_tokens(env, tmp_path):
