@@ -349,6 +349,10 @@ def cannot_load(name, error):
                 f"neither the tokenizers library nor ddpgpt's token files (uint16, or uint32 "
                 f"past 65,535 ids) hold such ids. Give the tokenizer ids from 0 up, one per "
                 f"token, and save it again.")
+    if os.path.isabs(name) and not os.path.exists(name):  # meta.json's folders are absolute
+        return (f"the tokenizer folder {name} does not exist: it was moved or deleted (a data "
+                f"folder's meta.json names the tokenizer by the folder prepare.py read). Put "
+                f"it back there, or link it there (ln -s <where it is now> {name}).")
     if os.path.isdir(name):
         return (f"{name} is not a tokenizer that transformers.AutoTokenizer reads ({reason}): "
                 f"give a folder written by a tokenizer's save_pretrained (tokenizer.json, or "

@@ -273,12 +273,16 @@ def test_the_exports_autotokenizer_encodes_exactly_as_training_did(pipeline, tok
 @pytest.mark.slow
 def test_a_tokenizer_changed_after_prepare_is_refused_by_train_and_sample(pipeline, tokenizers_dir,
                                                                          env, tmp_path):
-    """The pipeline's tokenizer folder saved again as another tokenizer; the folder is put
-    back after, for the other tests that read it."""
+    """The pipeline's tokenizer folder moved, then saved again as another tokenizer; the
+    folder is put back after, for the other tests that read it. Moved, it was read as a hub
+    name not in the cache, with the advice to give sample.py a --tokenizer key it lacks."""
     data, out, _ = pipeline
     tok = tokenizers_dir[1]["bpe"]
     os.rename(tok, tmp_path / "kept")
     try:
+        message = fails("sample.py", f"--out_dir={out}", "--device=cpu", env=env).stderr
+        assert f"sample.py: error: the tokenizer folder {tok} does not exist: it was moved or " \
+               f"deleted" in message and "hub" not in message, message
         save_bpe(tok, eos_token="<|endoftext|>")  # the same folder, another tokenizer
         for script, args in (("train.py", train_args(data, tmp_path / "out")),
                              ("sample.py", [f"--out_dir={out}", "--device=cpu"])):
