@@ -66,11 +66,12 @@ def test_the_plan_says_what_fits(env):
     assert "would fit: --batch_size=2 --gradient_accumulation_steps=8" in p.stdout
 
 
-@pytest.mark.parametrize("value", ["-5GiB", "0GB", "80XB", "lots", "80"])
+@pytest.mark.parametrize("value", ["-5GiB", "0GB", "80XB", "lots", "80", "1e400GiB", "0.5B"])
 def test_a_gpu_memory_that_is_not_one_is_refused(value, env):
+    """1e400GiB was an OverflowError; 0.5B was 0 bytes, then 'give --gpu_memory=80GiB'."""
     p = fails("plan.py", f"--gpu_memory={value}", env=env)
-    assert f"plan.py: error: gpu_memory={value!r} is not a memory size: give a number above " \
-           f"0 and a unit, e.g. --gpu_memory=80GiB" in p.stderr
+    assert f"plan.py: error: gpu_memory={value!r} is not a memory size: give a number and a " \
+           f"unit that make 1 byte or more, e.g. --gpu_memory=80GiB" in p.stderr
 
 
 def oom_command(cfg, gpu_memory):
