@@ -68,12 +68,19 @@ def describe(cfg, model_args, dtype, planned, gpu_memory, fit):
     verdict = "fits" if fit.fits else "does not fit"
     lines.append(f"on a GPU of {size(gpu_memory)} ({size(fit.room)} usable, "
                  f"{GPU_HEADROOM:.0%}): {verdict}; the largest batch_size that fits: "
-                 f"{fit.largest_batch or 'none'}")
+                 f"{largest(fit)}")
     lines += [f"  would fit: {keys} ({why})" for keys, why in fit.fixes]
     if not fit.fits and not fit.fixes:
         lines.append("  nothing planned here fits: more ranks with parallel=fsdp, or a "
                      "smaller model")
     return "\n".join(lines)
+
+
+def largest(fit):
+    """The largest batch_size that fits, or what the plans found of it."""
+    if fit.over_batch == fit.largest_batch + 1:
+        return str(fit.largest_batch or "none")
+    return f"{fit.largest_batch} or more" + (f", under {fit.over_batch}" * bool(fit.over_batch))
 
 
 if __name__ == "__main__":

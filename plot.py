@@ -11,6 +11,7 @@ average of --smooth steps (by default a fiftieth of the run); the evaluations' t
 dashed line with the step loss. The figure is written whole or not at all.
 """
 import argparse
+import math
 import os
 import sys
 
@@ -36,10 +37,17 @@ def curves(out_dir):
                         f"train.py run that took at least one step")
     steps = [rows.steps[i] for i in sorted(rows.steps)]
     evals = [rows.evals[i] for i in sorted(rows.evals)]
-    series = {key: ([r["iter"] for r in steps if key in r], [r[key] for r in steps if key in r])
-              for key in ("loss", "lr", "tok_per_s")}
-    for key in ("train_loss", "val_loss"):
-        series[key] = ([r["iter"] for r in evals if key in r], [r[key] for r in evals if key in r])
+    series, left_out = {}, []
+    for key, logged in [("loss", steps), ("lr", steps), ("tok_per_s", steps),
+                        ("train_loss", evals), ("val_loss", evals)]:
+        points = [(r["iter"], r[key]) for r in logged if key in r]
+        # a diverged run logs NaN and inf (nan_policy=skip), which matplotlib cannot scale to
+        finite = [(i, v) for i, v in points if math.isfinite(v)]
+        series[key] = ([i for i, _ in finite], [v for _, v in finite])
+        left_out += [f"{len(points) - len(finite)} of {key}"] * (len(finite) < len(points))
+    if left_out:
+        print(f"plot.py: {out_dir}: left out the values that are not finite (NaN or inf): "
+              f"{', '.join(left_out)}")
     resumed = [r["iter"] for r in rows.starts if r["run"] == "resumed"]
     return series, resumed
 

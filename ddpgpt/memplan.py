@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ddpgpt import configurator, optim, parallel, runtime
+from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
 
 # the share of a GPU's memory a plan may fill: the CUDA context, NCCL's buffers, kernels'
@@ -44,6 +45,9 @@ WEIGHTS = {"Parameter", "Buffer", "Sharded Param", "Unsharded Param", "All Gathe
 GRADIENTS = {"Gradient", "Sharded Grad", "Unsharded Grad", "Reduce Scatter"}
 OPTIMIZER = {"Optstate", "OptState"}
 STEPS, MICRO_STEPS = 2, 2
+# largest_batch's plans at most, and the largest micro-batch it plans: 2**20 sequences are
+# more than any GPU holds, and a batch unbounded overflowed torch.randint's size (1e290GiB)
+PLANS, MAX_BATCH = 8, 2**20
 # settings that take less memory at the same batch, each planned when a run does not fit
 LEANER = ({"parallel": "fsdp"}, {"parallel": "fsdp", "reduce_every_micro_step": True},
           {"activation_checkpointing": "selective"}, {"activation_checkpointing": "full"},
@@ -160,53 +164,78 @@ class Fit(NamedTuple):
     """A plan against a GPU's memory."""
     room: int  # the bytes a rank may fill: GPU_HEADROOM of the GPU's
     fits: bool
-    largest_batch: int  # the largest batch_size that fits, 0 when one sequence does not
+    largest_batch: int  # the largest batch_size planned to fit, 0 when one sequence does not
+    over_batch: int  # the smallest planned not to: largest_batch + 1 once found; 0: none was
     fixes: list  # --key=value settings that would make a run that does not fit fit, with why
 
 
 def fit(cfg, model_args, world_size, dtype, gpu_memory, planned):
     """The Fit of planned (the Plan of cfg) on GPUs of gpu_memory bytes each."""
     room = int(gpu_memory * GPU_HEADROOM)
-    largest = largest_batch(cfg, model_args, world_size, dtype, room)
+    largest, over = largest_batch(cfg, model_args, world_size, dtype, room)
     fits = planned.total <= room
-    return Fit(room, fits, largest,
+    return Fit(room, fits, largest, over,
                [] if fits else fixes(cfg, model_args, world_size, dtype, room, largest))
 
 
 def largest_batch(cfg, model_args, world_size, dtype, room):
-    """The largest batch_size whose plan fits in room bytes (0: not even 1). The peak grows
-    with the batch as the activations do, in proportion: the plans of 1 and 2 sequences place
-    it, and a plan at that batch size confirms it."""
+    """(the largest batch_size planned to fit in room bytes, the smallest planned not to),
+    each 0 where none was; consecutive once found. The peak grows with the batch as the
+    activations do, but not always in proportion from the first sequences on (4 KiB a
+    sequence from 1 to 2, then far more, was extrapolated below zero): each next batch is
+    where the line through the last two plans reaches room, kept between the two bounds."""
     def total(batch):
         return plan(dataclasses.replace(cfg, batch_size=batch), model_args, world_size,
                     dtype).total
-    one = total(1)
-    if one > room:
-        return 0
-    per_sequence = max(1, total(2) - one)
-    batch = 1 + (room - one) // per_sequence
-    while batch > 1 and (over := total(batch) - room) > 0:
-        batch -= max(1, math.ceil(over / per_sequence))
-    return batch
+    fits, over, planned, batch = 0, 0, [], 1
+    for _ in range(PLANS):
+        planned.append((batch, total(batch)))
+        fits, over = (batch, over) if planned[-1][1] <= room else (fits, batch)
+        top = over - 1 if over else MAX_BATCH
+        if fits == top:
+            break
+        batch = min(max(fits + 1, line_reaches(planned[-2:], room, fits)), top)
+    return fits, over
+
+
+def line_reaches(planned, room, fits):
+    """The batch at which the line through the last two (batch, total) plans reaches room;
+    twice fits where there are not two or the line does not rise."""
+    if len(planned) == 2:
+        (a, at), (b, bt) = planned
+        if (bt - at) * (b - a) > 0:
+            return b + (room - bt) * (b - a) // (bt - at)
+    return 2 * fits
 
 
 def fixes(cfg, model_args, world_size, dtype, room, largest):
     """What would fit, each a (settings, why) pair: each of LEANER that fits at the same
-    batch; a smaller micro-batch with more micro-steps, for the same global batch."""
+    batch and that train.py takes in this dtype; a smaller micro-batch with more micro-steps,
+    for the same global batch."""
     found = []
     for changes in LEANER:
-        if all(getattr(cfg, key) == value for key, value in changes.items()) or \
-                changes.get("parallel") == "fsdp" and world_size == 1:
-            continue  # what was planned, or the same on one rank
-        leaner = plan(dataclasses.replace(cfg, **changes), model_args, world_size, dtype)
-        if leaner.total <= room:
+        leaner = dataclasses.replace(cfg, **changes)
+        if leaner == cfg or changes.get("parallel") == "fsdp" and world_size == 1 or \
+                refused(leaner, dtype):
+            continue  # what was planned, the same on one rank, or what train.py refuses
+        total = plan(leaner, model_args, world_size, dtype).total
+        if total <= room:
             found.append((" ".join(f"--{key}={value}" for key, value in changes.items()),
-                          f"peak {size(leaner.total)} per rank"))
+                          f"peak {size(total)} per rank"))
     batch = same_global_batch(cfg, world_size, largest)
     if batch:
         found.append((f"--batch_size={batch} --gradient_accumulation_steps="
                       f"{cfg.global_batch // batch}", "the same global batch"))
     return found
+
+
+def refused(cfg, dtype):
+    """Does train.py refuse cfg in dtype (parallel.check: fsdp in float16)?"""
+    try:
+        parallel.check(cfg, dtype)
+    except UserError:
+        return True
+    return False
 
 
 def same_global_batch(cfg, world_size, largest):

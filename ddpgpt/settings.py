@@ -5,6 +5,7 @@ them; each class checks itself when it is made (__post_init__), the ranges with
 configurator.check and what involves several keys below it. A Literal[...] type lists a key's
 choices.
 """
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -39,13 +40,15 @@ MEMORY_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*
 
 def parse_memory(text):
     """Bytes of a memory size such as '80GiB', '24 GB' or '512MiB'; a UserError naming the
-    value and the fix for anything else (a bare number, a unit not listed, zero or less)."""
+    value and the fix for anything else (a bare number, a unit not listed, under a byte, one
+    too large for a float: 1e400GiB)."""
     found = MEMORY_SIZE.fullmatch(text)
-    if found is None or found.group(2) not in MEMORY_UNITS or float(found.group(1)) <= 0:
-        raise UserError(f"gpu_memory={text!r} is not a memory size: give a number above 0 and "
-                        f"a unit, e.g. --gpu_memory=80GiB ({', '.join(MEMORY_UNITS)}), or leave "
-                        f"it out for this machine's GPU.")
-    return int(float(found.group(1)) * MEMORY_UNITS[found.group(2)])
+    size = float(found.group(1)) * MEMORY_UNITS.get(found.group(2), math.nan) if found else 0
+    if not 1 <= size < math.inf:
+        raise UserError(f"gpu_memory={text!r} is not a memory size: give a number and a unit "
+                        f"that make 1 byte or more, e.g. --gpu_memory=80GiB "
+                        f"({', '.join(MEMORY_UNITS)}), or leave it out for this machine's GPU.")
+    return int(size)
 
 
 @dataclass

@@ -66,11 +66,56 @@ def test_the_plan_says_what_fits(env):
     assert "would fit: --batch_size=2 --gradient_accumulation_steps=8" in p.stdout
 
 
-@pytest.mark.parametrize("value", ["-5GiB", "0GB", "80XB", "lots", "80"])
+@pytest.mark.parametrize("value", ["-5GiB", "0GB", "80XB", "lots", "80", "1e400GiB", "0.5B"])
 def test_a_gpu_memory_that_is_not_one_is_refused(value, env):
+    """1e400GiB was an OverflowError; 0.5B was 0 bytes, then 'give --gpu_memory=80GiB'."""
     p = fails("plan.py", f"--gpu_memory={value}", env=env)
-    assert f"plan.py: error: gpu_memory={value!r} is not a memory size: give a number above " \
-           f"0 and a unit, e.g. --gpu_memory=80GiB" in p.stderr
+    assert f"plan.py: error: gpu_memory={value!r} is not a memory size: give a number and a " \
+           f"unit that make 1 byte or more, e.g. --gpu_memory=80GiB" in p.stderr
+
+
+def planned_as(monkeypatch, peak):
+    """memplan, its plan() replaced by peak(cfg) bytes, activations all: plans in no time."""
+    from ddpgpt import memplan
+    monkeypatch.setattr(memplan, "plan", lambda cfg, *_: memplan.Plan(0, 0, 0, peak(cfg),
+                                                                      peak(cfg), 0))
+    return memplan
+
+
+def small_config(*args):
+    from ddpgpt import configurator
+    from ddpgpt.settings import TrainConfig
+    return configurator.parse(TrainConfig, [*SMALL, *args], "train.py")
+
+
+# peak(batch_size) in bytes, and what plan.py says of the largest batch_size on 80 GiB
+PEAKS = {"4 KiB a sequence from 1 to 2, then 256 MiB":
+         (lambda b: 2**30 + (4096 * b if b <= 2 else 2**28 * b), "284"),
+         "the same at every batch": (lambda b: 2**30, "128 or more"),
+         "a byte a sequence": (lambda b: b, "1048576 or more"),
+         "more than the GPU at one sequence": (lambda b: 2**40, "none")}
+
+
+@pytest.mark.parametrize("peak, said", PEAKS.values(), ids=PEAKS)
+def test_the_largest_batch_that_fits_is_what_the_plans_found_and_never_below_one(
+        peak, said, monkeypatch):
+    """The first case, extrapolated from 1 and 2 sequences, was 'the largest batch_size that
+    fits: -2570603224' (--world_size=1000 --gradient_accumulation_steps=1000 --parallel=fsdp)."""
+    import plan
+    memplan = planned_as(monkeypatch, lambda cfg: peak(cfg.batch_size))
+    cfg = small_config()
+    fit = memplan.fit(cfg, {}, 1, "float32", 80 * 2**30, memplan.plan(cfg))
+    assert plan.largest(fit) == said
+    assert fit.largest_batch == 0 or peak(fit.largest_batch) <= fit.room
+    assert fit.over_batch == 0 or peak(fit.over_batch) > fit.room
+
+
+@pytest.mark.parametrize("dtype, advised", [("bfloat16", True), ("float16", False)])
+def test_what_would_fit_is_what_train_py_takes_in_that_dtype(dtype, advised, monkeypatch):
+    """fsdp does not train in float16 (what dtype='auto' is on a V100 or T4): it was advised."""
+    memplan = planned_as(monkeypatch, lambda cfg: 2**20 if cfg.parallel == "fsdp" else 2**40)
+    fixes = memplan.fixes(small_config(f"--dtype={dtype}"), {}, 2, dtype, 2**30, 0)
+    assert any("--parallel=fsdp" in keys for keys, _ in fixes) == advised, fixes
 
 
 def oom_command(cfg, gpu_memory):

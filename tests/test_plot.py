@@ -1,5 +1,8 @@
 """plot.py as the README runs it: one run's curves into out_dir/curves.png, several runs into one
 figure, a colour each; clear errors for what is not a run."""
+import json
+import math
+
 import numpy as np
 import pytest
 from matplotlib import image
@@ -61,6 +64,22 @@ def test_a_line_that_is_json_but_not_a_row_is_named(env, tmp_path, line):
     assert message == (f"plot.py: error: {tmp_path}/metrics.jsonl, line 2 is not a row of "
                        f"train.py's ({line!r}): metrics.jsonl holds one JSON object per line, "
                        f"each with its iter, as train.py writes them"), message
+
+
+def test_a_run_that_diverged_is_drawn_without_its_non_finite_values(env, tmp_path):
+    """A run with nan_policy=skip and a learning rate far too high logs NaN and inf losses: it
+    was 'ValueError: Axis limits cannot be NaN or Inf'."""
+    rows = [{"run": "fresh", "iter": 0}]
+    rows += [{"iter": i, "loss": 5.0 - i / 10 if i < 4 else (math.nan, math.inf)[i % 2],
+              "lr": 1e9, "tok_per_s": 100.0} for i in range(10)]
+    rows += [{"iter": i, "train_loss": v, "val_loss": v}
+             for i, v in ((0, 5.0), (5, math.inf), (8, math.nan))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p = python("plot.py", tmp_path, env=env)
+    assert p.stdout.splitlines()[0] == (f"plot.py: {tmp_path}: left out the values that are "
+                                        f"not finite (NaN or inf): 6 of loss, 2 of train_loss, "
+                                        f"2 of val_loss"), p.stdout
+    assert pixels_of(tmp_path / "curves.png", BLUE) > 1000
 
 
 def test_the_first_evaluation_does_not_flatten_the_val_curve():
