@@ -32,7 +32,6 @@ for end-of-text ids (scan()). finish() then reads that file twice: once to count
 of each length, once to put each first token at its place in length order, a counting sort
 that fills WINDOW places a pass.
 """
-import contextlib
 import os
 import struct
 from typing import NamedTuple, Optional
@@ -178,9 +177,7 @@ class Writer:
             self.discard()
 
     def discard(self):
-        self.file.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.starts_path)
+        fileio.discard(self.file)
 
     def in_file_order(self, n_tokens):
         """(first tokens, lengths) of the documents added, CHUNK_DOCS at a time: a document ends
