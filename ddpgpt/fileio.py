@@ -74,7 +74,7 @@ def discard(file):
     fails, and must not end the clean-up, leaving this file and the caller's others behind."""
     with contextlib.suppress(OSError):
         file.close()
-    with contextlib.suppress(FileNotFoundError):  # published already
+    with contextlib.suppress(FileNotFoundError):  # published or discarded already
         os.remove(file.name)
 
 
