@@ -24,7 +24,6 @@ the first. Stopped by SIGINT, SIGTERM or SIGHUP, or by a full disk, it removes i
 files and says what it kept; what it published before stays as it was. Keys as in
 PrepareConfig (ddpgpt/settings.py; `python prepare.py --help`).
 """
-import contextlib
 import json
 import math
 import os
@@ -226,9 +225,7 @@ class SplitWriter:
     def discard(self):
         self.index.discard()
         if self.file is not None:
-            self.file.close()
-            with contextlib.suppress(FileNotFoundError):  # stopped just after publishing it
-                os.remove(self.file.name)
+            fileio.discard(self.file)
 
 
 # ---- resuming: prepare.progress.json, rewritten after each published shard ----

@@ -19,10 +19,10 @@ In length order, the documents that hold a k-th start for any block_size are the
 so the starts of a block_size follow from the H lengths alone (data.py), and H is at most
 sqrt(2 x tokens).
 
-A run checks the index against its token files at start-up (open_doc_index), then reads the
-entries it needs with one os.pread each, as tokenfile.py reads windows: the index is never
-loaded, nor mapped (a memory map would keep its pages, and end the process with SIGBUS if the
-file were cut under it).
+A run checks the index against its token files and their end-of-text id at start-up
+(open_doc_index), then reads the entries it needs with one os.pread each, as tokenfile.py reads
+windows: the index is never loaded, nor mapped (a memory map would keep its pages, and end the
+process with SIGBUS if the file were cut under it).
 
 Building it (Writer, build) takes memory that does not grow with the data, and publishes the
 index whole or not at all (fileio), as prepare.py writes the token files or from token files
@@ -32,7 +32,6 @@ for end-of-text ids (scan()). finish() then reads that file twice: once to count
 of each length, once to put each first token at its place in length order, a counting sort
 that fills WINDOW places a pass.
 """
-import contextlib
 import os
 import struct
 from typing import NamedTuple, Optional
@@ -93,9 +92,9 @@ def read_doc_header(path):
 
 
 def open_doc_index(token_split, data_dir, split):
-    """The split's DocIndex, checked against its token files and its own fingerprint, at the
-    cost of 64 small reads: a UserError naming the command that makes it, if it is missing,
-    damaged or of other token files."""
+    """The split's DocIndex, checked against its token files, their end-of-text id and its own
+    fingerprint, at the cost of 64 small reads: a UserError naming the command that makes it,
+    if it is missing, damaged or of other token files or another id."""
     path, files = doc_index_path(data_dir, split), tokenfile.describe(token_split)
     make = f"`{INDEX_HINT.format(data_dir)}`"
     if not os.path.isfile(path):
@@ -115,7 +114,18 @@ def open_doc_index(token_split, data_dir, split):
     if own_fp != tokenfile.sampled_fingerprint([path], DOCS_HEADER_BYTES):
         raise UserError(f"{path} does not match its own fingerprint: it was damaged or written "
                         f"over after it was made. Make it again with {make}.")
+    meta = tokenfile.read_meta(data_dir)  # None: raw files, indexed at the id a user gave
+    if meta is not None and eot != meta.get("eot_token"):
+        raise UserError(
+            f"{path} ends documents {ending(eot)}, but {files} ({meta.get('tokenizer')!r} "
+            f"tokens) end them {ending(meta.get('eot_token'))}: it cuts them elsewhere (it was "
+            f"made on a copy without {tokenfile.META_NAME}, or before index_documents.py refused "
+            f"another --eot_token). Make it again with {make}.")
     return DocIndex(path, documents, lengths, eot)
+
+
+def ending(eot):
+    return f"at end-of-text id {eot}" if eot is not None else "only at the end of each file"
 
 
 def doc_lengths(index):
@@ -178,9 +188,7 @@ class Writer:
             self.discard()
 
     def discard(self):
-        self.file.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.starts_path)
+        fileio.discard(self.file)
 
     def in_file_order(self, n_tokens):
         """(first tokens, lengths) of the documents added, CHUNK_DOCS at a time: a document ends

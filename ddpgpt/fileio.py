@@ -68,6 +68,16 @@ def publish(tmp_path, final_path):
     fsync_dir(os.path.dirname(os.path.abspath(final_path)))
 
 
+def discard(file):
+    """Close and remove a temporary file that is given up. Its buffered bytes are not wanted,
+    but close() writes them first: on a full disk, often why the file is given up, that write
+    fails, and must not end the clean-up, leaving this file and the caller's others behind."""
+    with contextlib.suppress(OSError):
+        file.close()
+    with contextlib.suppress(FileNotFoundError):  # published or discarded already
+        os.remove(file.name)
+
+
 def write_array(file, array):
     """Append a numpy array's bytes to an open file. Not ndarray.tofile: a stop signal whose
     handler raises while tofile asks whether its argument is a path comes out of numpy as a

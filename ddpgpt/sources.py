@@ -12,7 +12,7 @@ import numpy as np
 
 from ddpgpt import data, docindex, tokenfile
 from ddpgpt.errors import UserError
-from ddpgpt.tokenizer import check_ids_fit, reads, same_vocabulary
+from ddpgpt.tokenizer import check_ids_fit, made_with, reads, same_ids
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +70,17 @@ def parse_mix(data_mix):
 
 
 def read_meta(sources):
-    """The meta.json the sources share: they must be of one tokenizer."""
+    """The meta.json the sources share: they must be of one tokenizer (tokenizer.same_ids)."""
     metas = [tokenfile.read_meta(s.folder) for s in sources]
-    first = (metas[0] or {}).get("tokenizer"), (metas[0] or {}).get("vocab_size")
-    if not all(same_vocabulary((m or {}).get("tokenizer"), first[0]) and
-               (m or {}).get("vocab_size") == first[1] for m in metas):
-        detail = ", ".join(f"{s.folder}: {m and m.get('tokenizer')!r}, {m and m.get('vocab_size')} "
-                           f"ids" for s, m in zip(sources, metas))
+    sizes = [(m or {}).get("vocab_size") for m in metas]
+    if not all(same_ids(made_with(m), made_with(metas[0])) and n == sizes[0]
+               for m, n in zip(metas, sizes)):
+        detail = ", ".join(f"{s.folder}: {name!r}{f' (fingerprint {fp[:12]})' * bool(fp)}, "
+                           f"{n} ids" for s, (name, fp), n in
+                           zip(sources, map(made_with, metas), sizes))
         raise UserError(f"the data_mix sources were not made with one tokenizer ({detail}): "
-                        f"prepare them all with the same --tokenizer.")
+                        f"prepare them all with the same --tokenizer (a Hugging Face one's "
+                        f"files unchanged in between).")
     return metas[0]
 
 

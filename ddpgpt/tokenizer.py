@@ -73,18 +73,23 @@ _SAME_AS = {"gpt2": "r50k_base"}
 GPT2_NAMES = ("gpt2", "r50k_base")  # so the two names are one vocabulary
 
 
-def same_vocabulary(a, b):
-    """Do tokenizers named a and b give the same ids?"""
-    return a == b or {a, b} <= set(GPT2_NAMES)
+def same_ids(a, b):
+    """Do tokenizers a and b, each (name, fingerprint), give the same ids? A Hugging Face
+    tokenizer is its fingerprint, under any name: a copy of its folder (an export's) is that
+    tokenizer, and another saved over the folder is not. The others are their names."""
+    if a[1] or b[1]:
+        return a[1] == b[1]
+    return a[0] == b[0] or {a[0], b[0]} <= set(GPT2_NAMES)
+
+
+def made_with(meta):
+    """The (name, fingerprint) of the tokenizer of data described by meta, or by None."""
+    return (meta or {}).get("tokenizer"), (meta or {}).get("tokenizer_fingerprint", "")
 
 
 def reads(tok, meta):
-    """Are the ids of data described by meta tok's? A Hugging Face tokenizer's are where its
-    fingerprint is the data's, under any name: an export's copy of the tokenizer the data was
-    prepared with is that tokenizer."""
-    if tok.fingerprint:
-        return tok.fingerprint == meta.get("tokenizer_fingerprint")
-    return same_vocabulary(meta.get("tokenizer"), tok.name)
+    """Are the ids of data described by meta tok's?"""
+    return same_ids((tok.name, tok.fingerprint), made_with(meta))
 
 
 def _tiktoken_tokenizer(name):

@@ -12,7 +12,8 @@
   metrics(out)   the rows of out/metrics.jsonl; steps(out) the step rows by iter
   read_with_ranks(...)  what each rank of a torchrun job reads through loader.rank_batches
   decoded(out, tokenizer)  the documents of a prepared folder, its meta.json checked
-  small_disk     a real 1 MiB file system (a tmpfs; skipped without root), for full disks
+  small_disk     a real 1 MiB file system (a tmpfs; skipped without root), for full disks;
+                 another size by indirect parametrization
 """
 import contextlib
 import glob
@@ -423,12 +424,15 @@ def corpus(tmp_path_factory, session_env):
 
 
 @pytest.fixture
-def small_disk(tmp_path):
-    """A real 1 MiB file system: room for two checkpoints of the TINY model, not for three."""
+def small_disk(tmp_path, request):
+    """A real 1 MiB file system: room for two checkpoints of the TINY model, not for three.
+    Another size through indirect parametrization: its tmpfs size, as "64k"."""
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
     mount = tmp_path / "disk"
     mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    size = getattr(request, "param", "1m")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                   check=True)
     yield str(mount)
     subprocess.run(["umount", str(mount)], check=True)

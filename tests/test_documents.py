@@ -202,13 +202,23 @@ def test_index_of_nanogpt_files_is_prepares_and_a_stale_one_is_refused(env, corp
     ("cut short", ["is not a document index that this code reads", "cut short"]),
     ("damaged", ["does not match its own fingerprint"]),
     ("another folder's", ["is the document index of other token files than"]),
+    ("at another end-of-text id", ["train.docidx ends documents at end-of-text id 10, but ",
+                                   "('byte' tokens) end them at end-of-text id 256: it cuts"]),
 ])
 @pytest.mark.slow
 def test_a_missing_damaged_or_stale_index_is_one_clear_error(case, words, env, corpus, tmp_path):
+    """An index at another end-of-text id than meta.json's, made on a copy of the token files
+    without it (or before index_documents.py refused such an --eot_token), was read: a byte
+    corpus's documents cut at every newline."""
     folder = tmp_path / "data"
     shutil.copytree(corpus, folder)
     index = folder / "train.docidx"
-    if case == "missing":
+    if case == "at another end-of-text id":
+        copy = tmp_path / "copy"
+        shutil.copytree(corpus, copy, ignore=shutil.ignore_patterns("meta.json", "*.docidx"))
+        python("index_documents.py", f"--data_dir={copy}", "--eot_token=10", env=env)
+        shutil.copy(copy / "train.docidx", index)
+    elif case == "missing":
         index.unlink()
     elif case == "cut short":
         os.truncate(index, index.stat().st_size - 8)

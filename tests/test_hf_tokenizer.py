@@ -3,7 +3,8 @@ make and save as folders AutoTokenizer reads: the token files hold AutoTokenizer
 document ended by eos (else pad), uint16 up to id 65,535 and uint32 past it; prepare -> train
 (2 ranks) -> sample -> eval -> export reads them with the same tokenizer, the export's
 AutoTokenizer encodes as training did, and sample.py and eval.py read the export with its
-own tokenizer files. Bad tokenizers are one clear error each."""
+own tokenizer files. Bad tokenizers are one clear error each. data_mix's sources are of one
+tokenizer where their fingerprints are, whatever the folders' names."""
 import json
 import math
 import os
@@ -16,7 +17,7 @@ import pytest
 
 from ddpgpt import tokenfile
 from ddpgpt.tokenizer import byte_lengths, get_tokenizer
-from conftest import evals, fails, prepare_fails, python, torchrun, train_args
+from conftest import TINY, evals, fails, prepare_fails, python, torchrun, train_args
 
 # tokenizers, sentencepiece and transformers are imported in the functions that use them, not
 # here: each pytest-xdist worker imports every test file to collect it, for the worker that
@@ -293,3 +294,43 @@ def test_a_tokenizer_changed_after_prepare_is_refused_by_train_and_sample(pipeli
     finally:
         shutil.rmtree(tok, ignore_errors=True)
         os.rename(tmp_path / "kept", tok)
+
+
+# ---- data_mix: sources of one Hugging Face tokenizer are those of one fingerprint ----
+
+@pytest.fixture(scope="module")
+def saved_over(tokenizers_dir, tmp_path_factory, session_env):
+    """(data_a, data_b): the corpus prepared with a copy of the BPE tokenizer's folder, then
+    with another 400-id tokenizer saved over that folder."""
+    root, folders = tokenizers_dir
+    work = tmp_path_factory.mktemp("saved_over")
+    tok = shutil.copytree(folders["bpe"], work / "tok")
+    prepare(session_env, root, tok, work / "a")
+    shutil.rmtree(tok)
+    save_bpe(tok, eos_token="<|endoftext|>")
+    prepare(session_env, root, tok, work / "b")
+    return work / "a", work / "b"
+
+
+MIX_STEP = [*TINY, "--max_iters=1", "--gradient_accumulation_steps=1", "--eval_iters=1"]
+
+
+@pytest.mark.parametrize("order", ["stale source first", "stale source second"])
+def test_a_mix_of_a_tokenizer_folder_saved_over_between_prepares_is_refused(order, saved_over,
+                                                                            env, tmp_path):
+    """Both sources name the folder. With the data of the tokenizer it holds now first, train.py
+    trained on both, reading the stale source's ids with the wrong vocabulary."""
+    first, second = saved_over if order == "stale source first" else saved_over[::-1]
+    err = fails("train.py", f"--data_mix={first}=1,{second}=1", f"--out_dir={tmp_path / 'out'}",
+                *MIX_STEP, env=env).stderr
+    assert "error: the data_mix sources were not made with one tokenizer (" in err and \
+        err.count(" (fingerprint ") == 2, err
+
+
+def test_a_mix_of_data_made_with_copies_of_one_tokenizer_trains(prepared, saved_over, env,
+                                                                tmp_path):
+    """The BPE folder and its copy, one prepare each: refused as 'not made with one tokenizer',
+    though both meta.json files record the same fingerprint."""
+    p = python("train.py", f"--data_mix={prepared('bpe')[0]}=1,{saved_over[0]}=1",
+               f"--out_dir={tmp_path / 'out'}", *MIX_STEP, env=env)
+    assert "50.00% of the samples" in p.stdout

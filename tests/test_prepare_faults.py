@@ -193,19 +193,25 @@ def test_a_worker_killed_while_sending_an_answer_is_named_too():
 
 # ---- a full disk ----
 
-def test_a_full_disk_says_where_and_damages_nothing_published(env, small_disk, tmp_path):
-    """A previous prepare's output in the out_dir stays as it was, byte for byte."""
+@pytest.mark.parametrize("small_disk, total", [("1m", "1.0"), ("64k", "0.1")],
+                         indirect=["small_disk"], ids=["1 MiB", "64 KiB"])
+def test_a_full_disk_says_where_and_damages_nothing_published(env, small_disk, total, tmp_path):
+    """A previous prepare's output in the out_dir stays as it was, byte for byte. The corpus's
+    long documents leave their first tokens in the index's write buffer when the disk fills:
+    flushed on discarding, they failed again (on 64 KiB as on 1 MiB), which ended the clean-up
+    with a bare '[Errno 28] No space left on device' and left the temporary files."""
     out = tmp_path / "disk" / "data"
     args = ["--tokenizer=byte", "--val_docs=2", "--num_proc=1", f"--out_dir={out}"]
-    python("prepare.py", f"--dataset={write_jsonl(tmp_path / 'small.jsonl', 20)}", *args, env=env)
+    python("prepare.py", f"--dataset={write_jsonl(tmp_path / 'small.jsonl', 20, words=20)}",
+           *args, env=env)
     before = read_all(out)
-    big = write_jsonl(tmp_path / "big.jsonl", 2000)  # 2 MB of tokens, on a 1 MiB disk
+    big = write_jsonl(tmp_path / "big.jsonl", 100, words=2500)  # 3 MB of tokens
     message = last_line(fails("prepare.py", f"--dataset={big}", *args, env=env).stderr)
     assert message.startswith("prepare.py: error: the disk is full (") and \
         f"): {out} is on the tmpfs file system mounted on {small_disk}, which had " in message \
-        and " MiB free of 1.0 MiB. Nothing published before was damaged: this run's temporary " \
-            "files were removed, and no new output was published. Free space there, or pass " \
-            "an --out_dir on a disk with room, and run again." in message, message
+        and f" MiB free of {total} MiB. Nothing published before was damaged: this run's " \
+            "temporary files were removed, and no new output was published. Free space there, " \
+            "or pass an --out_dir on a disk with room, and run again." in message, message
     assert read_all(out) == before
     decoded(out, get_tokenizer("byte"))  # meta.json still describes the files
 
