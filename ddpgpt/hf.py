@@ -68,10 +68,17 @@ QWEN3_TOP = {"transformer.wte.weight": "model.embed_tokens.weight",
 
 def _transformers():
     try:
+        import huggingface_hub.utils
         import transformers
     except ImportError as e:
         raise UserError(f"GPT-2 weights need the transformers package ({e}): "
                         f"pip install -r requirements.txt") from e
+    # transformers' bars over a model's tensors, loaded or written in a moment, are noise
+    # among our lines; a download's, which can take minutes, stay as they were
+    downloads = not huggingface_hub.utils.are_progress_bars_disabled()
+    transformers.utils.logging.disable_progress_bar()
+    if downloads:
+        huggingface_hub.utils.enable_progress_bars()
     return transformers
 
 
