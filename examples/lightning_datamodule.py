@@ -28,6 +28,7 @@ tests.
 import json
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -110,6 +111,9 @@ from torch.utils.data import DataLoader  # noqa: E402
 from ddpgpt import data, loader, logs, metrics, optim, sources, tokenfile  # noqa: E402
 from ddpgpt.model import GPT, GPTConfig  # noqa: E402
 from ddpgpt.settings import TrainConfig  # noqa: E402
+
+# Lightning 2.6.6 calls torch APIs that torch 2.13 deprecates: neither ours nor the user's to fix
+warnings.filterwarnings("ignore", message=".* is deprecated", module="lightning")
 
 
 class IndexedBlocks(loader.BlockDataset):

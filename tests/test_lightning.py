@@ -119,6 +119,7 @@ def test_ranks_read_train_py_batches_and_a_resumed_checkpoint_continues_them(env
     p = lightning(2, whole, *args, "--max_steps=6", "--num_workers=1", env=env)
     printed = [line for line in p.stdout.splitlines() if ": loss " in line]  # rank 0's alone
     assert [line.split(":")[0] for line in printed] == ["step 0", "step 5"], p.stdout
+    assert "is deprecated" not in p.stderr, p.stderr  # Lightning's use of torch, not ours
     lightning(2, halves, *args, "--max_steps=3", "--num_workers=0", env=env)
     global_batch = 4 * 4
     state = torch.load(halves / "last.ckpt", map_location="cpu", weights_only=True)
