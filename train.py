@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -267,6 +268,8 @@ def loop(run, stop_signals):
         run.saver.check()  # a save in the background that failed ends the run
         if step.stop:
             log.info(f"stopping at iter {state.iter_num}: signal received, saving a checkpoint")
+            if signal.SIGHUP in stop_signals and "TORCHELASTIC_RUN_ID" in os.environ:
+                log.info(signals.HANGUP)
             save(run, last=True)
             log.info(f"interrupted at iter {state.iter_num}; resume with --init_from=resume")
             errors.say_torchrun_reports_next()

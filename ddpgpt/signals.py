@@ -1,11 +1,13 @@
 """Stop signals, the one place each script decides what SIGINT (Ctrl-C), SIGTERM (kill, scancel,
 preemption), SIGHUP (a closed terminal) and SIGUSR1 (SLURM's warning before a time limit) do:
 
-  train.py          before its first step, when there is nothing to save, SIGTERM and
-                    SIGINT end it at once, with one line, wherever it waits (init_process_group
-                    waiting for a peer among them); from the first step on it records them
-                    (catch_stop_signals): the ranks agree on a step to stop at and rank 0
-                    saves; a second Ctrl-C stops at once, unsaved
+  train.py          before its first step, when there is nothing to save, SIGTERM, SIGINT
+                    and SIGHUP end it at once, with one line, wherever it waits
+                    (init_process_group waiting for a peer among them); from the first step on
+                    it records them (catch_stop_signals): the ranks agree on a step to stop at
+                    and rank 0 saves; a second Ctrl-C stops at once, unsaved. A SIGHUP that
+                    the parent ignores (nohup's) stays ignored; torchrun, nohup or not, passes
+                    it on (HANGUP says how to outlive a terminal)
   prepare.py        raises Interrupted wherever the main process is, so that every way out
                     runs the cleanup that Ctrl-C runs (raise_on_stop_signals)
   prepare's workers ignore them: the main process ends them (workers.py)
@@ -50,7 +52,7 @@ def catch_stop_signals(script="train.py"):
 
     def on_signal(signum, frame):
         if signum in EXIT_AT_ONCE and _before_steps is not None:
-            if signal.SIGTERM in received or signal.SIGINT in received:
+            if set(received) & set(EXIT_AT_ONCE):
                 return  # already on the way out: a second signal must not cut that short
             received.append(signum)
             raise Interrupted(signum, before_steps(script, signum))
@@ -62,11 +64,15 @@ def catch_stop_signals(script="train.py"):
     for sig in TRAIN_SIGNALS:
         signal.signal(sig, on_signal)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, TRAIN_SIGNALS)
+    listen([signal.SIGHUP], on_signal)  # a closed terminal's, unless ignored (nohup)
     exit_at_once(script)
     return received
 
 
-EXIT_AT_ONCE = (signal.SIGTERM, signal.SIGINT)
+EXIT_AT_ONCE = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+HANGUP = ("SIGHUP: its terminal closed, and torchrun passes that on to the ranks even under "
+          "nohup. To outlive the terminal, start torchrun with setsid (setsid torchrun ... > "
+          "log 2>&1 &), or in tmux or screen")
 GRACE_S = 1.0  # for the main thread to leave (releasing out_dir's lock) before a thread ends it
 _before_steps = None  # until steps_begin(): the write end of exit_at_once's pipe
 

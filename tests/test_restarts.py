@@ -157,6 +157,28 @@ def test_ranks_whose_torchrun_is_killed_stop_save_and_free_the_out_dir(env, corp
 
 
 @pytest.mark.slow
+def test_a_closed_terminal_under_nohup_torchrun_saves_and_says_how_to_outlive_it(env, corpus,
+                                                                                tmp_path):
+    """The SIGHUP a shell sends its jobs as it exits: torchrun handles it, nohup or not, and
+    passes it to its ranks, which it ended at once, unsaved."""
+    out, log = str(tmp_path / "out"), tmp_path / "log"
+    args = [a for a in ARGS if not a.startswith("--max_iters")] + ["--max_iters=100000",
+                                                                    "--log_interval=1"]
+    agent = started(["nohup", *torchrun_command(2), *train_args(corpus, out, *args)], env, log)
+    try:
+        wait_for_step(out, 3, agent)
+        agent.send_signal(signal.SIGHUP)
+        agent.wait(timeout=120)
+    finally:
+        for p in psutil.Process().children(recursive=True):
+            p.kill()
+    text = log.read_text()
+    stopped = int(re.search(r"stopping at iter (\d+): signal received", text).group(1))
+    assert f"saved {checkpoint.path_for(out, stopped)}" in text and \
+        "To outlive the terminal, start torchrun with setsid" in text, text
+
+
+@pytest.mark.slow
 def test_two_agents_as_two_nodes_restart_after_a_kill_on_either(env, corpus, uninterrupted,
                                                                tmp_path):
     """Two torchruns of one rank each, a c10d rendezvous as on two nodes: their restart counts
