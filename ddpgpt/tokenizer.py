@@ -14,6 +14,7 @@ encode_ordinary does that itself, and _any_str does it for ours and Hugging Face
 """
 import contextlib
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -25,6 +26,8 @@ import numpy as np
 from ddpgpt import tokenfile
 from ddpgpt.errors import UserError
 from ddpgpt.state import Saved
+
+log = logging.getLogger(__name__)
 
 
 class Tokenizer(NamedTuple):
@@ -211,7 +214,16 @@ def byte_lengths(tok, n_ids):
             lengths[i] = len(tok.decode_bytes([i]))
     if tok.eot is not None:
         lengths[tok.eot] = 1
+    if tok.fingerprint and (kept := lengths[tok.encode(PROBE)].sum()) < len(PROBE):
+        log.info(f"note: the tokenizer {tok.name!r} drops text (unknown words, or a "
+                 f"pre-tokenizer or normalizer that leaves some out): {PROBE!r} decodes to "
+                 f"{kept} of its {len(PROBE)} bytes. Bits per byte count the bytes its tokens "
+                 f"decode to, so they read higher than the text's would, and do not compare "
+                 f"with another tokenizer's.")
     return lengths
+
+
+PROBE = "Two  spaces, a\ttab and a new\nline."  # what a Hugging Face tokenizer may drop
 
 
 def install_tiktoken_file(vocab_file, cache_dir, encoding="r50k_base"):

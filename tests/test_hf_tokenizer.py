@@ -6,6 +6,7 @@ AutoTokenizer encodes as training did, and sample.py and eval.py read the export
 own tokenizer files. Bad tokenizers are one clear error each. data_mix's sources are of one
 tokenizer where their fingerprints are, whatever the folders' names."""
 import json
+import logging
 import math
 import os
 import shutil
@@ -166,6 +167,18 @@ def test_bits_per_byte_count_the_bytes_each_token_stands_for(tokenizers_dir, mon
             ids = tok.encode(text) + [tok.eot]
             prefix = kind == "sentencepiece"
             assert lengths[ids].sum() == len(text.encode("utf-8")) + 1 + prefix, (kind, text)
+
+
+@pytest.mark.parametrize("kind, drops", [("bpe", False), ("65,536 ids", True)])
+def test_a_tokenizer_that_drops_text_is_said_to_make_bits_per_byte_higher(
+        kind, drops, tokenizers_dir, monkeypatch, caplog):
+    """A word-level tokenizer split at white space decodes to fewer bytes than its text: its
+    bits per byte read 1.47x too high on one corpus, with no word."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tok = get_tokenizer(tokenizers_dir[1][kind])
+    with caplog.at_level(logging.INFO, logger="ddpgpt.tokenizer"):
+        byte_lengths(tok, tok.vocab_size)
+    assert (f"note: the tokenizer {tok.name!r} drops text" in caplog.text) == drops, caplog.text
 
 
 def test_a_lone_surrogate_is_encoded_as_the_replacement_character(tokenizers_dir, monkeypatch):
