@@ -4,7 +4,8 @@ string per document (None for a file that cannot be decoded), and a function tha
   local files     .txt (a document per file), .jsonl / .json (a document per object),
                   .parquet (a document per row), the first three also compressed (.gz, .bz2,
                   .xz, .zst); a file, a folder (recursively) or a glob. What else a folder
-                  holds is skipped, with a line per kind (SKIPPED), or refused with a reason
+                  holds is skipped, with a line per kind (SKIPPED), or refused with a reason;
+                  a glob that ends with another extension (*.md) reads those files as .txt
   pystdlib        the .py files of this Python's standard library, no network needed
   openwebtext     all of OpenWebText: its 21 archives from the hub, or a local copy of them
   a hub name      another Hugging Face hub dataset's train split (its parquet export), or
@@ -35,6 +36,8 @@ from ddpgpt import fileio, tokenfile, workers
 from ddpgpt.errors import UserError
 
 EXTENSIONS = (".txt", ".jsonl", ".json", ".parquet")
+AS_TEXT = ("to read files of another kind as text, name them with a glob: "
+           "--dataset='<folder>/**/*.md'")
 COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}  # not for .parquet
 
 
@@ -60,8 +63,13 @@ def open_text(path, compression):
     return io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")
 
 
+def text_kind(path):
+    """document_kind, where a file of another kind that a glob named is plain text."""
+    return document_kind(path) or (".txt", "")
+
+
 def utf8_lines(path):
-    compression = document_kind(path)[1]
+    compression = text_kind(path)[1]
     try:
         with open_text(path, compression) as f:
             yield from f
@@ -134,7 +142,7 @@ def parquet_documents(path, column):
 
 
 def file_documents(path, column):
-    kind, _ = document_kind(path)
+    kind, _ = text_kind(path)
     if kind == ".txt":
         yield "".join(utf8_lines(path))
     elif kind == ".parquet":
@@ -172,7 +180,7 @@ SKIPPED = {
     "repeat": "files or folders reached again through a symlink (each is read once)",
     "special": "things that are not regular files (FIFOs, sockets, devices)",
     "other": f"files of other kinds (prepare.py reads {', '.join(EXTENSIONS)}, the first "
-             f"three also compressed {', '.join(COMPRESSIONS)})",
+             f"three also compressed {', '.join(COMPRESSIONS)}; {AS_TEXT})",
     "empty": "empty files (0 bytes)",
 }
 
@@ -192,8 +200,9 @@ def local_files(dataset):
                             f"one as its data_dir.")
         found = walk(dataset, skipped, seen)
     else:
+        as_text = re.search(r"\.\w+$", dataset) and document_kind(dataset) is None
         found = [p for p in glob.glob(dataset, recursive=True) if not os.path.isdir(p)
-                 and not skip(p, os.path.basename(p), skipped, seen, by_name=False)]
+                 and not skip(p, os.path.basename(p), skipped, seen, False, as_text)]
     for kind, paths in skipped.items():
         if paths:
             names = ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
@@ -201,7 +210,7 @@ def local_files(dataset):
     if not found:
         raise UserError(f"--dataset={dataset!r} matches no {', '.join(EXTENSIONS)} files, and "
                            f"is no copy of OpenWebText's archives (subsets/{OWT_GLOB}): check "
-                           f"the path (relative paths start at {os.getcwd()}).")
+                           f"the path (relative paths start at {os.getcwd()}); {AS_TEXT}.")
     return sorted(found)
 
 
@@ -218,16 +227,17 @@ def walk(folder, skipped, seen):
     return found
 
 
-def skip(path, name, skipped, seen, by_name):
+def skip(path, name, skipped, seen, by_name, as_text=False):
     """Is path no document of the corpus? If so, it goes into skipped under its kind. Hidden,
-    macOS and backup names count in folders only (by_name): a glob that names them means them."""
-    kind = kind_of(path, name, seen, by_name)
+    macOS and backup names count in folders only (by_name): a glob that names them means them,
+    as a glob of another extension means those files, as text (as_text)."""
+    kind = kind_of(path, name, seen, by_name, as_text)
     if kind:
         skipped[kind].append(path)
     return kind is not None
 
 
-def kind_of(path, name, seen, by_name):
+def kind_of(path, name, seen, by_name, as_text=False):
     """The SKIPPED kind of path, or None for a folder to read or a document file."""
     if by_name and (name.startswith(".") or name == "__MACOSX"):
         return "hidden" if name.startswith(".") else "macos"
@@ -242,7 +252,7 @@ def kind_of(path, name, seen, by_name):
             "output" if prepared_output(path) else None
     if not stat.S_ISREG(info.st_mode):
         return "special"
-    if document_kind(path) is None:
+    if document_kind(path) is None and not as_text:
         return "other"
     if not by_name and prepared_output(os.path.dirname(path) or "."):
         return "output"

@@ -82,8 +82,9 @@ def test_a_real_folder_is_read_as_its_documents_each_once(env, tmp_path):
             f"2 ({c}again.jsonl, {c}sub/up)",
         "things that are not regular files (FIFOs, sockets, devices)": f"1 ({c}pipe.jsonl)",
         "files of other kinds (prepare.py reads .txt, .jsonl, .json, .parquet, the first three "
-        "also compressed .gz, .bz2, .xz, .zst)": f"3 ({c}README.md, {c}archive.tar.gz, "
-                                                 f"{c}notes.csv)",
+        "also compressed .gz, .bz2, .xz, .zst; to read files of another kind as text, name "
+        "them with a glob: --dataset='<folder>/**/*.md')": f"3 ({c}README.md, "
+                                                           f"{c}archive.tar.gz, {c}notes.csv)",
         "empty files (0 bytes)": f"2 ({c}empty.parquet, {c}empty.txt)"}, p.stdout
     # run again: its own output, now in the corpus folder, is skipped, not read
     before = {f: (out / f).read_bytes() for f in os.listdir(out)}
@@ -104,6 +105,24 @@ def test_a_glob_reads_each_file_once_and_skips_the_output_of_prepare(env, tmp_pa
     docs = decoded(out, get_tokenizer("byte"))  # a glob is case-sensitive: not f.JSONL.zst
     assert sorted(docs["train"] + docs["val"]) == \
         sorted(expected[:4] + ["gzip 1", "gzip 2", "bz2 list"])
+
+
+def test_a_glob_of_another_extension_reads_those_files_as_text(env, tmp_path):
+    """A folder of .md (or .py) files was refused, with no word of how to read them."""
+    notes = tmp_path / "notes"
+    (notes / "sub").mkdir(parents=True)
+    texts = {"a.md": "# one\n\nfirst note\n", "sub/b.md": "second note\n",
+             "sub/c.mdx": "not named\n"}
+    for name, text in texts.items():
+        (notes / name).write_text(text)
+    args = ["--tokenizer=byte", "--num_proc=1", "--val_docs=1"]
+    p = fails("prepare.py", f"--dataset={notes}", *args, env=env)
+    assert "to read files of another kind as text, name them with a glob: " \
+           "--dataset='<folder>/**/*.md'." in p.stderr, p.stderr
+    out = tmp_path / "out"
+    python("prepare.py", f"--dataset={notes}/**/*.md", *args, f"--out_dir={out}", env=env)
+    docs = decoded(out, get_tokenizer("byte"))
+    assert sorted(docs["train"] + docs["val"]) == [texts["a.md"], texts["sub/b.md"]]
 
 
 def damaged(tmp_path, name):
