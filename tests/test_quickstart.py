@@ -9,8 +9,7 @@ import pytest
 
 from conftest import ROOT, python, torchrun
 
-# what differs between the README's run and this one: the timings, the checkpoint's iter (the
-# README's run is 1,000 steps, this one 10) and the folder the data and checkpoints are under
+# the numbers of a line that differ from run to run
 TIMINGS = re.compile(r"[\d,.]+(?= ms| tok/s| tokens/s| s in all| s\)|%$)")
 
 
@@ -71,8 +70,9 @@ def readme_quotes():
 
 
 def normalized(line):
-    """line with each timing as T, a checkpoint's iter as N and the folder that data/pystdlib/
-    or out-quickstart/ is in left out."""
+    """line with what differs between the README's run and the test's left out: each timing
+    (as T), a checkpoint's iter (as N: the README's run is 1,000 steps, the test's 10) and the
+    folder that data/pystdlib/ or out-quickstart/ is in."""
     line = re.sub(r"\S*/((?:data/pystdlib|out-quickstart)/)", r"\1", line)
     return TIMINGS.sub("T", re.sub(r"ckpt_\d+", "ckpt_N", line))
 
