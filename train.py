@@ -139,7 +139,7 @@ def start_up(cfg, given, ranks, device):
     cfg.micro_steps(ranks.world_size)  # the global batch must share out over the ranks
     parallel.check(cfg, runtime.precision(cfg.dtype, device).dtype)
     if cfg.tensorboard_log and ranks.master:
-        metrics.summary_writer()  # tensorboard imports, before any rank takes a step
+        metrics.import_tensorboard()  # tensorboard imports, before any rank takes a step
     cfg, data_sources = sources.of(cfg, given)
     meta = sources.read_meta(data_sources)
     start = weights.for_training(cfg, given, meta, in_parts=parallel.sharded(cfg, ranks))

@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import TINY, fails, metrics, steps, torchrun
+from conftest import TINY, fails, metrics, steps, torchrun, train_args
+from ddpgpt import checkpoint
 from ddpgpt import metrics as run_metrics
 from test_lightning import EXAMPLE, TINY_LIGHTNING, lightning
+from test_reliability import fill
 
 ARGS = [*TINY, "--gradient_accumulation_steps=2", "--eval_interval=3", "--log_interval=2",
         "--tensorboard_log=True"]
@@ -131,3 +133,27 @@ def test_a_tensorboard_dir_without_tensorboard_log_is_refused(env, tmp_path):
     assert f"tensorboard_dir='{tmp_path}' is a setting of tensorboard_log=True, and this run " \
            f"is tensorboard_log=False: add --tensorboard_log=True, or leave tensorboard_dir " \
            f"out." in err, err
+
+
+@pytest.mark.parametrize("small_disk", ["64k"], indirect=True)
+def test_a_full_tensorboard_dir_ends_the_run_as_a_full_out_dir_does(env, corpus, small_disk,
+                                                                     tmp_path):
+    """Room for the lock and a page of event files: the run ends at the row that does not fit,
+    with the paragraph of a full disk (was: the OSError's traceback from TensorBoard's writer
+    thread, then from its flush, or a hang in that flush), its checkpoints intact."""
+    tb, out = os.path.join(small_disk, "tb"), tmp_path / "out"
+    filler = os.path.join(small_disk, "filler")
+    fill(filler)
+    os.truncate(filler, os.path.getsize(filler) - 2 * 4096)
+    err = fails("train.py", *train_args(corpus, out, "--max_iters=40", "--eval_interval=10",
+                                        "--tensorboard_log=True", f"--tensorboard_dir={tb}"),
+                env=env, timeout=120).stderr  # torch's SummaryWriter could hang here
+    assert re.search(
+        rf"could not write {tb}/events\.out\.tfevents\.\S+: the disk is full \(No space left on "
+        rf"device\): {tb} is on the tmpfs file system mounted on {small_disk}, which had 0\.0 MiB "
+        rf"free of 0\.1 MiB\. The checkpoints in {out} are intact: free space there, or move "
+        rf"tensorboard_dir, and resume with --init_from=resume\.$", err.strip(), re.M), err
+    assert "Errno" not in err, err  # nor an OSError ignored at exit
+    state, _ = checkpoint.load_latest(out)
+    assert 10 <= state["iter_num"] < 40, err
+
