@@ -8,6 +8,7 @@ Each run opens its rows in metrics.jsonl with a start row, {"run": "fresh"} or {
 begins: read() gives the rows of the run as it stands, which compare_runs.py and plot.py take.
 """
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -130,6 +131,30 @@ def tensorboard_locks(cfg):
                      "or leave it out to write the event files in out_dir.")]
 
 
+def out_dir_mark(cfg):
+    """The end of the names of the event files of out_dir's runs, which tells them from another
+    out_dir's in a tensorboard_dir."""
+    return hashlib.sha256(os.path.realpath(cfg.out_dir).encode()).hexdigest()[:12]
+
+
+def refuse_another_runs_events(cfg):
+    """A fresh start's purge from iter 0 on would hide all of the curves of a run of another
+    out_dir in its tensorboard_dir: refused, as a fresh start beside another run's checkpoints
+    is (weights.refuse_to_mix). Those of out_dir's own earlier run, which left no checkpoint
+    (else its fresh start is refused there), give way to this run's, as in out_dir. Rank 0's
+    alone, which writes there."""
+    for folder, _ in tensorboard_locks(cfg):  # a tensorboard_dir other than out_dir
+        others = sorted(name for name in os.listdir(folder) if "tfevents" in name and
+                        not name.endswith(out_dir_mark(cfg)))
+        if others:
+            raise UserError(
+                f"{folder} holds the TensorBoard event files of a run of another out_dir "
+                f"({', '.join(others[:3])}{', ...' if others[3:] else ''}), which this run's "
+                f"would hide: TensorBoard drops what a folder holds from the iter a run starts "
+                f"at. Give this run another --tensorboard_dir, or move those event files "
+                f"elsewhere first.")
+
+
 def import_tensorboard():
     """tensorboard's Event and Summary protocol buffers, imported only when asked for."""
     try:
@@ -148,7 +173,8 @@ def open_tensorboard(cfg):
     own traceback, while its flush raised the error again or waited for ever."""
     if not cfg.tensorboard_log:
         return None
-    name = f"events.out.tfevents.{time.time():010.0f}.{fileio.HOST}.{os.getpid()}"
+    name = (f"events.out.tfevents.{time.time():010.0f}.{fileio.HOST}.{os.getpid()}."
+            f"{out_dir_mark(cfg)}")
     return open(os.path.join(tensorboard_dir(cfg), name), "ab")
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import TINY, fails, metrics, steps, torchrun, train_args
+from conftest import TINY, fails, metrics, python, read_all, steps, torchrun, train_args
 from ddpgpt import checkpoint
 from ddpgpt import metrics as run_metrics
 from test_lightning import EXAMPLE, TINY_LIGHTNING, lightning
@@ -157,3 +157,24 @@ def test_a_full_tensorboard_dir_ends_the_run_as_a_full_out_dir_does(env, corpus,
     state, _ = checkpoint.load_latest(out)
     assert 10 <= state["iter_num"] < 40, err
 
+
+def test_a_fresh_run_into_another_runs_tensorboard_dir_is_refused(env, corpus, tmp_path):
+    """Its purge from iter 0 on would hide all of the other run's curves (was: hidden without a
+    word). A fresh start of the first run's out_dir, which left no checkpoint (as torchrun
+    restarts a run that failed before its first), goes on there, as it would in out_dir."""
+    tb, first = tmp_path / "tb", tmp_path / "first"
+    python("train.py", *train_args(corpus, first, "--max_iters=0", "--tensorboard_log=True",
+                                   f"--tensorboard_dir={tb}"), env=env)
+    events = read_all(tb)
+    (name,) = events
+    err = fails("train.py", *train_args(corpus, tmp_path / "second", "--max_iters=0",
+                                        "--tensorboard_log=True", f"--tensorboard_dir={tb}"),
+                env=env).stderr
+    assert f"{tb} holds the TensorBoard event files of a run of another out_dir ({name}), " \
+           f"which this run's would hide: TensorBoard drops what a folder holds from the " \
+           f"iter a run starts at. Give this run another --tensorboard_dir, or move those " \
+           f"event files elsewhere first." in err, err
+    assert read_all(tb) == events
+    python("train.py", *train_args(corpus, first, "--max_iters=0", "--tensorboard_log=True",
+                                   f"--tensorboard_dir={tb}"), env=env)  # its own run's: taken
+    assert len(os.listdir(tb)) == 2
