@@ -1,8 +1,8 @@
 """tensorboard_log=True as a user runs it: the event files, read back with TensorBoard's own
 reader, hold the numbers of metrics.jsonl's rows, once each, also across a resume after a crash
 past the last checkpoint; rank 0 alone writes them; the Lightning example logs to Lightning's
-TensorBoardLogger; and what a user sees when tensorboard cannot be imported or its folder
-written."""
+TensorBoardLogger; and what a user sees when tensorboard cannot be imported, or its folder
+cannot be written, fills up, or holds another run's event files."""
 import glob
 import os
 import re
