@@ -140,10 +140,12 @@ def start_up(cfg, given, ranks, device):
     cfg.micro_steps(ranks.world_size)  # the global batch must share out over the ranks
     parallel.check(cfg, runtime.precision(cfg.dtype, device).dtype)
     if cfg.tensorboard_log and ranks.master:
-        metrics.summary_writer()  # tensorboard imports, before any rank takes a step
+        metrics.import_tensorboard()  # tensorboard imports, before any rank takes a step
     cfg, data_sources = sources.of(cfg, given)
     meta = sources.read_meta(data_sources)
     start = weights.for_training(cfg, given, meta, in_parts=parallel.sharded(cfg, ranks))
+    if start.resume is None and ranks.master:
+        metrics.refuse_another_runs_events(cfg)
     # the configuration says what is trained (the architecture of the weights resumed or
     # loaded, the vocab_size that 0 meant), so that its log and checkpoints do not lie
     cfg = dataclasses.replace(cfg, **arch.architecture(start.args))

@@ -8,12 +8,14 @@ Each run opens its rows in metrics.jsonl with a start row, {"run": "fresh"} or {
 begins: read() gives the rows of the run as it stands, which compare_runs.py and plot.py take.
 """
 import dataclasses
+import hashlib
 import json
 import logging
 import os
 import resource
 import secrets
 import statistics
+import struct
 import time
 from collections import deque
 from typing import Any, NamedTuple
@@ -30,7 +32,7 @@ log = logging.getLogger(__name__)
 class Metrics(NamedTuple):
     file: Any  # metrics.jsonl, open for appending; None off rank 0
     wandb: Any  # the wandb module once initialised; None without wandb_log or off rank 0
-    tensorboard: Any  # a SummaryWriter; None without tensorboard_log or off rank 0
+    tensorboard: Any  # the run's event file, open; None without tensorboard_log or off rank 0
     slowest: deque  # the slowest rank of each log step since one was last named (straggler)
 
 
@@ -60,7 +62,10 @@ def open_metrics(cfg, master, start):
     drop_cut_off_line(path)
     file = open(path, "a")
     record(Metrics(file, None, None, slowest), start)  # the start row is metrics.jsonl's alone
-    return Metrics(file, open_wandb(cfg, fresh), open_tensorboard(cfg, start["iter"]), slowest)
+    metrics = Metrics(file, open_wandb(cfg, fresh), open_tensorboard(cfg), slowest)
+    if metrics.tensorboard is not None:
+        append(metrics, metrics.tensorboard, purge(start["iter"]))
+    return metrics
 
 
 def drop_cut_off_line(path):
@@ -126,51 +131,106 @@ def tensorboard_locks(cfg):
                      "or leave it out to write the event files in out_dir.")]
 
 
-def summary_writer():
-    """torch's SummaryWriter class, whose import is tensorboard's: made only when asked for."""
+def out_dir_mark(cfg):
+    """The end of the names of the event files of out_dir's runs, which tells them from another
+    out_dir's in a tensorboard_dir."""
+    return hashlib.sha256(os.path.realpath(cfg.out_dir).encode()).hexdigest()[:12]
+
+
+def refuse_another_runs_events(cfg):
+    """A fresh start's purge from iter 0 on would hide all of the curves of a run of another
+    out_dir in its tensorboard_dir: refused, as a fresh start beside another run's checkpoints
+    is (weights.refuse_to_mix). Those of out_dir's own earlier run, which left no checkpoint
+    (else its fresh start is refused there), give way to this run's, as in out_dir. Rank 0's
+    alone, which writes there."""
+    for folder, _ in tensorboard_locks(cfg):  # a tensorboard_dir other than out_dir
+        others = sorted(name for name in os.listdir(folder) if "tfevents" in name and
+                        not name.endswith(out_dir_mark(cfg)))
+        if others:
+            raise UserError(
+                f"{folder} holds the TensorBoard event files of a run of another out_dir "
+                f"({', '.join(others[:3])}{', ...' if others[3:] else ''}), which this run's "
+                f"would hide: TensorBoard drops what a folder holds from the iter a run starts "
+                f"at. Give this run another --tensorboard_dir, or move those event files "
+                f"elsewhere first.")
+
+
+def import_tensorboard():
+    """tensorboard's Event and Summary protocol buffers, imported only when asked for."""
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from tensorboard.compat.proto import event_pb2, summary_pb2
     except ImportError as e:
         raise UserError(f"tensorboard_log=True, but tensorboard cannot be imported ({e}): "
                         f"install it, pip install tensorboard==2.20.0 (requirements.txt's "
                         f"version), or leave tensorboard_log out.") from e
-    return SummaryWriter
+    return event_pb2, summary_pb2
 
 
-def open_tensorboard(cfg, start_iter):
-    """A SummaryWriter in tensorboard_dir; None without tensorboard_log. Its purge_step, the
-    run's first iter, tells TensorBoard's readers to drop what earlier runs wrote there from
+def open_tensorboard(cfg):
+    """This run's event file in tensorboard_dir, open for appending; None without
+    tensorboard_log. It is written here, in the main thread, a row at a time as metrics.jsonl
+    is: torch's SummaryWriter writes in a thread of its own, which on a full disk printed its
+    own traceback, while its flush raised the error again or waited for ever."""
+    if not cfg.tensorboard_log:
+        return None
+    name = (f"events.out.tfevents.{time.time():010.0f}.{fileio.HOST}.{os.getpid()}."
+            f"{out_dir_mark(cfg)}")
+    return open(os.path.join(tensorboard_dir(cfg), name), "ab")
+
+
+def purge(start_iter):
+    """The events that open a run's event file: its format, and the run's first iter (torch's
+    purge_step), which tells TensorBoard's readers to drop what earlier runs wrote there from
     that iter on (the steps a crash took past the checkpoint now resumed; all of an earlier
     run that left no checkpoint), as read() drops those rows of metrics.jsonl: no step is
     shown twice."""
-    if not cfg.tensorboard_log:
-        return None
-    return summary_writer()(tensorboard_dir(cfg), purge_step=start_iter)
+    event_pb2, _ = import_tensorboard()
+    return (as_record(start_iter, file_version="brain.Event:2") + as_record(
+        start_iter, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+
+
+def scalars_event(row):
+    """A row's scalars as an event of TensorBoard's, at its iter."""
+    _, summary_pb2 = import_tensorboard()
+    return as_record(row["iter"], summary=summary_pb2.Summary(value=[
+        summary_pb2.Summary.Value(tag=name, simple_value=value)
+        for name, value in scalars(row).items()]))
+
+
+def as_record(step, **what):
+    """An event at step (what: its file_version, session_log or summary) as a record of the
+    event file: its length, its data and their masked CRCs, as tensorboard's RecordWriter
+    writes them."""
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+    event_pb2, _ = import_tensorboard()
+    data = event_pb2.Event(wall_time=time.time(), step=step, **what).SerializeToString()
+    header = struct.pack("<Q", len(data))
+    return b"".join([header, struct.pack("<I", masked_crc32c(header)), data,
+                     struct.pack("<I", masked_crc32c(data))])
 
 
 def record(metrics, row):
     """One row of metrics.jsonl (and of wandb, and TensorBoard); rank 0 alone has them open."""
     if metrics.file is not None:
-        try:
-            metrics.file.write(json.dumps(row) + "\n")
-            metrics.file.flush()
-        except OSError as e:
-            out_dir = os.path.dirname(metrics.file.name)
-            raise UserError(f"could not write {metrics.file.name}: "
-                            f"{fileio.disk_full(e, out_dir) or e.strerror}. The checkpoints in "
-                            f"{out_dir} are intact: free space there, or move out_dir, and "
-                            f"resume with --init_from=resume.") from e
+        append(metrics, metrics.file, json.dumps(row) + "\n")
     if metrics.wandb is not None:
         metrics.wandb.log(row, step=row["iter"])
     if metrics.tensorboard is not None:
-        write_scalars(metrics.tensorboard, row)
+        append(metrics, metrics.tensorboard, scalars_event(row))
 
 
-def write_scalars(writer, row):
-    """A row's scalars in TensorBoard at its iter."""
-    for name, value in scalars(row).items():
-        writer.add_scalar(name, value, row["iter"])
-    writer.flush()  # as metrics.jsonl is flushed: a run killed later keeps the row
+def append(metrics, file, data):
+    """data at the end of file (metrics.jsonl, or the event file), flushed: a run killed later
+    keeps it. A file that cannot be written (a full disk) ends the run."""
+    try:
+        file.write(data)
+        file.flush()
+    except OSError as e:
+        folder, out_dir = (os.path.dirname(f.name) for f in (file, metrics.file))
+        key = "out_dir" if os.path.samefile(folder, out_dir) else "tensorboard_dir"
+        raise UserError(f"could not write {file.name}: {fileio.disk_full(e, folder) or e.strerror}"
+                        f". The checkpoints in {out_dir} are intact: free space there, or move "
+                        f"{key}, and resume with --init_from=resume.") from e
 
 
 def scalars(row):

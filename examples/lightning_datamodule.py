@@ -300,7 +300,7 @@ def tensorboard_logger(cfg):
     logger (False)."""
     if not cfg.tensorboard_log:
         return False
-    metrics.summary_writer()  # the error of a missing tensorboard, before Lightning starts
+    metrics.import_tensorboard()  # the error of a missing tensorboard, before Lightning starts
     # without its placeholder hp_metric of -1: the scalars are metrics.jsonl's numbers alone
     return TensorBoardLogger(cfg.out_dir, name="lightning_logs", default_hp_metric=False)
 

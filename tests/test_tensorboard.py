@@ -1,8 +1,8 @@
 """tensorboard_log=True as a user runs it: the event files, read back with TensorBoard's own
 reader, hold the numbers of metrics.jsonl's rows, once each, also across a resume after a crash
 past the last checkpoint; rank 0 alone writes them; the Lightning example logs to Lightning's
-TensorBoardLogger; and what a user sees when tensorboard cannot be imported or its folder
-written."""
+TensorBoardLogger; and what a user sees when tensorboard cannot be imported, or its folder
+cannot be written, fills up, or holds another run's event files."""
 import glob
 import os
 import re
@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import TINY, fails, metrics, steps, torchrun
+from conftest import TINY, fails, metrics, python, read_all, steps, torchrun, train_args
+from ddpgpt import checkpoint
 from ddpgpt import metrics as run_metrics
 from test_lightning import EXAMPLE, TINY_LIGHTNING, lightning
+from test_reliability import fill
 
 ARGS = [*TINY, "--gradient_accumulation_steps=2", "--eval_interval=3", "--log_interval=2",
         "--tensorboard_log=True"]
@@ -131,3 +133,48 @@ def test_a_tensorboard_dir_without_tensorboard_log_is_refused(env, tmp_path):
     assert f"tensorboard_dir='{tmp_path}' is a setting of tensorboard_log=True, and this run " \
            f"is tensorboard_log=False: add --tensorboard_log=True, or leave tensorboard_dir " \
            f"out." in err, err
+
+
+@pytest.mark.parametrize("small_disk", ["64k"], indirect=True)
+def test_a_full_tensorboard_dir_ends_the_run_as_a_full_out_dir_does(env, corpus, small_disk,
+                                                                     tmp_path):
+    """Room for the lock and a page of event files: the run ends at the row that does not fit,
+    with the paragraph of a full disk (was: the OSError's traceback from TensorBoard's writer
+    thread, then from its flush, or a hang in that flush), its checkpoints intact."""
+    tb, out = os.path.join(small_disk, "tb"), tmp_path / "out"
+    filler = os.path.join(small_disk, "filler")
+    fill(filler)
+    os.truncate(filler, os.path.getsize(filler) - 2 * 4096)
+    err = fails("train.py", *train_args(corpus, out, "--max_iters=40", "--eval_interval=10",
+                                        "--tensorboard_log=True", f"--tensorboard_dir={tb}"),
+                env=env, timeout=120).stderr  # torch's SummaryWriter could hang here
+    assert re.search(
+        rf"could not write {tb}/events\.out\.tfevents\.\S+: the disk is full \(No space left on "
+        rf"device\): {tb} is on the tmpfs file system mounted on {small_disk}, which had 0\.0 MiB "
+        rf"free of 0\.1 MiB\. The checkpoints in {out} are intact: free space there, or move "
+        rf"tensorboard_dir, and resume with --init_from=resume\.$", err.strip(), re.M), err
+    assert "Errno" not in err, err  # nor an OSError ignored at exit
+    state, _ = checkpoint.load_latest(out)
+    assert 10 <= state["iter_num"] < 40, err
+
+
+def test_a_fresh_run_into_another_runs_tensorboard_dir_is_refused(env, corpus, tmp_path):
+    """Its purge from iter 0 on would hide all of the other run's curves (was: hidden without a
+    word). A fresh start of the first run's out_dir, which left no checkpoint (as torchrun
+    restarts a run that failed before its first), goes on there, as it would in out_dir."""
+    tb, first = tmp_path / "tb", tmp_path / "first"
+    python("train.py", *train_args(corpus, first, "--max_iters=0", "--tensorboard_log=True",
+                                   f"--tensorboard_dir={tb}"), env=env)
+    events = read_all(tb)
+    (name,) = events
+    err = fails("train.py", *train_args(corpus, tmp_path / "second", "--max_iters=0",
+                                        "--tensorboard_log=True", f"--tensorboard_dir={tb}"),
+                env=env).stderr
+    assert f"{tb} holds the TensorBoard event files of a run of another out_dir ({name}), " \
+           f"which this run's would hide: TensorBoard drops what a folder holds from the " \
+           f"iter a run starts at. Give this run another --tensorboard_dir, or move those " \
+           f"event files elsewhere first." in err, err
+    assert read_all(tb) == events
+    python("train.py", *train_args(corpus, first, "--max_iters=0", "--tensorboard_log=True",
+                                   f"--tensorboard_dir={tb}"), env=env)  # its own run's: taken
+    assert len(os.listdir(tb)) == 2
