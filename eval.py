@@ -159,8 +159,7 @@ def evaluate(model, ev, ranks, precision, device):
         results.update(evaluation.losses(model, ev, ranks, precision.autocast, device))
     if ev.hellaswag is not None:
         t0 = time.perf_counter()
-        results.update(evaluation.hellaswag_scores(model, ev, ranks, precision.autocast,
-                                                   device))
+        results.update(evaluation.hellaswag_scores(model, ev, ranks, precision.autocast, device))
         results["hellaswag_s"] = time.perf_counter() - t0
     return results
 
@@ -178,8 +177,7 @@ def summary(cfg, results, source, where, hellaswag_data):
     if hellaswag_data is not None:
         n, seconds = results["hellaswag_n"], results["hellaswag_s"]
         right = {k: round(results[f"hellaswag_{k}"] * n) for k in ("acc_norm", "acc")}
-        cut = f"; {hellaswag_data.truncated} cut to block_size" if hellaswag_data.truncated \
-            else ""
+        cut = f"; {hellaswag_data.truncated} cut to block_size" if hellaswag_data.truncated else ""
         lines.append(f"HellaSwag: acc_norm {right['acc_norm']}/{n} = "
                      f"{results['hellaswag_acc_norm']:.4f}, acc {right['acc']}/{n} = "
                      f"{results['hellaswag_acc']:.4f} ({hellaswag_data.path}, {seconds:.1f} s, "

@@ -23,8 +23,7 @@ def main(argv):
     import torch
 
     from ddpgpt import arch, memplan, parallel
-    gpu_memory = parse_memory(cfg.gpu_memory) if cfg.gpu_memory else \
-        local_gpu_memory(cfg, torch)
+    gpu_memory = parse_memory(cfg.gpu_memory) if cfg.gpu_memory else local_gpu_memory(cfg, torch)
     dtype = memplan.plan_dtype(cfg.dtype, gpu=cfg.device != "cpu" and bool(gpu_memory))
     parallel.check(cfg, dtype)
     train_cfg = dataclasses.replace(cfg, dtype=dtype)  # still a PlanConfig: plan() reads only

@@ -147,8 +147,7 @@ def start_up(cfg, given, ranks, device):
     # the configuration says what is trained (the architecture of the weights resumed or
     # loaded, the vocab_size that 0 meant), so that its log and checkpoints do not lie
     cfg = dataclasses.replace(cfg, **arch.architecture(start.args))
-    splits = sources.open_splits(data_sources, cfg.block_size, cfg.vocab_size,
-                                 mode=cfg.sampling)
+    splits = sources.open_splits(data_sources, cfg.block_size, cfg.vocab_size, mode=cfg.sampling)
     identity = sources.identity(splits)
     if start.resume is not None:
         weights.check_resume(cfg, start.resume, meta, identity, len(data_sources))
@@ -296,8 +295,7 @@ def evaluate_and_save(run, may_save):
             f"and there is none in {cfg.out_dir} yet"
         log.warning(f"warning: non-finite evaluation loss at iter {state.iter_num}: no "
                     f"checkpoint written, {kept}")
-    elif may_save and (improved or cfg.always_save_checkpoint or
-                       state.iter_num >= cfg.max_iters):
+    elif may_save and (improved or cfg.always_save_checkpoint or state.iter_num >= cfg.max_iters):
         save(run, last=state.iter_num >= cfg.max_iters)
 
 

@@ -213,8 +213,7 @@ def walk(folder, skipped, seen):
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
         if skip(entry.path, entry.name, skipped, seen, by_name=True):
             continue
-        found += walk(entry.path, skipped, seen) if os.path.isdir(entry.path) else \
-            [entry.path]
+        found += walk(entry.path, skipped, seen) if os.path.isdir(entry.path) else [entry.path]
     return found
 
 
@@ -238,8 +237,7 @@ def kind_of(path, name, seen, by_name):
     except OSError:  # a broken symlink (ENOENT) or a symlink loop (ELOOP)
         return "unreadable"
     if stat.S_ISDIR(info.st_mode):
-        return "repeat" if identity(info) in seen else \
-            "output" if prepared_output(path) else None
+        return "repeat" if identity(info) in seen else "output" if prepared_output(path) else None
     if not stat.S_ISREG(info.st_mode):
         return "special"
     if document_kind(path) is None:
@@ -326,8 +324,7 @@ def download_openwebtext():
     paths = []
     for filename in tqdm(OWT_ARCHIVES, desc="OpenWebText archives", unit=" archives"):
         try:
-            paths.append(huggingface_hub.hf_hub_download(OWT_REPO, filename,
-                                                         repo_type="dataset"))
+            paths.append(huggingface_hub.hf_hub_download(OWT_REPO, filename, repo_type="dataset"))
         except OSError as e:  # every hub error is one, not-cached-and-offline included
             reason = " ".join(str(e).split())  # the hub's messages span lines
             raise UserError(
@@ -447,8 +444,7 @@ def open_corpus(dataset, column, num_proc, streaming=False, hub_config=""):
 
 def counted(name, description, documents, identity="", names=None):
     """A Corpus whose documents are counted by reading them all once (names: see tally)."""
-    return Corpus(name, description, documents, lambda: count_documents(documents, names),
-                  identity)
+    return Corpus(name, description, documents, lambda: count_documents(documents, names), identity)
 
 
 def text_corpus(dataset, column):
@@ -482,8 +478,7 @@ def streamed_corpus(dataset, hub_config, column):
             if not files:
                 raise UserError(f"--streaming reads local .parquet files only; --dataset="
                                 f"{dataset!r} has none: drop --streaming to read it.")
-            ds = datasets.load_dataset("parquet", data_files=files, split="train",
-                                       streaming=True)
+            ds = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
         else:
             ds = datasets.load_dataset(dataset, hub_config or None, split="train", streaming=True)
         first = next(iter(ds.take(1)), {})

@@ -45,8 +45,7 @@ def remove_stale_temporaries(folder, of=None):
              (of is None or name[:m.start()] == of)]
     for name in stale:
         path = os.path.join(folder, name)
-        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) \
-            else os.remove(path)
+        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
     return stale
 
 

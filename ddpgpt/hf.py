@@ -315,8 +315,7 @@ def save(weights, args, tokenizer, folder):
             qwen3_config_of(args, tokenizer.vocab_size, tokenizer.eot))
         model.load_state_dict(to_qwen3_state(weights, tokenizer.vocab_size))
     else:
-        model = transformers.GPT2LMHeadModel(
-            config_of(args, tokenizer.vocab_size, tokenizer.eot))
+        model = transformers.GPT2LMHeadModel(config_of(args, tokenizer.vocab_size, tokenizer.eot))
         model.load_state_dict(to_hf_state(weights, tokenizer.vocab_size))
     model.save_pretrained(folder)
 

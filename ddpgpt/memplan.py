@@ -137,8 +137,7 @@ def tracked_steps(cfg, model, train_model, ranks, device, vocab_size):
             for micro_step in range(micro_steps):
                 parallel.sync_gradients(train_model, micro_step == micro_steps - 1 or
                                         cfg.reduce_every_micro_step)
-                x = torch.randint(vocab_size, (cfg.batch_size, cfg.block_size),
-                                  device=device)
+                x = torch.randint(vocab_size, (cfg.batch_size, cfg.block_size), device=device)
                 tracker.reset_mod_stats()  # each forward is a new one to the tracker
                 with precision.autocast:
                     _, loss = train_model(x, x)
@@ -185,8 +184,7 @@ def largest_batch(cfg, model_args, world_size, dtype, room):
     sequence from 1 to 2, then far more, was extrapolated below zero): each next batch is
     where the line through the last two plans reaches room, kept between the two bounds."""
     def total(batch):
-        return plan(dataclasses.replace(cfg, batch_size=batch), model_args, world_size,
-                    dtype).total
+        return plan(dataclasses.replace(cfg, batch_size=batch), model_args, world_size, dtype).total
     fits, over, planned, batch = 0, 0, [], 1
     for _ in range(PLANS):
         planned.append((batch, total(batch)))

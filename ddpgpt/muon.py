@@ -137,8 +137,7 @@ def check_layout(p):
     if not parallel.is_dtensor(p):
         return
     world = dist.get_world_size()
-    if len(p.placements) != 1 or not p.placements[0].is_shard(0) or \
-            p.device_mesh.size() != world:
+    if len(p.placements) != 1 or not p.placements[0].is_shard(0) or p.device_mesh.size() != world:
         raise UserError(
             f"DistributedMuon takes whole matrices, or DTensors sharded by rows over all the "
             f"ranks (Shard(0) on a 1-D mesh of every rank, {world} here, as fully_shard shards "

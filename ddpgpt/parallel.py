@@ -114,8 +114,7 @@ def shard(model, device, dtype, reshard_after_forward, compile):
     for block in model.transformer.h:
         if compile:
             block.compile()  # in place, so the weights keep their names
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                    mp_policy=policy)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     # the root's weights are gathered once for the whole forward (FSDP2 keeps them for the
     # backward, which begins with the output layer)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)

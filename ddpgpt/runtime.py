@@ -221,8 +221,7 @@ def precision(dtype, device):
     CPU. Every script computes in the precision this returns."""
     kind = device_type(device)
     if dtype == "auto" and kind == "cuda":
-        dtype = "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) \
-            else "float16"
+        dtype = "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
     elif dtype == "auto":
         dtype = "float32"
     autocast = nullcontext() if dtype == "float32" else torch.autocast(

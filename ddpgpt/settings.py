@@ -97,8 +97,7 @@ class TrainConfig:
     n_embd: int = key(768, "width of the residual stream", at_least=1)
     dropout: float = key(0.0, "dropout probability", at_least=0, below=1)
     bias: bool = key(False, "biases in Linears and LayerNorms (gpt2 only)")
-    vocab_size: int = key(0, "0: the data's vocabulary rounded up to a multiple of 64",
-                          at_least=0)
+    vocab_size: int = key(0, "0: the data's vocabulary rounded up to a multiple of 64", at_least=0)
     arch: Arch = key("gpt2", "gpt2: GPT-2 (nanoGPT's); modern: RMSNorm, rotary positions, "
                              "QK-norm, SwiGLU, no biases, untied head (Qwen3's block)")
     rope_theta: float = key(10000.0, "modern: the base of the rotary embeddings' frequencies "
@@ -270,8 +269,7 @@ class SampleConfig:
     max_new_tokens: int = key(500, "tokens generated per sample", at_least=0)
     temperature: float = key(0.8, "below 1 sharpens the distribution, above 1 flattens it; "
                                   "for the likeliest token, --top_k=1", above=0)
-    top_k: int = key(200, "sample among the k likeliest tokens only; 0 keeps them all",
-                     at_least=0)
+    top_k: int = key(200, "sample among the k likeliest tokens only; 0 keeps them all", at_least=0)
     seed: int = key(1337, "the samples depend on it alone", at_least=0)
     device: str = key("auto", DEVICE_HELP)
     dtype: Dtype = key("auto", DTYPE_HELP)

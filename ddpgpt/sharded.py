@@ -183,8 +183,7 @@ def read_parts(folder, model, optimizer, saved, aliases):
     groups = state_parts(saved)
     for part, o in parts(optimizer).items():
         if part in state:  # a checkpoint saved before the first optimizer step has none
-            o.load_state_dict({"state": state[part],
-                               "param_groups": groups[part]["param_groups"]})
+            o.load_state_dict({"state": state[part], "param_groups": groups[part]["param_groups"]})
 
 
 def load_whole(model, weights):

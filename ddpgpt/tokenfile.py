@@ -308,8 +308,7 @@ def check_llmc_shards(data_dir, split, paths):
                      if (m := re.search(r"_(\d+)\.bin$", os.path.basename(p))))
     missing = sorted(set(range(numbers[0], numbers[-1] + 1)) - set(numbers)) if numbers else []
     if missing:
-        shown = ", ".join(f"{i:06d}" for i in missing[:5]) + (", ..." if len(missing) > 5
-                                                              else "")
+        shown = ", ".join(f"{i:06d}" for i in missing[:5]) + (", ..." if len(missing) > 5 else "")
         log.info(f"data: note: the llm.c {split} shards in {data_dir} skip {len(missing)} "
                  f"number(s) ({shown}): read as they are, in name order. A download that left "
                  f"some out?")

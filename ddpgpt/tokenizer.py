@@ -409,8 +409,7 @@ def token_bytes(hf, vocab):
     characters stand for GPT-2's bytes (byte_level_alphabet), sentencepiece's <0xNN> for
     its byte and its '▁' for a space; anything else is its text in UTF-8. Special tokens stand
     for none (byte_lengths counts end-of-text as one)."""
-    special = set(hf.all_special_ids) | {i for i, t in hf.added_tokens_decoder.items()
-                                         if t.special}
+    special = set(hf.all_special_ids) | {i for i, t in hf.added_tokens_decoder.items() if t.special}
     byte_level = "ByteLevel" in str(hf.backend_tokenizer.decoder)  # or in its Sequence
     of_char = {c: bytes([b]) for b, c in byte_level_alphabet().items()}
     table = {}
@@ -440,5 +439,4 @@ def byte_level_alphabet():
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
                  *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable},
-            **{b: chr(256 + n) for n, b in enumerate(others)}}
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}

@@ -324,8 +324,7 @@ def place(frame):
                if f.f_code.co_name == "_find_and_load" and
                f.f_code.co_filename.startswith("<frozen importlib")]
     if loading:
-        beyond = f"import {loading[-1]}" + (f" (loading {loading[0]})" if len(loading) > 1
-                                            else "")
+        beyond = f"import {loading[-1]}" + (f" (loading {loading[0]})" if len(loading) > 1 else "")
     if ours is None:
         return "", beyond
     return f"{os.path.basename(ours.f_code.co_filename)[:-3]}.{qualname(ours)}", beyond
