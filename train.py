@@ -369,10 +369,9 @@ def train_step(run, history, stop_signals):
 
 
 def forward_backward(model, batches, micro_steps, precision, reduce_every_micro_step, device):
-    """This rank's micro-steps of one optimizer step: (the summed loss on the device, seconds
-    spent waiting for data, a Stopwatch of the time until the last backward, which waits for
-    the other ranks in DDP: what this rank alone took). The gradients accumulate in the
-    parameters."""
+    """This rank's micro-steps of one optimizer step: (the summed loss on the device, seconds spent
+    waiting for data, a Stopwatch of the time until the last backward, which waits for the other
+    ranks in DDP: what this rank alone took). The gradients accumulate in the parameters."""
     loss_sum, data_wait, alone = 0.0, 0.0, runtime.Stopwatch(device)
     for micro_step in range(micro_steps):
         # the gradients are reduced over the ranks in the last micro-step's backward only

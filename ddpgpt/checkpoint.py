@@ -7,12 +7,11 @@
 
 Both hold the same contents (contents()): nanoGPT's key layout (model, optimizer, model_args,
 iter_num, best_val_loss, config) plus the rest of the training state (state.py: scaler,
-samples_consumed, data_meta, data_identity). A folder keeps the optimizer's param_groups (of
-each of its parts: optim.MuonAdamW's) and every non-tensor key in values.pt. Either kind
-resumes either way, on any world size: a folder under ddp is read whole, a file under fsdp is
-sharded as it loads. A nanoGPT ckpt.pt in out_dir is
-found too, as the oldest. Loading never runs code from a checkpoint (weights_only=True, and
-sharded.py's reader for a folder's index).
+samples_consumed, data_meta, data_identity). A folder keeps the optimizer's param_groups (of each of
+its parts: optim.MuonAdamW's) and every non-tensor key in values.pt. Either kind resumes either way,
+on any world size: a folder under ddp is read whole, a file under fsdp is sharded as it loads. A
+nanoGPT ckpt.pt in out_dir is found too, as the oldest. Loading never runs code from a checkpoint
+(weights_only=True, and sharded.py's reader for a folder's index).
 
 A run writes through a Saver: on the ranks that write, in the background (async_save) or not.
 """
@@ -225,10 +224,9 @@ def load_file(path):
 
 
 def read(path, whole=TENSORS):
-    """(state, None) for a checkpoint that loads, else (None, what is wrong with it). Of a
-    folder, the tensors of the parts named in `whole` are read whole; with whole=() its state
-    has 'folder' (its path) and 'aliases' instead of them, for resume() to read each rank's
-    part of them."""
+    """(state, None) for a checkpoint that loads, else (None, what is wrong with it). Of a folder,
+    the tensors of the parts named in `whole` are read whole; with whole=() its state has 'folder'
+    (its path) and 'aliases' instead of them, for resume() to read each rank's part of them."""
     state, problem = read_folder(path, whole) if os.path.isdir(path) else load_file(path)
     if problem:
         return None, problem
@@ -385,9 +383,8 @@ class Saver:
         return self
 
     def __exit__(self, kind, error, traceback):
-        """Wait for the save in the background, if any, before out_dir's lock is let go: a
-        run that ends with an error of its own logs that save's failure, if it failed, and
-        raises its own."""
+        """Wait for the save in the background, if any, before out_dir's lock is let go: a run that
+        ends with an error of its own logs that save's failure, if it failed, and raises its own."""
         try:
             self.wait()
         except UserError as e:

@@ -24,13 +24,12 @@ A run checks the index against its token files and their end-of-text id at start
 windows: the index is never loaded, nor mapped (a memory map would keep its pages, and end the
 process with SIGBUS if the file were cut under it).
 
-Building it (Writer, build) takes memory that does not grow with the data, and publishes the
-index whole or not at all (fileio), as prepare.py writes the token files or from token files
-that have none (index_documents.py). The documents' first tokens are kept in file order in a
-temporary file as they come: from the lengths prepare.py writes, or from a scan of the tokens
-for end-of-text ids (scan()). finish() then reads that file twice: once to count the documents
-of each length, once to put each first token at its place in length order, a counting sort
-that fills WINDOW places a pass.
+Building it (Writer, build) takes memory that does not grow with the data, and publishes the index
+whole or not at all (fileio), as prepare.py writes the token files or from token files that have
+none (index_documents.py). The documents' first tokens are kept in file order in a temporary file as
+they come: from the lengths prepare.py writes, or from a scan of the tokens for end-of-text ids
+(scan()). finish() then reads that file twice: once to count the documents of each length, once to
+put each first token at its place in length order, a counting sort that fills WINDOW places a pass.
 """
 import os
 import struct

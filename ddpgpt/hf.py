@@ -369,11 +369,10 @@ def save_byte_tokenizer(folder, tok, max_length):
 
 def folder_tokenizer(folder):
     """The tokenizer.py name of the tokenizer a folder's weights read, from its tokenizer.json:
-    'byte' for the byte tokenizer's (export.py's of a byte-level model); None for GPT-2's, or
-    where there is none, which read GPT-2's tokens (tiktoken's 'gpt2', the same ids); the
-    folder itself for any other, loaded as a Hugging Face tokenizer (tokenizer.py): the
-    weights were trained on its ids, as export.py's of data a Hugging Face tokenizer prepared
-    were."""
+    'byte' for the byte tokenizer's (export.py's of a byte-level model); None for GPT-2's, or where
+    there is none, which read GPT-2's tokens (tiktoken's 'gpt2', the same ids); the folder itself
+    for any other, loaded as a Hugging Face tokenizer (tokenizer.py): the weights were trained on
+    its ids, as export.py's of data a Hugging Face tokenizer prepared were."""
     path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(path):
         return None

@@ -138,11 +138,10 @@ def summary_writer():
 
 
 def open_tensorboard(cfg, start_iter):
-    """A SummaryWriter in tensorboard_dir; None without tensorboard_log. Its purge_step, the
-    run's first iter, tells TensorBoard's readers to drop what earlier runs wrote there from
-    that iter on (the steps a crash took past the checkpoint now resumed; all of an earlier
-    run that left no checkpoint), as read() drops those rows of metrics.jsonl: no step is
-    shown twice."""
+    """A SummaryWriter in tensorboard_dir; None without tensorboard_log. Its purge_step, the run's
+    first iter, tells TensorBoard's readers to drop what earlier runs wrote there from that iter on
+    (the steps a crash took past the checkpoint now resumed; all of an earlier run that left no
+    checkpoint), as read() drops those rows of metrics.jsonl: no step is shown twice."""
     if not cfg.tensorboard_log:
         return None
     return summary_writer()(tensorboard_dir(cfg), purge_step=start_iter)
@@ -255,12 +254,11 @@ class Rows(NamedTuple):
 
 
 def read(out_dir):
-    """The Rows of the run in out_dir: those after its last fresh start (an earlier run in the
-    same out_dir that left no checkpoint wrote the rows before it). A resumed run starts again
-    at its checkpoint's iter, so its rows replace those its previous attempt logged from that
-    iter on. Rows written by older versions, with no start rows, are one run, a step logged
-    twice counting last. Each row must be JSON; a partial last line (a process killed while
-    writing it) is left out."""
+    """The Rows of the run in out_dir: those after its last fresh start (an earlier run in the same
+    out_dir that left no checkpoint wrote the rows before it). A resumed run starts again at its
+    checkpoint's iter, so its rows replace those its previous attempt logged from that iter on. Rows
+    written by older versions, with no start rows, are one run, a step logged twice counting last.
+    Each row must be JSON; a partial last line (a process killed while writing it) is left out."""
     path = os.path.join(out_dir, "metrics.jsonl")
     try:
         with open(path) as f:

@@ -57,10 +57,9 @@ class Wrapped(NamedTuple):
 
 def wrap(model, cfg, ranks, device, precision):
     """The model of a run on its device, as the run's parallel key shares it out, compiled with
-    compile=True (the whole model under ddp; each block under fsdp, whose gathers run between
-    them), each block recomputing in its backward what activation_checkpointing says
-    (recompute.py, before fsdp and compile wrap the blocks, as torchtitan orders them). Its
-    gradients are None."""
+    compile=True (the whole model under ddp; each block under fsdp, whose gathers run between them),
+    each block recomputing in its backward what activation_checkpointing says (recompute.py, before
+    fsdp and compile wrap the blocks, as torchtitan orders them). Its gradients are None."""
     recompute.apply(model, cfg.activation_checkpointing, cfg.loss_chunks)
     if sharded(cfg, ranks):
         shard(model, device, precision.dtype, cfg.reshard_after_forward, cfg.compile)

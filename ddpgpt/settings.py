@@ -1,9 +1,8 @@
 """Every script's settings: each key's type, default, range and one line of help, written once.
 
-configurator.py parses config files and --key=value into these classes and prints --help from
-them; each class checks itself when it is made (__post_init__), the ranges with
-configurator.check and what involves several keys below it. A Literal[...] type lists a key's
-choices.
+configurator.py parses config files and --key=value into these classes and prints --help from them;
+each class checks itself when it is made (__post_init__), the ranges with configurator.check and
+what involves several keys below it. A Literal[...] type lists a key's choices.
 """
 import math
 import os

@@ -196,10 +196,9 @@ def load_whole(model, weights):
 
 
 def shard_like(optimizer_state, optimizer):
-    """A whole optimizer state ({'state': {i: {...}}, 'param_groups'}, as a single-file
-    checkpoint holds it, or {part: such} of optim.MuonAdamW) sharded as the optimizer's
-    parameters are, for its load_state_dict: each rank keeps its shard of each tensor shaped
-    like its parameter."""
+    """A whole optimizer state ({'state': {i: {...}}, 'param_groups'}, as a single-file checkpoint
+    holds it, or {part: such} of optim.MuonAdamW) sharded as the optimizer's parameters are, for its
+    load_state_dict: each rank keeps its shard of each tensor shaped like its parameter."""
     ours = parts(optimizer)
     return joined({part: shard_part(saved, ours[part])
                    for part, saved in state_parts(optimizer_state).items()})

@@ -193,10 +193,9 @@ def tokenizer_of(meta, vocab_size):
 
 
 def check_ids_fit(n_ids, tokens, vocab_size, model, fix):
-    """A model embeds the ids 0 .. vocab_size - 1: data or a tokenizer (`tokens`) with more
-    cannot be read by it. The one check of it, wherever data or a tokenizer meets a model
-    (data opened for a model: sources.check_fits; a tokenizer chosen for one: tokenizer_of,
-    weights.load)."""
+    """A model embeds the ids 0 .. vocab_size - 1: data or a tokenizer (`tokens`) with more cannot
+    be read by it. The one check of it, wherever data or a tokenizer meets a model (data opened for
+    a model: sources.check_fits; a tokenizer chosen for one: tokenizer_of, weights.load)."""
     if n_ids > vocab_size:
         raise UserError(f"{tokens} has {n_ids} token ids, more than the {vocab_size} that "
                         f"{model} embeds: {fix}")

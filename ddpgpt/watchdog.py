@@ -1,15 +1,14 @@
 """The hang watchdog: a run that stops making progress says where each rank is, then ends.
 
-train.py starts it first thing and beats it at each completed step, after each evaluation and
-before each checkpoint save. When no beat comes within the limit, every rank whose Python can
-still run writes the stacks of all its threads to its log (stderr), headed with its rank and
-iter, and a one-line report to out_dir/hang/rank<r>.txt; rank 0 gathers the reports, prints
-where the ranks are, grouped, and which did not report, and writes that to
-out_dir/hang/summary.txt. Where the flight recorder is on (launch/srun.sh turns it on), each
-rank also writes its record of the last collectives, as torch would have on the collective
-timeout that the watchdog comes before. Then each rank exits with EXIT_CODE, so that torchrun
-or SLURM ends the run (and can restart it) instead of leaving it hung until a collective times
-out.
+train.py starts it first thing and beats it at each completed step, after each evaluation and before
+each checkpoint save. When no beat comes within the limit, every rank whose Python can still run
+writes the stacks of all its threads to its log (stderr), headed with its rank and iter, and a
+one-line report to out_dir/hang/rank<r>.txt; rank 0 gathers the reports, prints where the ranks are,
+grouped, and which did not report, and writes that to out_dir/hang/summary.txt. Where the flight
+recorder is on (launch/srun.sh turns it on), each rank also writes its record of the last
+collectives, as torch would have on the collective timeout that the watchdog comes before. Then each
+rank exits with EXIT_CODE, so that torchrun or SLURM ends the run (and can restart it) instead of
+leaving it hung until a collective times out.
 
   the limit   until the first step completes: startup_timeout_s (rendezvous, data checks,
               compiling, the first evaluation and step); then max(hang_timeout_s, 10 x the
@@ -61,9 +60,8 @@ def start(out_dir, rank, world_size, hang_timeout_s, startup_timeout_s):
 
 
 def beat(iter_num, step_s=None, doing=None):
-    """Progress: a step of step_s seconds completed (this rank is now at iter_num), or, with
-    no step_s, an evaluation or a save begins (doing: 'evaluation', 'checkpoint save') or
-    ends."""
+    """Progress: a step of step_s seconds completed (this rank is now at iter_num), or, with no
+    step_s, an evaluation or a save begins (doing: 'evaluation', 'checkpoint save') or ends."""
     if _watchdog is not None:
         _watchdog.beat(iter_num, step_s, doing)
 
