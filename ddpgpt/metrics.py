@@ -162,14 +162,9 @@ def record(metrics, row):
     if metrics.wandb is not None:
         metrics.wandb.log(row, step=row["iter"])
     if metrics.tensorboard is not None:
-        write_scalars(metrics.tensorboard, row)
-
-
-def write_scalars(writer, row):
-    """A row's scalars in TensorBoard at its iter."""
-    for name, value in scalars(row).items():
-        writer.add_scalar(name, value, row["iter"])
-    writer.flush()  # as metrics.jsonl is flushed: a run killed later keeps the row
+        for name, value in scalars(row).items():
+            metrics.tensorboard.add_scalar(name, value, row["iter"])
+        metrics.tensorboard.flush()  # as metrics.jsonl is flushed: a run killed later keeps the row
 
 
 def scalars(row):
