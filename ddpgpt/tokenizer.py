@@ -163,8 +163,8 @@ def get_tokenizer(name):
     if name == "byte":
         return _byte_tokenizer()
     import tiktoken
-    if name not in tiktoken.list_encoding_names() and is_hf_name(name):
-        return _hf_tokenizer(name)
+    if name not in tiktoken.list_encoding_names() and (os.path.isdir(name) or "/" in name):
+        return _hf_tokenizer(name)  # a folder, or a hub repository (owner/name)
     return _tiktoken_tokenizer(name)
 
 
@@ -258,11 +258,6 @@ def install_tiktoken_file(vocab_file, cache_dir, encoding="r50k_base"):
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte tokens
 
 
-def is_hf_name(name):
-    """Is name a Hugging Face tokenizer's: a folder, or a hub repository (owner/name)?"""
-    return os.path.isdir(name) or "/" in name
-
-
 def name_of(name):
     """What meta.json records: a folder by its absolute path, so any working directory finds it."""
     return os.path.abspath(name) if os.path.isdir(name) else name
@@ -312,8 +307,9 @@ def _hf_tokenizer(name):
         hf.save_pretrained(folder)
 
     any_str = _any_str(encode, TypeError)  # how the tokenizers library refuses a lone surrogate
-    return Tokenizer(name_of(name), max(vocab.values()) + 1, end_of_document(hf), encode_text,
-                     decode, decode_bytes, fingerprint, encode_batch, save)
+    eot = hf.eos_token_id if hf.eos_token_id is not None else hf.pad_token_id  # else None
+    return Tokenizer(name_of(name), max(vocab.values()) + 1, eot, encode_text, decode,
+                     decode_bytes, fingerprint, encode_batch, save)
 
 
 def from_pretrained(name):
@@ -388,11 +384,6 @@ def fingerprint_of(hf):
     h = hashlib.blake2b(hf.backend_tokenizer.to_str().encode(), digest_size=16)
     h.update(repr(sorted(hf.special_tokens_map.items())).encode())
     return h.hexdigest()
-
-
-def end_of_document(hf):
-    """The id that ends every document: eos, else pad, else None (the comment above)."""
-    return hf.eos_token_id if hf.eos_token_id is not None else hf.pad_token_id
 
 
 def no_end_of_document(name):
