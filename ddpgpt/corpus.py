@@ -153,12 +153,6 @@ def python_source(path):
         return None
 
 
-def stdlib_files(root):
-    files = sorted(os.path.relpath(p, root) for p in glob.glob(f"{root}/**/*.py", recursive=True))
-    return [os.path.join(root, p) for p in files
-            if not {"site-packages", "dist-packages"} & set(p.split(os.sep))]
-
-
 # What a corpus folder can hold besides its documents, and what prepare.py does with each: it
 # skips them, with a line per kind. It refuses a --dataset that is itself prepare.py's output.
 SKIPPED = {
@@ -451,7 +445,9 @@ def text_corpus(dataset, column):
     """The standard library, local files, or a hub dataset's parquet export."""
     if dataset == "pystdlib":
         root = sysconfig.get_paths()["stdlib"]
-        files = stdlib_files(root)
+        found = glob.glob(f"{root}/**/*.py", recursive=True)
+        files = [os.path.join(root, p) for p in sorted(os.path.relpath(p, root) for p in found)
+                 if not {"site-packages", "dist-packages"} & set(p.split(os.sep))]
         return counted("pystdlib", f"{len(files)} .py files of {root}",
                        lambda: map(python_source, files), files_identity(files),
                        [os.path.relpath(p, root) for p in files])
