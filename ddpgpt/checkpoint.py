@@ -182,13 +182,6 @@ def prune(out_dir, keep, iter_num):
         shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
 
 
-def remove_temporaries(out_dir):
-    """What killed saves left in out_dir (a partial file or folder, a folder being replaced):
-    called by rank 0 before a run's first save, while its lock keeps other writers out."""
-    for stale in glob.glob(os.path.join(glob.escape(out_dir), "ckpt_*.tmp")):
-        shutil.rmtree(stale) if os.path.isdir(stale) else os.remove(stale)
-
-
 # ---- reading ----
 
 def model_state(state):
@@ -338,8 +331,11 @@ class Saver:
         self.buffers = {}  # the host copies, reused from one background save to the next
         self.pending = None  # the Future of the save in the background
         self.iter_num = None  # of the last save begun
+        # what killed saves left (a partial file or folder, a folder being replaced), removed
+        # before the first save: out_dir's lock keeps every other writer out
         if ranks.master:
-            remove_temporaries(cfg.out_dir)
+            for stale in glob.glob(os.path.join(glob.escape(cfg.out_dir), "ckpt_*.tmp")):
+                shutil.rmtree(stale) if os.path.isdir(stale) else os.remove(stale)
 
     def save(self, state, last=False):
         """Write state (contents()) as the checkpoint of its iter: in the background unless
