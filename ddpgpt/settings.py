@@ -192,7 +192,10 @@ class TrainConfig:
                 f"would still be rising where it should decay: set warmup_iters to at most "
                 f"{cooldown}, or raise max_iters.")
         self.check_recipe()
-        self.check_parallel()
+        # the keys that only fsdp reads (what it cannot train in, float16, is parallel.check's:
+        # the device says what dtype='auto' is)
+        for name in ("reshard_after_forward", "reduce_every_micro_step"):
+            check_only_for(self, name, "parallel", "fsdp")
         check_only_for(self, "tensorboard_dir", "tensorboard_log", True)
 
     def check_recipe(self):
@@ -217,12 +220,6 @@ class TrainConfig:
     def from_weights(self):
         """Does init_from name GPT-2's weights (by name, or a folder), not a start of ours?"""
         return self.init_from not in INIT_FROM
-
-    def check_parallel(self):
-        """The keys that only fsdp reads (what it cannot train in, float16: parallel.check,
-        where the device says what dtype='auto' is)."""
-        for name in ("reshard_after_forward", "reduce_every_micro_step"):
-            check_only_for(self, name, "parallel", "fsdp")
 
     @property
     def global_batch(self):
