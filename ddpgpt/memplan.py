@@ -68,14 +68,6 @@ class Plan(NamedTuple):
         return self.peak + self.ddp_buckets
 
 
-def plan_dtype(dtype, gpu):
-    """What dtype='auto' is on the planned device: bfloat16 on a GPU (the GPUs worth planning
-    for have it), float32 on a CPU."""
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if gpu else "float32"
-
-
 def plan(cfg, model_args, world_size, dtype):
     """The Plan of one rank of a run with these settings (cfg: a TrainConfig, its dtype
     resolved) on world_size ranks, on fake tensors. Opens and closes the fake process group
