@@ -63,13 +63,6 @@ def doc_index_path(data_dir, split):
     return os.path.join(data_dir, split + DOCS_SUFFIX)
 
 
-def doc_header(documents, lengths, token_split, eot, own_fingerprint):
-    """The index's header (the format above) for a split's token_split."""
-    return DOCS_HEADER.pack(DOCS_MAGIC, DOCS_VERSION, documents, lengths, token_split.n_tokens,
-                            len(token_split.paths), -1 if eot is None else eot,
-                            token_split.fingerprint.encode(), own_fingerprint.encode())
-
-
 def read_doc_header(path):
     """(documents, lengths, tokens, files, eot, the split's fingerprint, its own) of an index
     file; ValueError saying what is wrong with one that is not whole."""
@@ -181,8 +174,11 @@ class Writer:
                     self.write_by_length(out, lengths, counts, token_split.n_tokens)
                     fileio.write_array(out, np.concatenate([lengths, counts]).astype("<i8"))
                 own = tokenfile.sampled_fingerprint([tmp], DOCS_HEADER_BYTES)
-                with open(tmp, "r+b") as out:
-                    out.write(doc_header(self.documents, len(lengths), token_split, eot, own))
+                with open(tmp, "r+b") as out:  # the header, in the format above
+                    out.write(DOCS_HEADER.pack(
+                        DOCS_MAGIC, DOCS_VERSION, self.documents, len(lengths),
+                        token_split.n_tokens, len(token_split.paths), -1 if eot is None else eot,
+                        token_split.fingerprint.encode(), own.encode()))
         finally:
             self.discard()
 
