@@ -298,8 +298,7 @@ def write_tokens(writers, texts, counts, n_val, cfg, tokenizer, on_publish):
     work = chunks(texts, counts["documents"], n_val, permutation.hash_key(cfg.seed), next_doc)
     with workers.ordered_map(encode_chunk, work, cfg.num_proc, init_worker,
                              (tokenizer,)) as results, \
-            tqdm(total=counts["documents"], initial=done, desc="tokenizing",
-                 unit=" docs") as bar:
+            tqdm(total=counts["documents"], initial=done, desc="tokenizing", unit=" docs") as bar:
         for result in results:
             for split, tokens in result.items():
                 writers[split].write(*tokens, on_publish)

@@ -192,12 +192,11 @@ def make_run(s, found):
         vocab_size=cfg.vocab_size)
     start = metrics.start_row(state.iter_num, resume is not None, cfg.init_from,
                               ranks.world_size)  # opens this run's rows in metrics.jsonl
-    return Run(cfg=cfg, ranks=ranks, device=device, model=model,
-               eval_model=eval_model, train_model=train_model, optimizer=optimizer,
-               saver=saver(cfg, ranks, model), precision=precision, state=state,
-               splits=found.splits, evaluation=found.evaluation, batches=batches,
-               metrics=metrics.open_metrics(cfg, ranks.master, start),
-               micro_steps=micro_steps,
+    return Run(cfg=cfg, ranks=ranks, device=device, model=model, eval_model=eval_model,
+               train_model=train_model, optimizer=optimizer, saver=saver(cfg, ranks, model),
+               precision=precision, state=state, splits=found.splits,
+               evaluation=found.evaluation, batches=batches,
+               metrics=metrics.open_metrics(cfg, ranks.master, start), micro_steps=micro_steps,
                flops_per_step=model.flops_per_token() * cfg.global_batch * cfg.block_size,
                peak=runtime.peak_flops(device))
 

@@ -260,7 +260,6 @@ def exchange(to_each, from_each, dtype, device):
     send = [torch.cat(ts).to(dtype) if ts else torch.empty(0, dtype=dtype, device=device)
             for ts in to_each]
     received = torch.empty(sum(from_each), dtype=dtype, device=device)
-    dist.all_to_all_single(received, torch.cat(send),
-                           output_split_sizes=from_each,
+    dist.all_to_all_single(received, torch.cat(send), output_split_sizes=from_each,
                            input_split_sizes=[t.numel() for t in send])
     return list(received.split(from_each))

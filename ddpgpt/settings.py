@@ -100,8 +100,7 @@ class TrainConfig:
     arch: Arch = key("gpt2", "gpt2: GPT-2 (nanoGPT's); modern: RMSNorm, rotary positions, "
                              "QK-norm, SwiGLU, no biases, untied head (Qwen3's block)")
     rope_theta: float = key(10000.0, "modern: the base of the rotary embeddings' frequencies "
-                                     "(computed in float32)",
-                            **ROPE_THETA_RANGE)
+                                     "(computed in float32)", **ROPE_THETA_RANGE)
     # the optimizer and its schedule
     optimizer: Literal["adamw", "muon"] = key(
         "adamw", "adamw: AdamW for every parameter; muon: Muon for the matrices "

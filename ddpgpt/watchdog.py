@@ -288,8 +288,7 @@ def where_now(watchdog_ident, world_size):
     # of ours, the watchdog's and the launcher's watchers, run our code too)
     names = {t.ident: t.name for t in threading.enumerate()}
     readers = [" -> ".join(filter(None, place(f))) for ident, f in frames.items()
-               if ident not in (main, watchdog_ident) and
-               names.get(ident, "").startswith(READER)]
+               if ident not in (main, watchdog_ident) and names.get(ident, "").startswith(READER)]
     return "loader.rank_batches, waiting for its next batch" + "".join(
         f" (reader thread in {r})" for r in readers)
 
