@@ -60,7 +60,13 @@ def open_metrics(cfg, master, start):
     drop_cut_off_line(path)
     file = open(path, "a")
     record(Metrics(file, None, None, slowest), start)  # the start row is metrics.jsonl's alone
-    return Metrics(file, open_wandb(cfg, fresh), open_tensorboard(cfg, start["iter"]), slowest)
+    wandb = open_wandb(cfg, fresh)
+    # purge_step, the run's first iter, tells TensorBoard's readers to drop what earlier runs
+    # wrote there from that iter on (the steps a crash took past the checkpoint now resumed; all
+    # of an earlier run that left no checkpoint), as read() drops those rows of metrics.jsonl
+    tensorboard = summary_writer()(tensorboard_dir(cfg), purge_step=start["iter"]) \
+        if cfg.tensorboard_log else None
+    return Metrics(file, wandb, tensorboard, slowest)
 
 
 def drop_cut_off_line(path):
@@ -135,16 +141,6 @@ def summary_writer():
                         f"install it, pip install tensorboard==2.20.0 (requirements.txt's "
                         f"version), or leave tensorboard_log out.") from e
     return SummaryWriter
-
-
-def open_tensorboard(cfg, start_iter):
-    """A SummaryWriter in tensorboard_dir; None without tensorboard_log. Its purge_step, the run's
-    first iter, tells TensorBoard's readers to drop what earlier runs wrote there from that iter on
-    (the steps a crash took past the checkpoint now resumed; all of an earlier run that left no
-    checkpoint), as read() drops those rows of metrics.jsonl: no step is shown twice."""
-    if not cfg.tensorboard_log:
-        return None
-    return summary_writer()(tensorboard_dir(cfg), purge_step=start_iter)
 
 
 def record(metrics, row):
