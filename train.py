@@ -194,11 +194,10 @@ def make_run(s, found):
                               ranks.world_size)  # opens this run's rows in metrics.jsonl
     return Run(cfg=cfg, ranks=ranks, device=device, model=model, eval_model=eval_model,
                train_model=train_model, optimizer=optimizer, saver=saver(cfg, ranks, model),
-               precision=precision, state=state, splits=found.splits,
-               evaluation=found.evaluation, batches=batches,
-               metrics=metrics.open_metrics(cfg, ranks.master, start), micro_steps=micro_steps,
-               flops_per_step=model.flops_per_token() * cfg.global_batch * cfg.block_size,
-               peak=runtime.peak_flops(device))
+               precision=precision, state=state, splits=found.splits, batches=batches,
+               evaluation=found.evaluation, metrics=metrics.open_metrics(cfg, ranks.master, start),
+               micro_steps=micro_steps, peak=runtime.peak_flops(device),
+               flops_per_step=model.flops_per_token() * cfg.global_batch * cfg.block_size)
 
 
 def saver(cfg, ranks, model):
@@ -235,7 +234,6 @@ def loop(run, stop_signals):
     cfg, state = run.cfg, run.state
     start_iter = state.iter_num
     history = deque(maxlen=SPIKE_WINDOW)  # (loss, gradient norm) of the last applied steps
-    # ---------------------------------------------------------------- TRAINING LOOP BEGIN
     t_last, skipped = time.perf_counter(), 0  # non-finite steps skipped in a row
     while True:
         if state.iter_num % cfg.eval_interval == 0 or \
@@ -272,7 +270,6 @@ def loop(run, stop_signals):
             log.info(f"interrupted at iter {state.iter_num}; resume with --init_from=resume")
             errors.say_torchrun_reports_next()
             break
-    # ---------------------------------------------------------------- TRAINING LOOP END
 
 
 def evaluate_and_save(run, may_save):
