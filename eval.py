@@ -37,8 +37,6 @@ from ddpgpt.state import Saved  # noqa: E402
 
 log = logging.getLogger("ddpgpt.eval")
 
-NO_CHECKPOINT = "give --out_dir a run's out_dir or one checkpoint file, or --init_from=gpt2."
-
 
 def main(argv):
     cfg, given = configurator.parse_given(EvalConfig, argv, "eval.py")
@@ -141,7 +139,8 @@ def make_evaluation(cfg, given, val, loaded):
 
 def load_model(cfg):
     """(the model on the CPU, weights.Loaded)."""
-    loaded = weights.load(cfg.init_from, cfg.out_dir, NO_CHECKPOINT)
+    loaded = weights.load(cfg.init_from, cfg.out_dir, "give --out_dir a run's out_dir or one "
+                          "checkpoint file, or --init_from=gpt2.")
     log.info(f"eval.py: {loaded.source}")
     positions = loaded.args["block_size"]
     if cfg.block_size > positions:
