@@ -37,8 +37,6 @@ from ddpgpt.state import Saved  # noqa: E402
 
 log = logging.getLogger("ddpgpt.eval")
 
-NO_CHECKPOINT = "give --out_dir a run's out_dir or one checkpoint file, or --init_from=gpt2."
-
 
 def main(argv):
     cfg, given = configurator.parse_given(EvalConfig, argv, "eval.py")
@@ -141,7 +139,8 @@ def make_evaluation(cfg, given, val, loaded):
 
 def load_model(cfg):
     """(the model on the CPU, weights.Loaded)."""
-    loaded = weights.load(cfg.init_from, cfg.out_dir, NO_CHECKPOINT)
+    loaded = weights.load(cfg.init_from, cfg.out_dir, "give --out_dir a run's out_dir or one "
+                          "checkpoint file, or --init_from=gpt2.")
     log.info(f"eval.py: {loaded.source}")
     positions = loaded.args["block_size"]
     if cfg.block_size > positions:
@@ -159,8 +158,7 @@ def evaluate(model, ev, ranks, precision, device):
         results.update(evaluation.losses(model, ev, ranks, precision.autocast, device))
     if ev.hellaswag is not None:
         t0 = time.perf_counter()
-        results.update(evaluation.hellaswag_scores(model, ev, ranks, precision.autocast,
-                                                   device))
+        results.update(evaluation.hellaswag_scores(model, ev, ranks, precision.autocast, device))
         results["hellaswag_s"] = time.perf_counter() - t0
     return results
 
@@ -178,8 +176,7 @@ def summary(cfg, results, source, where, hellaswag_data):
     if hellaswag_data is not None:
         n, seconds = results["hellaswag_n"], results["hellaswag_s"]
         right = {k: round(results[f"hellaswag_{k}"] * n) for k in ("acc_norm", "acc")}
-        cut = f"; {hellaswag_data.truncated} cut to block_size" if hellaswag_data.truncated \
-            else ""
+        cut = f"; {hellaswag_data.truncated} cut to block_size" if hellaswag_data.truncated else ""
         lines.append(f"HellaSwag: acc_norm {right['acc_norm']}/{n} = "
                      f"{results['hellaswag_acc_norm']:.4f}, acc {right['acc']}/{n} = "
                      f"{results['hellaswag_acc']:.4f} ({hellaswag_data.path}, {seconds:.1f} s, "

@@ -23,9 +23,11 @@ def main(argv):
     import torch
 
     from ddpgpt import arch, memplan, parallel
-    gpu_memory = parse_memory(cfg.gpu_memory) if cfg.gpu_memory else \
-        local_gpu_memory(cfg, torch)
-    dtype = memplan.plan_dtype(cfg.dtype, gpu=cfg.device != "cpu" and bool(gpu_memory))
+    gpu_memory = parse_memory(cfg.gpu_memory) if cfg.gpu_memory else local_gpu_memory(cfg, torch)
+    # dtype='auto' on the planned device: bfloat16 on a GPU (the GPUs worth planning for have
+    # it), float32 on a CPU
+    gpu = cfg.device != "cpu" and bool(gpu_memory)
+    dtype = cfg.dtype if cfg.dtype != "auto" else "bfloat16" if gpu else "float32"
     parallel.check(cfg, dtype)
     train_cfg = dataclasses.replace(cfg, dtype=dtype)  # still a PlanConfig: plan() reads only
     model_args = arch.model_args(train_cfg, None)   # train.py's keys

@@ -59,8 +59,7 @@ def draw(runs, smooth, title):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-    panels = {"loss": axes[0, 0], "val_loss": axes[0, 1], "lr": axes[1, 0],
-              "tok_per_s": axes[1, 1]}
+    panels = {"loss": axes[0, 0], "val_loss": axes[0, 1], "lr": axes[1, 0], "tok_per_s": axes[1, 1]}
     for n, (label, (series, resumed)) in enumerate(runs.items()):
         color, marker = f"C{n % 10}", "os^Dv<>p"[n % 8]  # a marker each: runs that overlap
         for key in ("loss", "tok_per_s"):

@@ -91,8 +91,7 @@ def chunks(texts, n_docs, n_val, key, next_doc):
 def split_chunk(texts, first, n_docs, n_val, key, next_doc):
     indices = np.arange(first, first + len(texts))
     splits = np.where(permutation.permute(indices, n_docs, key) < n_val, "val", "train")
-    keep = [i for i, (split, index) in enumerate(zip(splits, indices))
-            if index >= next_doc[split]]
+    keep = [i for i, (split, index) in enumerate(zip(splits, indices)) if index >= next_doc[split]]
     return ([texts[i] for i in keep], [str(splits[i]) for i in keep],
             [int(indices[i]) for i in keep])
 
@@ -218,8 +217,7 @@ class SplitWriter:
         if self.sharded:
             entry["shards"] = [{k: s[k] for k in ("file", "tokens", "documents", "fingerprint")}
                                for s in self.shards]
-        self.index.finish(self.token_split()._replace(fingerprint=entry["fingerprint"]),
-                          self.eot)
+        self.index.finish(self.token_split()._replace(fingerprint=entry["fingerprint"]), self.eot)
         return entry
 
     def discard(self):
@@ -295,14 +293,12 @@ def tokenizer_fingerprint(tokenizer):
 
 def write_tokens(writers, texts, counts, n_val, cfg, tokenizer, on_publish):
     """Pass 2: tokenize the documents not written yet, appending them to their split."""
-    next_doc = {split: w.shards[-1]["next_doc"] if w.shards else 0
-                for split, w in writers.items()}
+    next_doc = {split: w.shards[-1]["next_doc"] if w.shards else 0 for split, w in writers.items()}
     done = sum(s["documents"] for w in writers.values() for s in w.shards)
     work = chunks(texts, counts["documents"], n_val, permutation.hash_key(cfg.seed), next_doc)
     with workers.ordered_map(encode_chunk, work, cfg.num_proc, init_worker,
                              (tokenizer,)) as results, \
-            tqdm(total=counts["documents"], initial=done, desc="tokenizing",
-                 unit=" docs") as bar:
+            tqdm(total=counts["documents"], initial=done, desc="tokenizing", unit=" docs") as bar:
         for result in results:
             for split, tokens in result.items():
                 writers[split].write(*tokens, on_publish)
@@ -345,8 +341,7 @@ def prepare(cfg):
     docs = corpus.open_corpus(cfg.dataset, cfg.text_column, cfg.num_proc, cfg.streaming,
                               cfg.hub_config)
     out_dir = cfg.out_dir or os.path.join("data", docs.name)
-    if os.path.isdir(cfg.dataset) and os.path.realpath(out_dir) == \
-            os.path.realpath(cfg.dataset):
+    if os.path.isdir(cfg.dataset) and os.path.realpath(out_dir) == os.path.realpath(cfg.dataset):
         raise UserError(f"--out_dir={out_dir} is the corpus folder itself: its token files and "
                         f"meta.json would be mixed with the documents. Pass an --out_dir "
                         f"outside it, or a folder inside it (which prepare.py skips when it "

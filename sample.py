@@ -24,15 +24,14 @@ from ddpgpt.model import GPT, GPTConfig  # noqa: E402
 
 log = logging.getLogger("ddpgpt.sample")
 
-NO_CHECKPOINT = "set --out_dir to where train.py saved, or train a model."
-
 
 def main(argv):
     cfg = configurator.parse(SampleConfig, argv, "sample.py")
     logs.setup(stream=sys.stderr)  # stdout is for the samples alone
     device = runtime.pick_device(cfg.device, runtime.Ranks(0, 0, 1, 1))
     prompt = read_prompt(cfg.start)  # before the checkpoint: a typo should not cost a load
-    loaded = weights.load(cfg.init_from, cfg.out_dir, NO_CHECKPOINT)
+    loaded = weights.load(cfg.init_from, cfg.out_dir,
+                          "set --out_dir to where train.py saved, or train a model.")
     log.info(f"sample.py: {loaded.source}")
     tok = loaded.tokenizer
     ids = tok.encode(prompt)

@@ -149,8 +149,7 @@ def start_up(cfg, given, ranks, device):
     # the configuration says what is trained (the architecture of the weights resumed or
     # loaded, the vocab_size that 0 meant), so that its log and checkpoints do not lie
     cfg = dataclasses.replace(cfg, **arch.architecture(start.args))
-    splits = sources.open_splits(data_sources, cfg.block_size, cfg.vocab_size,
-                                 mode=cfg.sampling)
+    splits = sources.open_splits(data_sources, cfg.block_size, cfg.vocab_size, mode=cfg.sampling)
     identity = sources.identity(splits)
     if start.resume is not None:
         weights.check_resume(cfg, start.resume, meta, identity, len(data_sources))
@@ -195,14 +194,12 @@ def make_run(s, found):
         vocab_size=cfg.vocab_size)
     start = metrics.start_row(state.iter_num, resume is not None, cfg.init_from,
                               ranks.world_size)  # opens this run's rows in metrics.jsonl
-    return Run(cfg=cfg, ranks=ranks, device=device, model=model,
-               eval_model=eval_model, train_model=train_model, optimizer=optimizer,
-               saver=saver(cfg, ranks, model), precision=precision, state=state,
-               splits=found.splits, evaluation=found.evaluation, batches=batches,
-               metrics=metrics.open_metrics(cfg, ranks.master, start),
-               micro_steps=micro_steps,
-               flops_per_step=model.flops_per_token() * cfg.global_batch * cfg.block_size,
-               peak=runtime.peak_flops(device))
+    return Run(cfg=cfg, ranks=ranks, device=device, model=model, eval_model=eval_model,
+               train_model=train_model, optimizer=optimizer, saver=saver(cfg, ranks, model),
+               precision=precision, state=state, splits=found.splits, batches=batches,
+               evaluation=found.evaluation, metrics=metrics.open_metrics(cfg, ranks.master, start),
+               micro_steps=micro_steps, peak=runtime.peak_flops(device),
+               flops_per_step=model.flops_per_token() * cfg.global_batch * cfg.block_size)
 
 
 def saver(cfg, ranks, model):
@@ -239,7 +236,6 @@ def loop(run, stop_signals):
     cfg, state = run.cfg, run.state
     start_iter = state.iter_num
     history = deque(maxlen=SPIKE_WINDOW)  # (loss, gradient norm) of the last applied steps
-    # ---------------------------------------------------------------- TRAINING LOOP BEGIN
     t_last, skipped = time.perf_counter(), 0  # non-finite steps skipped in a row
     while True:
         if state.iter_num % cfg.eval_interval == 0 or \
@@ -276,7 +272,6 @@ def loop(run, stop_signals):
             log.info(f"interrupted at iter {state.iter_num}; resume with --init_from=resume")
             errors.say_torchrun_reports_next()
             break
-    # ---------------------------------------------------------------- TRAINING LOOP END
 
 
 def evaluate_and_save(run, may_save):
@@ -298,8 +293,7 @@ def evaluate_and_save(run, may_save):
             f"and there is none in {cfg.out_dir} yet"
         log.warning(f"warning: non-finite evaluation loss at iter {state.iter_num}: no "
                     f"checkpoint written, {kept}")
-    elif may_save and (improved or cfg.always_save_checkpoint or
-                       state.iter_num >= cfg.max_iters):
+    elif may_save and (improved or cfg.always_save_checkpoint or state.iter_num >= cfg.max_iters):
         save(run, last=state.iter_num >= cfg.max_iters)
 
 
@@ -373,10 +367,9 @@ def train_step(run, history, stop_signals):
 
 
 def forward_backward(model, batches, micro_steps, precision, reduce_every_micro_step, device):
-    """This rank's micro-steps of one optimizer step: (the summed loss on the device, seconds
-    spent waiting for data, a Stopwatch of the time until the last backward, which waits for
-    the other ranks in DDP: what this rank alone took). The gradients accumulate in the
-    parameters."""
+    """This rank's micro-steps of one optimizer step: (the summed loss on the device, seconds spent
+    waiting for data, a Stopwatch of the time until the last backward, which waits for the other
+    ranks in DDP: what this rank alone took). The gradients accumulate in the parameters."""
     loss_sum, data_wait, alone = 0.0, 0.0, runtime.Stopwatch(device)
     for micro_step in range(micro_steps):
         # the gradients are reduced over the ranks in the last micro-step's backward only

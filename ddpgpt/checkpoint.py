@@ -7,12 +7,11 @@
 
 Both hold the same contents (contents()): nanoGPT's key layout (model, optimizer, model_args,
 iter_num, best_val_loss, config) plus the rest of the training state (state.py: scaler,
-samples_consumed, data_meta, data_identity). A folder keeps the optimizer's param_groups (of
-each of its parts: optim.MuonAdamW's) and every non-tensor key in values.pt. Either kind
-resumes either way, on any world size: a folder under ddp is read whole, a file under fsdp is
-sharded as it loads. A nanoGPT ckpt.pt in out_dir is
-found too, as the oldest. Loading never runs code from a checkpoint (weights_only=True, and
-sharded.py's reader for a folder's index).
+samples_consumed, data_meta, data_identity). A folder keeps the optimizer's param_groups (of each of
+its parts: optim.MuonAdamW's) and every non-tensor key in values.pt. Either kind resumes either way,
+on any world size: a folder under ddp is read whole, a file under fsdp is sharded as it loads. A
+nanoGPT ckpt.pt in out_dir is found too, as the oldest. Loading never runs code from a checkpoint
+(weights_only=True, and sharded.py's reader for a folder's index).
 
 A run writes through a Saver: on the ranks that write, in the background (async_save) or not.
 """
@@ -183,13 +182,6 @@ def prune(out_dir, keep, iter_num):
         shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
 
 
-def remove_temporaries(out_dir):
-    """What killed saves left in out_dir (a partial file or folder, a folder being replaced):
-    called by rank 0 before a run's first save, while its lock keeps other writers out."""
-    for stale in glob.glob(os.path.join(glob.escape(out_dir), "ckpt_*.tmp")):
-        shutil.rmtree(stale) if os.path.isdir(stale) else os.remove(stale)
-
-
 # ---- reading ----
 
 def model_state(state):
@@ -225,10 +217,9 @@ def load_file(path):
 
 
 def read(path, whole=TENSORS):
-    """(state, None) for a checkpoint that loads, else (None, what is wrong with it). Of a
-    folder, the tensors of the parts named in `whole` are read whole; with whole=() its state
-    has 'folder' (its path) and 'aliases' instead of them, for resume() to read each rank's
-    part of them."""
+    """(state, None) for a checkpoint that loads, else (None, what is wrong with it). Of a folder,
+    the tensors of the parts named in `whole` are read whole; with whole=() its state has 'folder'
+    (its path) and 'aliases' instead of them, for resume() to read each rank's part of them."""
     state, problem = read_folder(path, whole) if os.path.isdir(path) else load_file(path)
     if problem:
         return None, problem
@@ -340,8 +331,11 @@ class Saver:
         self.buffers = {}  # the host copies, reused from one background save to the next
         self.pending = None  # the Future of the save in the background
         self.iter_num = None  # of the last save begun
+        # what killed saves left (a partial file or folder, a folder being replaced), removed
+        # before the first save: out_dir's lock keeps every other writer out
         if ranks.master:
-            remove_temporaries(cfg.out_dir)
+            for stale in glob.glob(os.path.join(glob.escape(cfg.out_dir), "ckpt_*.tmp")):
+                shutil.rmtree(stale) if os.path.isdir(stale) else os.remove(stale)
 
     def save(self, state, last=False):
         """Write state (contents()) as the checkpoint of its iter: in the background unless
@@ -385,9 +379,8 @@ class Saver:
         return self
 
     def __exit__(self, kind, error, traceback):
-        """Wait for the save in the background, if any, before out_dir's lock is let go: a
-        run that ends with an error of its own logs that save's failure, if it failed, and
-        raises its own."""
+        """Wait for the save in the background, if any, before out_dir's lock is let go: a run that
+        ends with an error of its own logs that save's failure, if it failed, and raises its own."""
         try:
             self.wait()
         except UserError as e:

@@ -223,8 +223,7 @@ def help_text(config_cls, script):
              inspect.cleandoc(config_cls.__doc__ or ""), "",
              "Config files (python that assigns keys) and --key=value apply in order. Keys:"]
     for f in dataclasses.fields(config_cls):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
-            else f.default
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         kind = type_name(hints[f.name])
         if bounds_text(f.metadata):
             kind += f", {bounds_text(f.metadata)}"

@@ -161,12 +161,6 @@ def python_source(path):
         return None
 
 
-def stdlib_files(root):
-    files = sorted(os.path.relpath(p, root) for p in glob.glob(f"{root}/**/*.py", recursive=True))
-    return [os.path.join(root, p) for p in files
-            if not {"site-packages", "dist-packages"} & set(p.split(os.sep))]
-
-
 # What a corpus folder can hold besides its documents, and what prepare.py does with each: it
 # skips them, with a line per kind. It refuses a --dataset that is itself prepare.py's output.
 SKIPPED = {
@@ -222,8 +216,7 @@ def walk(folder, skipped, seen):
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
         if skip(entry.path, entry.name, skipped, seen, by_name=True):
             continue
-        found += walk(entry.path, skipped, seen) if os.path.isdir(entry.path) else \
-            [entry.path]
+        found += walk(entry.path, skipped, seen) if os.path.isdir(entry.path) else [entry.path]
     return found
 
 
@@ -248,8 +241,7 @@ def kind_of(path, name, seen, by_name, as_text=False):
     except OSError:  # a broken symlink (ENOENT) or a symlink loop (ELOOP)
         return "unreadable"
     if stat.S_ISDIR(info.st_mode):
-        return "repeat" if identity(info) in seen else \
-            "output" if prepared_output(path) else None
+        return "repeat" if identity(info) in seen else "output" if prepared_output(path) else None
     if not stat.S_ISREG(info.st_mode):
         return "special"
     if document_kind(path) is None and not as_text:
@@ -336,8 +328,7 @@ def download_openwebtext():
     paths = []
     for filename in tqdm(OWT_ARCHIVES, desc="OpenWebText archives", unit=" archives"):
         try:
-            paths.append(huggingface_hub.hf_hub_download(OWT_REPO, filename,
-                                                         repo_type="dataset"))
+            paths.append(huggingface_hub.hf_hub_download(OWT_REPO, filename, repo_type="dataset"))
         except OSError as e:  # every hub error is one, not-cached-and-offline included
             reason = " ".join(str(e).split())  # the hub's messages span lines
             raise UserError(
@@ -457,15 +448,16 @@ def open_corpus(dataset, column, num_proc, streaming=False, hub_config=""):
 
 def counted(name, description, documents, identity="", names=None):
     """A Corpus whose documents are counted by reading them all once (names: see tally)."""
-    return Corpus(name, description, documents, lambda: count_documents(documents, names),
-                  identity)
+    return Corpus(name, description, documents, lambda: count_documents(documents, names), identity)
 
 
 def text_corpus(dataset, column):
     """The standard library, local files, or a hub dataset's parquet export."""
     if dataset == "pystdlib":
         root = sysconfig.get_paths()["stdlib"]
-        files = stdlib_files(root)
+        found = glob.glob(f"{root}/**/*.py", recursive=True)
+        files = [os.path.join(root, p) for p in sorted(os.path.relpath(p, root) for p in found)
+                 if not {"site-packages", "dist-packages"} & set(p.split(os.sep))]
         return counted("pystdlib", f"{len(files)} .py files of {root}",
                        lambda: map(python_source, files), files_identity(files),
                        [os.path.relpath(p, root) for p in files])
@@ -492,8 +484,7 @@ def streamed_corpus(dataset, hub_config, column):
             if not files:
                 raise UserError(f"--streaming reads local .parquet files only; --dataset="
                                 f"{dataset!r} has none: drop --streaming to read it.")
-            ds = datasets.load_dataset("parquet", data_files=files, split="train",
-                                       streaming=True)
+            ds = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
         else:
             ds = datasets.load_dataset(dataset, hub_config or None, split="train", streaming=True)
         first = next(iter(ds.take(1)), {})

@@ -125,8 +125,7 @@ def source_indices(sample_indices, mix, seed):
     blocks, slots = indices // MIX_BLOCK, np.empty_like(indices)
     for block in np.unique(blocks):
         here = blocks == block
-        slots[here] = permute(indices[here] % MIX_BLOCK, MIX_BLOCK, hash_key(seed, MIX_KEY,
-                                                                              block))
+        slots[here] = permute(indices[here] % MIX_BLOCK, MIX_BLOCK, hash_key(seed, MIX_KEY, block))
     counts = np.asarray(mix.counts, dtype=np.int64)
     source, rank = locate(slots, counts)
     return source, blocks * counts[source] + rank
@@ -142,8 +141,7 @@ def samples_fingerprint(sample_indices, mix, block_size, seed, mode):
     """A short hash of which windows a set of global samples reads, in any order: a loader
     that reports the indices it read (examples/lightning_datamodule.py) hashes them here."""
     source, offsets = sample_windows(sample_indices, mix, block_size, seed, mode)
-    return hashlib.blake2b(np.sort(offsets + (source << 48)).tobytes(),
-                           digest_size=8).hexdigest()
+    return hashlib.blake2b(np.sort(offsets + (source << 48)).tobytes(), digest_size=8).hexdigest()
 
 
 def global_batch_fingerprint(step, global_batch, mix, block_size, seed, mode):

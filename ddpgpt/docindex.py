@@ -24,13 +24,12 @@ A run checks the index against its token files and their end-of-text id at start
 windows: the index is never loaded, nor mapped (a memory map would keep its pages, and end the
 process with SIGBUS if the file were cut under it).
 
-Building it (Writer, build) takes memory that does not grow with the data, and publishes the
-index whole or not at all (fileio), as prepare.py writes the token files or from token files
-that have none (index_documents.py). The documents' first tokens are kept in file order in a
-temporary file as they come: from the lengths prepare.py writes, or from a scan of the tokens
-for end-of-text ids (scan()). finish() then reads that file twice: once to count the documents
-of each length, once to put each first token at its place in length order, a counting sort
-that fills WINDOW places a pass.
+Building it (Writer, build) takes memory that does not grow with the data, and publishes the index
+whole or not at all (fileio), as prepare.py writes the token files or from token files that have
+none (index_documents.py). The documents' first tokens are kept in file order in a temporary file as
+they come: from the lengths prepare.py writes, or from a scan of the tokens for end-of-text ids
+(scan()). finish() then reads that file twice: once to count the documents of each length, once to
+put each first token at its place in length order, a counting sort that fills WINDOW places a pass.
 """
 import os
 import struct
@@ -62,13 +61,6 @@ class DocIndex(NamedTuple):
 
 def doc_index_path(data_dir, split):
     return os.path.join(data_dir, split + DOCS_SUFFIX)
-
-
-def doc_header(documents, lengths, token_split, eot, own_fingerprint):
-    """The index's header (the format above) for a split's token_split."""
-    return DOCS_HEADER.pack(DOCS_MAGIC, DOCS_VERSION, documents, lengths, token_split.n_tokens,
-                            len(token_split.paths), -1 if eot is None else eot,
-                            token_split.fingerprint.encode(), own_fingerprint.encode())
 
 
 def read_doc_header(path):
@@ -182,8 +174,11 @@ class Writer:
                     self.write_by_length(out, lengths, counts, token_split.n_tokens)
                     fileio.write_array(out, np.concatenate([lengths, counts]).astype("<i8"))
                 own = tokenfile.sampled_fingerprint([tmp], DOCS_HEADER_BYTES)
-                with open(tmp, "r+b") as out:
-                    out.write(doc_header(self.documents, len(lengths), token_split, eot, own))
+                with open(tmp, "r+b") as out:  # the header, in the format above
+                    out.write(DOCS_HEADER.pack(
+                        DOCS_MAGIC, DOCS_VERSION, self.documents, len(lengths),
+                        token_split.n_tokens, len(token_split.paths), -1 if eot is None else eot,
+                        token_split.fingerprint.encode(), own.encode()))
         finally:
             self.discard()
 

@@ -7,10 +7,9 @@ block_size, eval.py's val loss is the one train.py reported. Beside it, where th
 its document index, val_loss_docs: the loss over as many fixed windows that start where
 sampling='documents' starts them (data.eval_document_offsets), in whatever mode a run trains.
 
-Bits per byte: the summed cross-entropy of every target token scored, in bits, over the bytes
-of text those same tokens stand for (tokenizer.byte_lengths), end-of-text counting as one
-byte: on byte-tokenized data it is the loss / ln 2 exactly, and it compares models whatever
-their tokenizer.
+Bits per byte: the summed cross-entropy of every target token scored, in bits, over the bytes of
+text those same tokens stand for (tokenizer.byte_lengths), end-of-text counting as one byte: on
+byte-tokenized data it is the loss / ln 2 exactly, and it compares models whatever their tokenizer.
 """
 import logging
 import math
@@ -147,9 +146,8 @@ def split_loss(model, token_split, offsets, ev, ranks, autocast, device, bpb=Tru
 
 
 def hellaswag_scores(model, ev, ranks, autocast, device):
-    """{'hellaswag_acc_norm', 'hellaswag_acc', 'hellaswag_n', 'hellaswag_truncated'}. The model
-    runs eagerly (fsdp's compiled blocks too): compiled, it would compile again for each new
-    shape."""
+    """{'hellaswag_acc_norm', 'hellaswag_acc', 'hellaswag_n', 'hellaswag_truncated'}. The model runs
+    eagerly (fsdp's compiled blocks too): compiled, it would compile again for each new shape."""
     with torch.compiler.set_stance("force_eager"):
         return hellaswag.evaluate(model, ev.hellaswag, ranks.rank, ranks.world_size, autocast,
                                   device)

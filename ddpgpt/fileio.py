@@ -45,8 +45,7 @@ def remove_stale_temporaries(folder, of=None):
              (of is None or name[:m.start()] == of)]
     for name in stale:
         path = os.path.join(folder, name)
-        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) \
-            else os.remove(path)
+        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
     return stale
 
 
@@ -164,14 +163,11 @@ def file_system(path):
     kind = None
     with contextlib.suppress(OSError), open("/proc/mounts") as f:
         for fields in (line.split() for line in f):  # the last mount on a point is the one seen
-            if len(fields) > 2 and unescape_mount(fields[1]) == mount:
+            # a space in a path is written \040 (octal), and so on
+            if len(fields) > 2 and re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)),
+                                          fields[1]) == mount:
                 kind = fields[2]
     return f"the {kind + ' ' if kind else ''}file system mounted on {mount}"
-
-
-def unescape_mount(field):
-    """/proc/mounts writes a space in a path as \\040 (octal), and so on."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
 def alive(pid):

@@ -254,8 +254,7 @@ def evaluate(model, hellaswag, rank, world_size, autocast, device):
     right = torch.zeros(2, dtype=torch.long, device=device)
     mine = hellaswag.batches[rank::world_size]
     for i in range(len(hellaswag.batches[::world_size])):
-        counts = score(model, mine[i] if i < len(mine) else hellaswag.batches[0], autocast,
-                       device)
+        counts = score(model, mine[i] if i < len(mine) else hellaswag.batches[0], autocast, device)
         right += counts if i < len(mine) else 0
     if world_size > 1:
         dist.all_reduce(right)

@@ -315,8 +315,7 @@ def save(weights, args, tokenizer, folder):
             qwen3_config_of(args, tokenizer.vocab_size, tokenizer.eot))
         model.load_state_dict(to_qwen3_state(weights, tokenizer.vocab_size))
     else:
-        model = transformers.GPT2LMHeadModel(
-            config_of(args, tokenizer.vocab_size, tokenizer.eot))
+        model = transformers.GPT2LMHeadModel(config_of(args, tokenizer.vocab_size, tokenizer.eot))
         model.load_state_dict(to_hf_state(weights, tokenizer.vocab_size))
     model.save_pretrained(folder)
 
@@ -370,11 +369,10 @@ def save_byte_tokenizer(folder, tok, max_length):
 
 def folder_tokenizer(folder):
     """The tokenizer.py name of the tokenizer a folder's weights read, from its tokenizer.json:
-    'byte' for the byte tokenizer's (export.py's of a byte-level model); None for GPT-2's, or
-    where there is none, which read GPT-2's tokens (tiktoken's 'gpt2', the same ids); the
-    folder itself for any other, loaded as a Hugging Face tokenizer (tokenizer.py): the
-    weights were trained on its ids, as export.py's of data a Hugging Face tokenizer prepared
-    were."""
+    'byte' for the byte tokenizer's (export.py's of a byte-level model); None for GPT-2's, or where
+    there is none, which read GPT-2's tokens (tiktoken's 'gpt2', the same ids); the folder itself
+    for any other, loaded as a Hugging Face tokenizer (tokenizer.py): the weights were trained on
+    its ids, as export.py's of data a Hugging Face tokenizer prepared were."""
     path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(path):
         return None

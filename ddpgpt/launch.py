@@ -40,13 +40,12 @@ class StartUpFailed(Exception):
 @contextlib.contextmanager
 def session(script, device, backend="", timeout_s=600, *, locks=(), watch=None, stops=False,
             standing=lambda: ("", ""), log_stream=None):
-    """The Session of a script's process, in this order: stop signals recorded (stops), the
-    launcher watched, the hang watchdog started (watch: out_dir, hang_timeout_s,
-    startup_timeout_s), logging set up, the device picked, the process group joined, and on
-    rank 0 a lock on each of `locks` ((folder, what to do when it cannot be written), held
-    until the end). A rank that loses another says so with standing(): (where the run is, how
-    to go on). At the end every rank leaves together (finish): with status 1 when the
-    start-up failed."""
+    """The Session of a script's process, in this order: stop signals recorded (stops), the launcher
+    watched, the hang watchdog started (watch: out_dir, hang_timeout_s, startup_timeout_s), logging
+    set up, the device picked, the process group joined, and on rank 0 a lock on each of `locks`
+    ((folder, what to do when it cannot be written), held until the end). A rank that loses another
+    says so with standing(): (where the run is, how to go on). At the end every rank leaves together
+    (finish): with status 1 when the start-up failed."""
     received = signals.catch_stop_signals(script) if stops else []
     ranks = runtime.ranks()
     if stops:
@@ -128,14 +127,13 @@ def check_backend(backend, device):
 
 
 def finish(world_size, status=0):
-    """The end of a process: one alone exits with status when it is not 0. A rank of several
-    that every rank reached together (the run succeeded, or all agreed to stop) leaves the
-    process group and exits with status at once: the group's last owner is then the model
-    (DDP's reducer, FSDP), whose teardown as the script returns joins gloo's threads while
-    holding the GIL, and a gloo thread that is still dropping a collective's tensor waits for
-    that GIL: the rank hangs for ever (1 in 6 runs on 4 ranks here). Everything a script
-    writes is closed or flushed by then. (A rank that fails alone never comes here:
-    errors.run ends it at once too.)"""
+    """The end of a process: one alone exits with status when it is not 0. A rank of several that
+    every rank reached together (the run succeeded, or all agreed to stop) leaves the process group
+    and exits with status at once: the group's last owner is then the model (DDP's reducer, FSDP),
+    whose teardown as the script returns joins gloo's threads while holding the GIL, and a gloo
+    thread that is still dropping a collective's tensor waits for that GIL: the rank hangs for ever
+    (1 in 6 runs on 4 ranks here). Everything a script writes is closed or flushed by then. (A rank
+    that fails alone never comes here: errors.run ends it at once too.)"""
     if world_size == 1:
         if status:
             raise SystemExit(status)
@@ -171,11 +169,10 @@ def gather(value, world_size):
 
 @contextlib.contextmanager
 def watched(ranks, standing):
-    """A collective that fails because another rank is gone becomes a UserError: which rank
-    was lost first (peers.lost_first), in which of our functions, and standing(): (where the
-    run is, e.g. 'at iter 57', and how to go on). The lowest rank that survives says all of
-    it; the others say in one line that they lost it too, so that a log of many ranks holds
-    one paragraph."""
+    """A collective that fails because another rank is gone becomes a UserError: which rank was lost
+    first (peers.lost_first), in which of our functions, and standing(): (where the run is, e.g. 'at
+    iter 57', and how to go on). The lowest rank that survives says all of it; the others say in one
+    line that they lost it too, so that a log of many ranks holds one paragraph."""
     try:
         yield
     except RuntimeError as e:

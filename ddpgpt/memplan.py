@@ -68,14 +68,6 @@ class Plan(NamedTuple):
         return self.peak + self.ddp_buckets
 
 
-def plan_dtype(dtype, gpu):
-    """What dtype='auto' is on the planned device: bfloat16 on a GPU (the GPUs worth planning
-    for have it), float32 on a CPU."""
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if gpu else "float32"
-
-
 def plan(cfg, model_args, world_size, dtype):
     """The Plan of one rank of a run with these settings (cfg: a TrainConfig, its dtype
     resolved) on world_size ranks, on fake tensors. Opens and closes the fake process group
@@ -137,8 +129,7 @@ def tracked_steps(cfg, model, train_model, ranks, device, vocab_size):
             for micro_step in range(micro_steps):
                 parallel.sync_gradients(train_model, micro_step == micro_steps - 1 or
                                         cfg.reduce_every_micro_step)
-                x = torch.randint(vocab_size, (cfg.batch_size, cfg.block_size),
-                                  device=device)
+                x = torch.randint(vocab_size, (cfg.batch_size, cfg.block_size), device=device)
                 tracker.reset_mod_stats()  # each forward is a new one to the tracker
                 with precision.autocast:
                     _, loss = train_model(x, x)
@@ -185,8 +176,7 @@ def largest_batch(cfg, model_args, world_size, dtype, room):
     sequence from 1 to 2, then far more, was extrapolated below zero): each next batch is
     where the line through the last two plans reaches room, kept between the two bounds."""
     def total(batch):
-        return plan(dataclasses.replace(cfg, batch_size=batch), model_args, world_size,
-                    dtype).total
+        return plan(dataclasses.replace(cfg, batch_size=batch), model_args, world_size, dtype).total
     fits, over, planned, batch = 0, 0, [], 1
     for _ in range(PLANS):
         planned.append((batch, total(batch)))

@@ -315,12 +315,11 @@ class Rows(NamedTuple):
 
 
 def read(out_dir):
-    """The Rows of the run in out_dir: those after its last fresh start (an earlier run in the
-    same out_dir that left no checkpoint wrote the rows before it). A resumed run starts again
-    at its checkpoint's iter, so its rows replace those its previous attempt logged from that
-    iter on. Rows written by older versions, with no start rows, are one run, a step logged
-    twice counting last. Each row must be JSON; a partial last line (a process killed while
-    writing it) is left out."""
+    """The Rows of the run in out_dir: those after its last fresh start (an earlier run in the same
+    out_dir that left no checkpoint wrote the rows before it). A resumed run starts again at its
+    checkpoint's iter, so its rows replace those its previous attempt logged from that iter on. Rows
+    written by older versions, with no start rows, are one run, a step logged twice counting last.
+    Each row must be JSON; a partial last line (a process killed while writing it) is left out."""
     path = os.path.join(out_dir, "metrics.jsonl")
     try:
         with open(path) as f:

@@ -84,8 +84,7 @@ def norm_heads(norm, x):
     """norm(x) computed in float32, as Qwen3 does, and returned in x's dtype: under autocast
     the heads come out of their matmul in bfloat16 (or float16), and under fsdp in bfloat16
     RMSNorm's gain is gathered in bfloat16; a mix of dtypes its fused kernel refuses."""
-    return F.rms_norm(x.float(), norm.normalized_shape, norm.weight.float(),
-                      norm.eps).to(x.dtype)
+    return F.rms_norm(x.float(), norm.normalized_shape, norm.weight.float(), norm.eps).to(x.dtype)
 
 
 class RotaryAttention(nn.Module):

@@ -20,17 +20,16 @@ in bfloat16 (4 in float32), plus the padding (bytes_per_step()). Then every rank
 update with torch.optim.Muon's learning rate adjustment and decoupled weight decay. On one
 process, in bfloat16, it is torch.optim.Muon, bit for bit.
 
-Under fsdp each rank holds Shard(0) of each matrix, its weights, gradient and momentum: rank k
-holds rows [k * ceil(r / N), (k + 1) * ceil(r / N)) (torch.chunk's rows, which DTensor's
-Shard(0) keeps). The momentum is updated on the local rows. Two all_to_all_single per step
-then do the rest: each rank sends its rows of the Nesterov update of each matrix to that
-matrix's owner (float32: 4 bytes a Muon parameter over all ranks together), the owner
-orthogonalises the whole matrix and sends each rank its rows of the result back (in
-Newton-Schulz's dtype: 2 bytes a parameter in bfloat16); each rank applies them to its rows.
-Gather-to-owner and scatter rather than an all_gather, which under fsdp would bring every
-whole matrix to every rank: N times the bytes, and the memory fsdp is there to save. The
-momentum is a DTensor like the weights, so a checkpoint folder holds it sharded, as AdamW's
-moments (sharded.py), and it resumes at any world size and under ddp.
+Under fsdp each rank holds Shard(0) of each matrix, its weights, gradient and momentum: rank k holds
+rows [k * ceil(r / N), (k + 1) * ceil(r / N)) (torch.chunk's rows, which DTensor's Shard(0) keeps).
+The momentum is updated on the local rows. Two all_to_all_single per step then do the rest: each
+rank sends its rows of the Nesterov update of each matrix to that matrix's owner (float32: 4 bytes a
+Muon parameter over all ranks together), the owner orthogonalises the whole matrix and sends each
+rank its rows of the result back (in Newton-Schulz's dtype: 2 bytes a parameter in bfloat16); each
+rank applies them to its rows. Gather-to-owner and scatter rather than an all_gather, which under
+fsdp would bring every whole matrix to every rank: N times the bytes, and the memory fsdp is there
+to save. The momentum is a DTensor like the weights, so a checkpoint folder holds it sharded, as
+AdamW's moments (sharded.py), and it resumes at any world size and under ddp.
 """
 import torch
 import torch.distributed as dist
@@ -137,8 +136,7 @@ def check_layout(p):
     if not parallel.is_dtensor(p):
         return
     world = dist.get_world_size()
-    if len(p.placements) != 1 or not p.placements[0].is_shard(0) or \
-            p.device_mesh.size() != world:
+    if len(p.placements) != 1 or not p.placements[0].is_shard(0) or p.device_mesh.size() != world:
         raise UserError(
             f"DistributedMuon takes whole matrices, or DTensors sharded by rows over all the "
             f"ranks (Shard(0) on a 1-D mesh of every rank, {world} here, as fully_shard shards "
@@ -262,7 +260,6 @@ def exchange(to_each, from_each, dtype, device):
     send = [torch.cat(ts).to(dtype) if ts else torch.empty(0, dtype=dtype, device=device)
             for ts in to_each]
     received = torch.empty(sum(from_each), dtype=dtype, device=device)
-    dist.all_to_all_single(received, torch.cat(send),
-                           output_split_sizes=from_each,
+    dist.all_to_all_single(received, torch.cat(send), output_split_sizes=from_each,
                            input_split_sizes=[t.numel() for t in send])
     return list(received.split(from_each))

@@ -20,15 +20,12 @@ import collections.abc
 import fnmatch
 import inspect
 import itertools
-import logging
 
 import torch
 
 from ddpgpt import schedule
 from ddpgpt.errors import UserError
 from ddpgpt.muon import DistributedMuon, ns_dtype
-
-log = logging.getLogger(__name__)
 
 
 def make(cfg, model, device_type):

@@ -57,10 +57,9 @@ class Wrapped(NamedTuple):
 
 def wrap(model, cfg, ranks, device, precision):
     """The model of a run on its device, as the run's parallel key shares it out, compiled with
-    compile=True (the whole model under ddp; each block under fsdp, whose gathers run between
-    them), each block recomputing in its backward what activation_checkpointing says
-    (recompute.py, before fsdp and compile wrap the blocks, as torchtitan orders them). Its
-    gradients are None."""
+    compile=True (the whole model under ddp; each block under fsdp, whose gathers run between them),
+    each block recomputing in its backward what activation_checkpointing says (recompute.py, before
+    fsdp and compile wrap the blocks, as torchtitan orders them). Its gradients are None."""
     recompute.apply(model, cfg.activation_checkpointing, cfg.loss_chunks)
     if sharded(cfg, ranks):
         shard(model, device, precision.dtype, cfg.reshard_after_forward, cfg.compile)
@@ -114,8 +113,7 @@ def shard(model, device, dtype, reshard_after_forward, compile):
     for block in model.transformer.h:
         if compile:
             block.compile()  # in place, so the weights keep their names
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                    mp_policy=policy)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     # the root's weights are gathered once for the whole forward (FSDP2 keeps them for the
     # backward, which begins with the output layer)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)

@@ -96,19 +96,15 @@ def pick_device(device, ranks):
                         f"on one GPU: use --device=cuda, which gives each rank its own, "
                         f"cuda:<local rank>.")
     index = ranks.local_rank if chosen.index is None else chosen.index
-    if chosen.index is None and torch.cuda.device_count() == 1 and one_srun_task_per_gpu():
+    # an srun task of its own (LAUNCHER=srun), not a rank that torchrun started: SLURM may bind
+    # it to one GPU (--gpus-per-task=1, --gpu-bind), its cuda:0 whatever its SLURM_LOCALID
+    own_task = "SLURM_LOCALID" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
+    if chosen.index is None and torch.cuda.device_count() == 1 and own_task:
         index = 0  # this task's own GPU: SLURM bound it one, and torch sees that one alone
     if index >= torch.cuda.device_count():
         raise UserError(f"this rank needs GPU cuda:{index}, but torch sees "
                         f"{torch.cuda.device_count()}: start at most that many ranks per node.")
     return f"cuda:{index}"
-
-
-def one_srun_task_per_gpu():
-    """Is this process an srun task of its own (LAUNCHER=srun), not a rank that torchrun
-    started? SLURM may bind such a task to one GPU (--gpus-per-task=1, --gpu-bind), which is
-    then its cuda:0 whatever its SLURM_LOCALID."""
-    return "SLURM_LOCALID" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
 
 
 # what a launcher sets when it gives a process GPUs
@@ -221,8 +217,7 @@ def precision(dtype, device):
     CPU. Every script computes in the precision this returns."""
     kind = device_type(device)
     if dtype == "auto" and kind == "cuda":
-        dtype = "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) \
-            else "float16"
+        dtype = "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
     elif dtype == "auto":
         dtype = "float32"
     autocast = nullcontext() if dtype == "float32" else torch.autocast(

@@ -1,9 +1,8 @@
 """Every script's settings: each key's type, default, range and one line of help, written once.
 
-configurator.py parses config files and --key=value into these classes and prints --help from
-them; each class checks itself when it is made (__post_init__), the ranges with
-configurator.check and what involves several keys below it. A Literal[...] type lists a key's
-choices.
+configurator.py parses config files and --key=value into these classes and prints --help from them;
+each class checks itself when it is made (__post_init__), the ranges with configurator.check and
+what involves several keys below it. A Literal[...] type lists a key's choices.
 """
 import math
 import os
@@ -97,13 +96,11 @@ class TrainConfig:
     n_embd: int = key(768, "width of the residual stream", at_least=1)
     dropout: float = key(0.0, "dropout probability", at_least=0, below=1)
     bias: bool = key(False, "biases in Linears and LayerNorms (gpt2 only)")
-    vocab_size: int = key(0, "0: the data's vocabulary rounded up to a multiple of 64",
-                          at_least=0)
+    vocab_size: int = key(0, "0: the data's vocabulary rounded up to a multiple of 64", at_least=0)
     arch: Arch = key("gpt2", "gpt2: GPT-2 (nanoGPT's); modern: RMSNorm, rotary positions, "
                              "QK-norm, SwiGLU, no biases, untied head (Qwen3's block)")
     rope_theta: float = key(10000.0, "modern: the base of the rotary embeddings' frequencies "
-                                     "(computed in float32)",
-                            **ROPE_THETA_RANGE)
+                                     "(computed in float32)", **ROPE_THETA_RANGE)
     # the optimizer and its schedule
     optimizer: Literal["adamw", "muon"] = key(
         "adamw", "adamw: AdamW for every parameter; muon: Muon for the matrices "
@@ -194,7 +191,10 @@ class TrainConfig:
                 f"would still be rising where it should decay: set warmup_iters to at most "
                 f"{cooldown}, or raise max_iters.")
         self.check_recipe()
-        self.check_parallel()
+        # the keys that only fsdp reads (what it cannot train in, float16, is parallel.check's:
+        # the device says what dtype='auto' is)
+        for name in ("reshard_after_forward", "reduce_every_micro_step"):
+            check_only_for(self, name, "parallel", "fsdp")
         check_only_for(self, "tensorboard_dir", "tensorboard_log", True)
 
     def check_recipe(self):
@@ -219,12 +219,6 @@ class TrainConfig:
     def from_weights(self):
         """Does init_from name GPT-2's weights (by name, or a folder), not a start of ours?"""
         return self.init_from not in INIT_FROM
-
-    def check_parallel(self):
-        """The keys that only fsdp reads (what it cannot train in, float16: parallel.check,
-        where the device says what dtype='auto' is)."""
-        for name in ("reshard_after_forward", "reduce_every_micro_step"):
-            check_only_for(self, name, "parallel", "fsdp")
 
     @property
     def global_batch(self):
@@ -270,8 +264,7 @@ class SampleConfig:
     max_new_tokens: int = key(500, "tokens generated per sample", at_least=0)
     temperature: float = key(0.8, "below 1 sharpens the distribution, above 1 flattens it; "
                                   "for the likeliest token, --top_k=1", above=0)
-    top_k: int = key(200, "sample among the k likeliest tokens only; 0 keeps them all",
-                     at_least=0)
+    top_k: int = key(200, "sample among the k likeliest tokens only; 0 keeps them all", at_least=0)
     seed: int = key(1337, "the samples depend on it alone", at_least=0)
     device: str = key("auto", DEVICE_HELP)
     dtype: Dtype = key("auto", DTYPE_HELP)

@@ -183,8 +183,7 @@ def read_parts(folder, model, optimizer, saved, aliases):
     groups = state_parts(saved)
     for part, o in parts(optimizer).items():
         if part in state:  # a checkpoint saved before the first optimizer step has none
-            o.load_state_dict({"state": state[part],
-                               "param_groups": groups[part]["param_groups"]})
+            o.load_state_dict({"state": state[part], "param_groups": groups[part]["param_groups"]})
 
 
 def load_whole(model, weights):
@@ -197,10 +196,9 @@ def load_whole(model, weights):
 
 
 def shard_like(optimizer_state, optimizer):
-    """A whole optimizer state ({'state': {i: {...}}, 'param_groups'}, as a single-file
-    checkpoint holds it, or {part: such} of optim.MuonAdamW) sharded as the optimizer's
-    parameters are, for its load_state_dict: each rank keeps its shard of each tensor shaped
-    like its parameter."""
+    """A whole optimizer state ({'state': {i: {...}}, 'param_groups'}, as a single-file checkpoint
+    holds it, or {part: such} of optim.MuonAdamW) sharded as the optimizer's parameters are, for its
+    load_state_dict: each rank keeps its shard of each tensor shaped like its parameter."""
     ours = parts(optimizer)
     return joined({part: shard_part(saved, ours[part])
                    for part, saved in state_parts(optimizer_state).items()})

@@ -4,10 +4,9 @@ the optimizer's tensors, the loss scale and the settings (checkpoint.contents, a
 checkpoint.resume); a new piece of where-the-run-is is added here alone.
 
 Its keys in a checkpoint are nanoGPT's (iter_num, best_val_loss, model_args) and ddpgpt's:
-samples_consumed (the data position), data_meta (the data's meta.json, which names the
-tokenizer) and data_identity (what the data is, so that a resume on other data is caught).
-Saved reads a checkpoint's from any version, with what an older one (nanoGPT's) that lacks a
-key implies.
+samples_consumed (the data position), data_meta (the data's meta.json, which names the tokenizer)
+and data_identity (what the data is, so that a resume on other data is caught). Saved reads a
+checkpoint's from any version, with what an older one (nanoGPT's) that lacks a key implies.
 """
 import math
 from typing import NamedTuple, Optional
@@ -31,9 +30,8 @@ class TrainState:
                 "data_meta": self.data_meta, "data_identity": self.data_identity}
 
     def load_state_dict(self, state):
-        """Go on from a checkpoint's progress. Its model arguments and data are not taken: the
-        run trains with its own, checked against the checkpoint's before
-        (weights.check_resume)."""
+        """Go on from a checkpoint's progress. Its model arguments and data are not taken: the run
+        trains with its own, checked against the checkpoint's before (weights.check_resume)."""
         saved = Saved.of(state)
         self.iter_num, self.best_val = saved.iter_num, saved.best_val
         self.samples = saved.samples(self.global_batch)

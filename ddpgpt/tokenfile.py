@@ -32,13 +32,12 @@ reading a split. A split is one file or a set of shards, read as one token space
   While prepare.py writes a folder it also holds ddpgpt.lock (lock.py), temporary files
   <name>.<pid>@<host>.tmp (fileio.tmp_path) and, for shards, prepare.progress.json.
 
-A TokenSplit holds paths, a dtype and where each file starts in the split's token space, never
-an open file: it pickles small and works in any process, forked or spawned. Each read opens the
-files it needs and reads each window with one os.pread, so no page read stays in the resident
-memory of a long run, and a random window costs one small read (a memmap faults in the disk's
-read-ahead around each window; docs/benchmarks.md measures both). A window never crosses from
-one file into the next: data.py draws it inside one, and one that meets its file's end
-(sampling='documents') is cut there.
+A TokenSplit holds paths, a dtype and where each file starts in the split's token space, never an
+open file: it pickles small and works in any process, forked or spawned. Each read opens the files
+it needs and reads each window with one os.pread, so no page read stays in the resident memory of a
+long run, and a random window costs one small read (a memmap faults in the disk's read-ahead around
+each window; docs/benchmarks.md measures both). A window never crosses from one file into the next:
+data.py draws it inside one, and one that meets its file's end (sampling='documents') is cut there.
 """
 import gc
 import glob
@@ -308,8 +307,7 @@ def check_llmc_shards(data_dir, split, paths):
                      if (m := re.search(r"_(\d+)\.bin$", os.path.basename(p))))
     missing = sorted(set(range(numbers[0], numbers[-1] + 1)) - set(numbers)) if numbers else []
     if missing:
-        shown = ", ".join(f"{i:06d}" for i in missing[:5]) + (", ..." if len(missing) > 5
-                                                              else "")
+        shown = ", ".join(f"{i:06d}" for i in missing[:5]) + (", ..." if len(missing) > 5 else "")
         log.info(f"data: note: the llm.c {split} shards in {data_dir} skip {len(missing)} "
                  f"number(s) ({shown}): read as they are, in name order. A download that left "
                  f"some out?")

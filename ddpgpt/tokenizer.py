@@ -163,8 +163,8 @@ def get_tokenizer(name):
     if name == "byte":
         return _byte_tokenizer()
     import tiktoken
-    if name not in tiktoken.list_encoding_names() and is_hf_name(name):
-        return _hf_tokenizer(name)
+    if name not in tiktoken.list_encoding_names() and (os.path.isdir(name) or "/" in name):
+        return _hf_tokenizer(name)  # a folder, or a hub repository (owner/name)
     return _tiktoken_tokenizer(name)
 
 
@@ -193,10 +193,9 @@ def tokenizer_of(meta, vocab_size):
 
 
 def check_ids_fit(n_ids, tokens, vocab_size, model, fix):
-    """A model embeds the ids 0 .. vocab_size - 1: data or a tokenizer (`tokens`) with more
-    cannot be read by it. The one check of it, wherever data or a tokenizer meets a model
-    (data opened for a model: sources.check_fits; a tokenizer chosen for one: tokenizer_of,
-    weights.load)."""
+    """A model embeds the ids 0 .. vocab_size - 1: data or a tokenizer (`tokens`) with more cannot
+    be read by it. The one check of it, wherever data or a tokenizer meets a model (data opened for
+    a model: sources.check_fits; a tokenizer chosen for one: tokenizer_of, weights.load)."""
     if n_ids > vocab_size:
         raise UserError(f"{tokens} has {n_ids} token ids, more than the {vocab_size} that "
                         f"{model} embeds: {fix}")
@@ -259,11 +258,6 @@ def install_tiktoken_file(vocab_file, cache_dir, encoding="r50k_base"):
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte tokens
 
 
-def is_hf_name(name):
-    """Is name a Hugging Face tokenizer's: a folder, or a hub repository (owner/name)?"""
-    return os.path.isdir(name) or "/" in name
-
-
 def name_of(name):
     """What meta.json records: a folder by its absolute path, so any working directory finds it."""
     return os.path.abspath(name) if os.path.isdir(name) else name
@@ -313,8 +307,9 @@ def _hf_tokenizer(name):
         hf.save_pretrained(folder)
 
     any_str = _any_str(encode, TypeError)  # how the tokenizers library refuses a lone surrogate
-    return Tokenizer(name_of(name), max(vocab.values()) + 1, end_of_document(hf), encode_text,
-                     decode, decode_bytes, fingerprint, encode_batch, save)
+    eot = hf.eos_token_id if hf.eos_token_id is not None else hf.pad_token_id  # else None
+    return Tokenizer(name_of(name), max(vocab.values()) + 1, eot, encode_text, decode,
+                     decode_bytes, fingerprint, encode_batch, save)
 
 
 def from_pretrained(name):
@@ -391,11 +386,6 @@ def fingerprint_of(hf):
     return h.hexdigest()
 
 
-def end_of_document(hf):
-    """The id that ends every document: eos, else pad, else None (the comment above)."""
-    return hf.eos_token_id if hf.eos_token_id is not None else hf.pad_token_id
-
-
 def no_end_of_document(name):
     return (f"the tokenizer {name!r} has neither an eos token nor a pad token, and prepare.py "
             f"ends every document with one of them (eos, else pad): give it an eos token and "
@@ -409,8 +399,7 @@ def token_bytes(hf, vocab):
     characters stand for GPT-2's bytes (byte_level_alphabet), sentencepiece's <0xNN> for
     its byte and its '▁' for a space; anything else is its text in UTF-8. Special tokens stand
     for none (byte_lengths counts end-of-text as one)."""
-    special = set(hf.all_special_ids) | {i for i, t in hf.added_tokens_decoder.items()
-                                         if t.special}
+    special = set(hf.all_special_ids) | {i for i, t in hf.added_tokens_decoder.items() if t.special}
     byte_level = "ByteLevel" in str(hf.backend_tokenizer.decoder)  # or in its Sequence
     of_char = {c: bytes([b]) for b, c in byte_level_alphabet().items()}
     table = {}
@@ -440,5 +429,4 @@ def byte_level_alphabet():
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
                  *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable},
-            **{b: chr(256 + n) for n, b in enumerate(others)}}
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}

@@ -1,15 +1,14 @@
 """The hang watchdog: a run that stops making progress says where each rank is, then ends.
 
-train.py starts it first thing and beats it at each completed step, after each evaluation and
-before each checkpoint save. When no beat comes within the limit, every rank whose Python can
-still run writes the stacks of all its threads to its log (stderr), headed with its rank and
-iter, and a one-line report to out_dir/hang/rank<r>.txt; rank 0 gathers the reports, prints
-where the ranks are, grouped, and which did not report, and writes that to
-out_dir/hang/summary.txt. Where the flight recorder is on (launch/srun.sh turns it on), each
-rank also writes its record of the last collectives, as torch would have on the collective
-timeout that the watchdog comes before. Then each rank exits with EXIT_CODE, so that torchrun
-or SLURM ends the run (and can restart it) instead of leaving it hung until a collective times
-out.
+train.py starts it first thing and beats it at each completed step, after each evaluation and before
+each checkpoint save. When no beat comes within the limit, every rank whose Python can still run
+writes the stacks of all its threads to its log (stderr), headed with its rank and iter, and a
+one-line report to out_dir/hang/rank<r>.txt; rank 0 gathers the reports, prints where the ranks are,
+grouped, and which did not report, and writes that to out_dir/hang/summary.txt. Where the flight
+recorder is on (launch/srun.sh turns it on), each rank also writes its record of the last
+collectives, as torch would have on the collective timeout that the watchdog comes before. Then each
+rank exits with EXIT_CODE, so that torchrun or SLURM ends the run (and can restart it) instead of
+leaving it hung until a collective times out.
 
   the limit   until the first step completes: startup_timeout_s (rendezvous, data checks,
               compiling, the first evaluation and step); then max(hang_timeout_s, 10 x the
@@ -61,9 +60,8 @@ def start(out_dir, rank, world_size, hang_timeout_s, startup_timeout_s):
 
 
 def beat(iter_num, step_s=None, doing=None):
-    """Progress: a step of step_s seconds completed (this rank is now at iter_num), or, with
-    no step_s, an evaluation or a save begins (doing: 'evaluation', 'checkpoint save') or
-    ends."""
+    """Progress: a step of step_s seconds completed (this rank is now at iter_num), or, with no
+    step_s, an evaluation or a save begins (doing: 'evaluation', 'checkpoint save') or ends."""
     if _watchdog is not None:
         _watchdog.beat(iter_num, step_s, doing)
 
@@ -290,8 +288,7 @@ def where_now(watchdog_ident, world_size):
     # of ours, the watchdog's and the launcher's watchers, run our code too)
     names = {t.ident: t.name for t in threading.enumerate()}
     readers = [" -> ".join(filter(None, place(f))) for ident, f in frames.items()
-               if ident not in (main, watchdog_ident) and
-               names.get(ident, "").startswith(READER)]
+               if ident not in (main, watchdog_ident) and names.get(ident, "").startswith(READER)]
     return "loader.rank_batches, waiting for its next batch" + "".join(
         f" (reader thread in {r})" for r in readers)
 
@@ -324,8 +321,7 @@ def place(frame):
                if f.f_code.co_name == "_find_and_load" and
                f.f_code.co_filename.startswith("<frozen importlib")]
     if loading:
-        beyond = f"import {loading[-1]}" + (f" (loading {loading[0]})" if len(loading) > 1
-                                            else "")
+        beyond = f"import {loading[-1]}" + (f" (loading {loading[0]})" if len(loading) > 1 else "")
     if ours is None:
         return "", beyond
     return f"{os.path.basename(ours.f_code.co_filename)[:-3]}.{qualname(ours)}", beyond

@@ -90,11 +90,10 @@ def newest_checkpoint(cfg, whole):
 
 
 def refuse_to_mix(cfg):
-    """A fresh start where an earlier run left checkpoints would mix two runs in one out_dir:
-    its checkpoints overwritten where the iters meet and left beside the new ones elsewhere
-    (a later resume would pick the newest, of either run). nanoGPT would start over; torchrun's
-    and SLURM's restarts, and the Ctrl-C line, expect the run to go on: refused, naming both
-    ways."""
+    """A fresh start where an earlier run left checkpoints would mix two runs in one out_dir: its
+    checkpoints overwritten where the iters meet and left beside the new ones elsewhere (a later
+    resume would pick the newest, of either run). nanoGPT would start over; torchrun's and SLURM's
+    restarts, and the Ctrl-C line, expect the run to go on: refused, naming both ways."""
     found = checkpoint.list_checkpoints(cfg.out_dir)
     if not found:
         return
@@ -110,9 +109,8 @@ def refuse_to_mix(cfg):
 
 
 def take_architecture(cfg, given, args, weights_args, source):
-    """The model arguments of existing weights (all but dropout, which is the run's), as in
-    nanoGPT. An architecture key the user set to another value is an error, not a silent
-    override."""
+    """The model arguments of existing weights (all but dropout, which is the run's), as in nanoGPT.
+    An architecture key the user set to another value is an error, not a silent override."""
     theirs = architecture(weights_args)
     conflicts = [f"{k}={getattr(cfg, k)!r} ({theirs[k]!r} there)" for k in ARCHITECTURE
                  if k in given and getattr(cfg, k) != theirs[k]
@@ -125,9 +123,8 @@ def take_architecture(cfg, given, args, weights_args, source):
 
 
 def pretrained(cfg, given, args, meta):
-    """(model_args, weights) of GPT-2's weights (hf.py). As in nanoGPT the architecture is
-    theirs, but a smaller block_size crops the position table (the first positions are the
-    same)."""
+    """(model_args, weights) of GPT-2's weights (hf.py). As in nanoGPT the architecture is theirs,
+    but a smaller block_size crops the position table (the first positions are the same)."""
     weights, weights_args = hf.load(cfg.init_from)
     source, positions = f"the weights of {cfg.init_from}", weights_args["block_size"]
     check_pretrained_data(cfg, meta, weights_args, source)

@@ -12,10 +12,9 @@ the end of its result pipe. The workers ignore the stop signals, which reach the
 group: only the main process decides to stop, and it ends them with SIGKILL, which needs
 nothing from them. If the main process dies outright, their task pipes end and they exit.
 
-Task i goes to worker i % num_proc, and results come back in task order. A worker reads its
-tasks in a thread of its own, so the main process's send of a task never waits for the worker
-to finish an earlier one (which could be waiting, in turn, for the main process to take its
-result).
+Task i goes to worker i % num_proc, and results come back in task order. A worker reads its tasks in
+a thread of its own, so the main process's send of a task never waits for the worker to finish an
+earlier one (which could be waiting, in turn, for the main process to take its result).
 """
 import contextlib
 import multiprocessing
@@ -35,10 +34,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 @contextlib.contextmanager
 def ordered_map(fn, items, num_proc, initializer=None, initargs=(), ahead=2):
-    """An iterator of fn(item) for each item, in order, computed by num_proc worker processes,
-    with at most `ahead` tasks per worker at a time (so memory does not grow with the items).
-    The workers run initializer(*initargs) first, and are ended when the block ends, however
-    it ends."""
+    """An iterator of fn(item) for each item, in order, computed by num_proc worker processes, with
+    at most `ahead` tasks per worker at a time (so memory does not grow with the items). The workers
+    run initializer(*initargs) first, and are ended when the block ends, however it ends."""
     workers = []
     try:
         start(workers, fn, num_proc, initializer, initargs)
