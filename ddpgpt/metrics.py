@@ -72,11 +72,9 @@ def drop_cut_off_line(path):
     """Drop the last line of metrics.jsonl when a kill cut it off mid-write (it does not end
     in a newline; read() leaves it out too): rows appended after it would continue that line,
     and the file would no longer be JSON lines. The rows before it are kept."""
-    try:
-        f = open(path, "rb+")
-    except FileNotFoundError:
+    if not os.path.exists(path):
         return
-    with f:
+    with open(path, "rb+") as f:
         end = whole = f.seek(0, os.SEEK_END)
         while whole > 0:  # whole: just after the last newline (or 0), searched for backwards
             start = max(0, whole - 2**16)
@@ -116,15 +114,11 @@ def wandb_run_id(out_dir, new):
         return f.read().strip()
 
 
-def tensorboard_dir(cfg):
-    return cfg.tensorboard_dir or cfg.out_dir
-
-
 def tensorboard_locks(cfg):
     """[(tensorboard_dir, what to do when it cannot be written)] where the run writes its event
     files in a folder other than out_dir, which it then locks as it locks out_dir (two runs
     writing in one folder would purge each other's curves); else []."""
-    folder = tensorboard_dir(cfg)
+    folder = cfg.tensorboard_dir or cfg.out_dir
     if not cfg.tensorboard_log or os.path.realpath(folder) == os.path.realpath(cfg.out_dir):
         return []
     return [(folder, "set tensorboard_dir to a folder that you can create and write files in, "
@@ -175,7 +169,7 @@ def open_tensorboard(cfg):
         return None
     name = (f"events.out.tfevents.{time.time():010.0f}.{fileio.HOST}.{os.getpid()}."
             f"{out_dir_mark(cfg)}")
-    return open(os.path.join(tensorboard_dir(cfg), name), "ab")
+    return open(os.path.join(cfg.tensorboard_dir or cfg.out_dir, name), "ab")
 
 
 def purge(start_iter):
@@ -187,14 +181,6 @@ def purge(start_iter):
     event_pb2, _ = import_tensorboard()
     return (as_record(start_iter, file_version="brain.Event:2") + as_record(
         start_iter, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
-
-
-def scalars_event(row):
-    """A row's scalars as an event of TensorBoard's, at its iter."""
-    _, summary_pb2 = import_tensorboard()
-    return as_record(row["iter"], summary=summary_pb2.Summary(value=[
-        summary_pb2.Summary.Value(tag=name, simple_value=value)
-        for name, value in scalars(row).items()]))
 
 
 def as_record(step, **what):
@@ -215,8 +201,11 @@ def record(metrics, row):
         append(metrics, metrics.file, json.dumps(row) + "\n")
     if metrics.wandb is not None:
         metrics.wandb.log(row, step=row["iter"])
-    if metrics.tensorboard is not None:
-        append(metrics, metrics.tensorboard, scalars_event(row))
+    if metrics.tensorboard is not None:  # the row's scalars as an event, at its iter
+        _, pb = import_tensorboard()
+        summary = pb.Summary(value=[pb.Summary.Value(tag=k, simple_value=v)
+                                    for k, v in scalars(row).items()])
+        append(metrics, metrics.tensorboard, as_record(row["iter"], summary=summary))
 
 
 def append(metrics, file, data):
@@ -264,10 +253,8 @@ def rank_telemetry(alone_s, data_wait_s, device, world_size):
     """Each rank's seconds alone in the step (before the gradients' all-reduce), seconds
     waiting for data, and peak memory (CUDA's allocated, else the process's RSS), gathered on
     every rank: one small collective, on log steps only."""
-    if torch.device(device).type == "cuda":
-        memory = torch.cuda.max_memory_allocated(device)
-    else:
-        memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    memory = torch.cuda.max_memory_allocated(device) if torch.device(device).type == "cuda" \
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     mine = torch.tensor([alone_s * 1000, data_wait_s * 1000, memory / 2**20],
                         dtype=torch.float64, device=device)
     every = [mine]
