@@ -37,7 +37,7 @@ from ddpgpt import (configurator, corpus, docindex, errors, fileio, lock, logs, 
                     signals, tokenfile, workers)
 from ddpgpt.errors import Interrupted, UserError
 from ddpgpt.settings import PrepareConfig
-from ddpgpt.tokenizer import GPT2_NAMES, get_tokenizer, no_end_of_document, torch_hidden
+from ddpgpt.tokenizer import GPT2_NAMES, get_tokenizer, torch_hidden
 
 CHUNK_CHARS = 1 << 20  # text sent to a worker at a time: big enough to amortise the pickling
 
@@ -164,9 +164,8 @@ class SplitWriter:
             [[0], np.cumsum([s["tokens"] for s in self.shards], dtype=np.int64)]))
 
     def name(self):
-        if not self.sharded:
-            return f"{self.split}.bin"
-        return f"{self.prefix}{self.split}_{len(self.shards):06d}.bin"
+        return f"{self.prefix}{self.split}_{len(self.shards):06d}.bin" if self.sharded else \
+            f"{self.split}.bin"
 
     def write(self, ids, lengths, indices, on_publish):
         """Append documents; on_publish() after each shard that this completes."""
@@ -275,9 +274,8 @@ def differences(before, now):
         return "whose settings are not recorded"
     changed = [k for k in now if before.get(k) != now[k]]
     detail = "; ".join(f"{k} {before.get(k)!r} then, {now[k]!r} now" for k in changed)
-    if "corpus" in changed:
-        return f"of a corpus that has changed since (files added, removed or edited: {detail})"
-    return f"with other settings ({detail})"
+    return f"of a corpus that has changed since (files added, removed or edited: {detail})" \
+        if "corpus" in changed else f"with other settings ({detail})"
 
 
 def save_progress(out_dir, settings, counts, writers):
@@ -329,7 +327,12 @@ def prepare(cfg):
     with torch_hidden():  # prepare.py never uses torch
         tokenizer = get_tokenizer(cfg.tokenizer)
     if tokenizer.eot is None:  # a Hugging Face tokenizer's: the others by name have one
-        raise UserError(no_end_of_document(cfg.tokenizer))
+        raise UserError(f"the tokenizer {cfg.tokenizer!r} has neither an eos token nor a pad "
+                        f"token, and prepare.py ends every document with one of them (eos, else "
+                        f"pad): give it an eos token and save it again, e.g. tok = "
+                        f"AutoTokenizer.from_pretrained({tokenizer.name!r}); "
+                        f"tok.add_special_tokens({{'eos_token': '<|endoftext|>'}}); "
+                        f"tok.save_pretrained(folder), and pass --tokenizer=folder.")
     if cfg.format == "llmc" and tokenizer.name not in GPT2_NAMES:
         # llm.c's header names no tokenizer: its magic says uint16 GPT-2 ids
         raise UserError(f"--format=llmc writes llm.c's GPT-2 shards, whose header (magic "

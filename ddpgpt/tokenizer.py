@@ -80,9 +80,7 @@ def same_ids(a, b):
     """Do tokenizers a and b, each (name, fingerprint), give the same ids? A Hugging Face
     tokenizer is its fingerprint, under any name: a copy of its folder (an export's) is that
     tokenizer, and another saved over the folder is not. The others are their names."""
-    if a[1] or b[1]:
-        return a[1] == b[1]
-    return a[0] == b[0] or {a[0], b[0]} <= set(GPT2_NAMES)
+    return a[1] == b[1] if a[1] or b[1] else a[0] == b[0] or {a[0], b[0]} <= set(GPT2_NAMES)
 
 
 def made_with(meta):
@@ -178,9 +176,8 @@ def data_meta(state):
                                           os.path.join("data", config["dataset"]))
     if meta is None and data_dir:
         meta, where = tokenfile.read_meta(data_dir), tokenfile.meta_path(data_dir)
-    if meta and meta.get("tokenizer"):
-        return meta, where
-    return None, "nanoGPT's default, as the checkpoint names none"
+    return (meta, where) if meta and meta.get("tokenizer") else \
+        (None, "nanoGPT's default, as the checkpoint names none")
 
 
 def tokenizer_of(meta, vocab_size):
@@ -348,9 +345,8 @@ def torch_hidden():
         yield
     finally:
         sys.modules.pop("torch", None)  # None still: an import of it in the block fails
-        if advice is None:
-            del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
-        else:
+        del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
+        if advice is not None:
             os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = advice
 
 
@@ -384,14 +380,6 @@ def fingerprint_of(hf):
     h = hashlib.blake2b(hf.backend_tokenizer.to_str().encode(), digest_size=16)
     h.update(repr(sorted(hf.special_tokens_map.items())).encode())
     return h.hexdigest()
-
-
-def no_end_of_document(name):
-    return (f"the tokenizer {name!r} has neither an eos token nor a pad token, and prepare.py "
-            f"ends every document with one of them (eos, else pad): give it an eos token and "
-            f"save it again, e.g. tok = AutoTokenizer.from_pretrained({name_of(name)!r}); "
-            f"tok.add_special_tokens({{'eos_token': '<|endoftext|>'}}); "
-            f"tok.save_pretrained(folder), and pass --tokenizer=folder.")
 
 
 def token_bytes(hf, vocab):
