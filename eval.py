@@ -74,12 +74,9 @@ def start_up(cfg, given):
 def as_trained(cfg, trained, positions):
     """cfg with the evaluation settings it leaves at 0 as the checkpoint's run had them
     (train.py's defaults for weights that come with no run), and block_size the model's."""
-    def chosen(key):
-        return getattr(cfg, key) or trained.get(key) or getattr(TrainConfig, key)
-
-    return dataclasses.replace(cfg, eval_iters=chosen("eval_iters"),
-                               batch_size=chosen("batch_size"),
-                               block_size=cfg.block_size or positions)
+    return dataclasses.replace(cfg, block_size=cfg.block_size or positions, **{
+        key: getattr(cfg, key) or trained.get(key) or getattr(TrainConfig, key)
+        for key in ("eval_iters", "batch_size")})
 
 
 def val_split(cfg, trained, loaded):

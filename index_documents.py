@@ -15,6 +15,7 @@ kept. A document starts at each file's first token and after every end-of-text i
 or GPT-2's for nanoGPT's and llm.c's files, which have no meta.json (--eot_token=N for
 another). Keys as in IndexConfig (ddpgpt/settings.py; `python index_documents.py --help`).
 """
+import contextlib
 import sys
 import time
 
@@ -46,12 +47,10 @@ def end_of_text(cfg, meta):
 def index_split(token_split, data_dir, split, eot):
     """Make one split's index, unless the one there matches its token files and eot."""
     path = docindex.doc_index_path(data_dir, split)
-    try:
+    with contextlib.suppress(UserError):  # missing, damaged or stale: made again
         if docindex.open_doc_index(token_split, data_dir, split).eot == eot:
             print(f"{split}: {path} matches its token files: kept")
             return
-    except UserError:  # missing, damaged or stale: made again
-        pass
     t0 = time.perf_counter()
     with tqdm(total=token_split.n_tokens, desc=split, unit=" tokens", unit_scale=True) as bar:
         docindex.build(token_split, path, eot, bar.update)

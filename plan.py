@@ -23,7 +23,9 @@ def main(argv):
     import torch
 
     from ddpgpt import arch, memplan, parallel
-    gpu_memory = parse_memory(cfg.gpu_memory) if cfg.gpu_memory else local_gpu_memory(cfg, torch)
+    gpu_memory = parse_memory(cfg.gpu_memory) if cfg.gpu_memory else 0
+    if not cfg.gpu_memory and cfg.device != "cpu" and torch.cuda.is_available():
+        gpu_memory = torch.cuda.get_device_properties(0).total_memory  # this machine's first GPU
     # dtype='auto' on the planned device: bfloat16 on a GPU (the GPUs worth planning for have
     # it), float32 on a CPU
     gpu = cfg.device != "cpu" and bool(gpu_memory)
@@ -41,13 +43,6 @@ def main(argv):
     else:
         print(describe(cfg, model_args, dtype, planned, gpu_memory, fit))
     return 0
-
-
-def local_gpu_memory(cfg, torch):
-    """This machine's first GPU's memory, unless the run is on the CPU; 0 when none."""
-    if cfg.device == "cpu" or not torch.cuda.is_available():
-        return 0
-    return torch.cuda.get_device_properties(0).total_memory
 
 
 def describe(cfg, model_args, dtype, planned, gpu_memory, fit):

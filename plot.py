@@ -48,8 +48,7 @@ def curves(out_dir):
     if left_out:
         print(f"plot.py: {out_dir}: left out the values that are not finite (NaN or inf): "
               f"{', '.join(left_out)}")
-    resumed = [r["iter"] for r in rows.starts if r["run"] == "resumed"]
-    return series, resumed
+    return series, [r["iter"] for r in rows.starts if r["run"] == "resumed"]
 
 
 def draw(runs, smooth, title):

@@ -188,10 +188,8 @@ def model_state(state):
     """The model weights of a checkpoint, ready for GPT.load_state_dict: without the prefix
     torch.compile adds, and without the causal-mask buffers of pre-2.0 nanoGPT checkpoints.
     None for a folder whose tensors are to be read in parts (read())."""
-    if "model" not in state:
-        return None
     return {k.removeprefix("_orig_mod."): v for k, v in state["model"].items()
-            if not k.endswith(".attn.bias") or v.dim() != 4}
+            if not k.endswith(".attn.bias") or v.dim() != 4} if "model" in state else None
 
 
 def refused(error):
@@ -224,8 +222,7 @@ def read(path, whole=TENSORS):
     if problem:
         return None, problem
     needed = REQUIRED_KEYS[1:] if "folder" in state else REQUIRED_KEYS
-    missing = [k for k in needed if k not in state]
-    if missing:
+    if missing := [k for k in needed if k not in state]:
         return None, f"is not a checkpoint (it has no {', '.join(missing)})"
     return state, None
 
@@ -236,8 +233,7 @@ def read_folder(path, whole):
     if problem or not isinstance(values, dict):
         return None, problem if problem and problem.startswith("was refused") else \
             f"has no loadable {VALUES} (it {problem or 'holds no dict'})"
-    problem = sharded.problem(path)
-    if problem:
+    if problem := sharded.problem(path):
         return None, problem
     if not whole:
         return {**values, "folder": path}, None
@@ -349,16 +345,12 @@ class Saver:
         if last or self.background is None:
             self.write(to_host(state), t0, None)
         else:
-            staged = to_host(state, self.buffers)
-            self.pending = self.background.submit(self.write, staged, t0,
+            self.pending = self.background.submit(self.write, to_host(state, self.buffers), t0,
                                                   time.perf_counter() - t_wait)
 
     def write(self, state, t0, waited_s):
-        if self.folder:
-            path = save_folder(self.out_dir, state, self.aliases, self.keep, self.group,
-                               self.master)
-        else:
-            path = save(self.out_dir, state, self.keep)
+        path = save_folder(self.out_dir, state, self.aliases, self.keep, self.group, self.master) \
+            if self.folder else save(self.out_dir, state, self.keep)
         took = time.perf_counter() - t0
         log.info(f"saved {path} ({took:.2f} s)" if waited_s is None else
                  f"saved {path} ({took:.2f} s, written in the background; the run waited "

@@ -185,8 +185,7 @@ def render(example, encode, block_size):
 def make_batch(rendered, labels):
     """A Batch of rendered examples: inputs padded with id 0, targets -1 but the scored ones."""
     rows = [(row, s) for rows, scored, _ in rendered for row, s in zip(rows, scored)]
-    width = max(len(row) for row, _ in rows) - 1
-    x = torch.zeros((len(rows), width), dtype=torch.int32)
+    x = torch.zeros((len(rows), max(len(row) for row, _ in rows) - 1), dtype=torch.int32)
     y = torch.full_like(x, -1)
     for i, (row, s) in enumerate(rows):
         n = len(row) - 1

@@ -95,9 +95,7 @@ def acquire(path, script):
                 return fd
             # its flock is still held (by its children, or for a crashed host by the file
             # server, until its lease ends): a new lock file replaces the old one
-            if same_file(fd, path):
-                os.remove(path)
-            os.close(fd)
+            release(path, fd)
             continue
         os.close(fd)
         raise UserError(refusal(path, holder))
@@ -152,7 +150,6 @@ def write_holder(fd, script):
 
 
 def same_file(fd, path):
-    """Is the open file fd still the one at path?"""
     try:
         return os.path.samestat(os.fstat(fd), os.stat(path))
     except FileNotFoundError:

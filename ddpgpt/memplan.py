@@ -88,8 +88,7 @@ def plan(cfg, model_args, world_size, dtype):
         with fake:
             peak = tracked_steps(cfg, model, train_model, ranks, "cpu", model_args["vocab_size"])
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
-    buckets = grads if cfg.parallel == "ddp" and world_size > 1 else 0
-    return peak._replace(ddp_buckets=buckets)
+    return peak._replace(ddp_buckets=grads if cfg.parallel == "ddp" and world_size > 1 else 0)
 
 
 @contextlib.contextmanager
@@ -212,8 +211,7 @@ def fixes(cfg, model_args, world_size, dtype, room, largest):
         if total <= room:
             found.append((" ".join(f"--{key}={value}" for key, value in changes.items()),
                           f"peak {size(total)} per rank"))
-    batch = same_global_batch(cfg, world_size, largest)
-    if batch:
+    if batch := same_global_batch(cfg, world_size, largest):
         found.append((f"--batch_size={batch} --gradient_accumulation_steps="
                       f"{cfg.global_batch // batch}", "the same global batch"))
     return found

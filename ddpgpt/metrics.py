@@ -328,8 +328,7 @@ def read(out_dir):
             steps, evals, starts, earlier = {}, {}, [], n - 1
         if "run" in row:
             starts.append(row)
-            steps = {i: r for i, r in steps.items() if i < row["iter"]}
-            evals = {i: r for i, r in evals.items() if i < row["iter"]}
+            steps, evals = ({i: r for i, r in d.items() if i < row["iter"]} for d in (steps, evals))
         elif "loss" in row:
             steps[row["iter"]] = row
         elif "val_loss" in row:

@@ -133,8 +133,7 @@ def clip_grad_norm(model, max_norm):
     norm before, a tensor on the device that is the same on every rank. Under fsdp each rank
     holds a shard of each gradient: the norm of the whole takes a small all-reduce, on the
     device, as torchtitan computes it."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     if is_dtensor(norm):
         norm = norm.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)

@@ -29,8 +29,7 @@ def of(cfg, given):
     order (config/owt.py's data_dir, then --data_mix), with a note; set in one place (both
     arguments, or one config file), they are an error."""
     if "data_dir" in given and cfg.data_mix:
-        order = list(given)
-        later, earlier = sorted(("data_dir", "data_mix"), key=order.index, reverse=True)
+        later, earlier = sorted(("data_dir", "data_mix"), key=list(given).index, reverse=True)
         if given[later].startswith("argument") and given[earlier].startswith("argument") or \
                 given[later] == given[earlier]:
             raise UserError(
@@ -41,9 +40,7 @@ def of(cfg, given):
                  f"{earlier}={getattr(cfg, earlier)!r} ({given[earlier]})")
         if later == "data_dir":
             cfg = dataclasses.replace(cfg, data_mix="")
-    if not cfg.data_mix:
-        return cfg, [Source(cfg.data_dir, 1.0, "")]
-    return cfg, parse_mix(cfg.data_mix)
+    return cfg, parse_mix(cfg.data_mix) if cfg.data_mix else [Source(cfg.data_dir, 1.0, "")]
 
 
 def parse_mix(data_mix):
