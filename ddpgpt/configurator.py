@@ -32,9 +32,8 @@ def key(default, help, *, at_least=None, above=None, below=None, at_most=None, f
     one line of help, and the range a number must lie in."""
     bounds = {"at_least": at_least, "above": above, "below": below, "at_most": at_most}
     metadata = {"help": help, **{k: v for k, v in bounds.items() if v is not None}}
-    if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
+    given = {"default_factory": factory} if factory is not None else {"default": default}
+    return dataclasses.field(**given, metadata=metadata)
 
 
 # ---- one value ----

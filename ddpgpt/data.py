@@ -244,9 +244,8 @@ def windows(mix, block_size, mode):
 def tables(mix, block_size, mode):
     """mix's Windows for block_size and mode: those with_windows() made, else new ones."""
     made = mix.windows
-    if made is not None and (made.block_size, made.mode) == (block_size, mode):
-        return made
-    return windows(mix, block_size, mode)
+    return made if made is not None and (made.block_size, made.mode) == (block_size, mode) else \
+        windows(mix, block_size, mode)
 
 
 def with_windows(mix, block_size, mode):

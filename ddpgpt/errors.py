@@ -99,7 +99,6 @@ _said = threading.Lock()  # say_once's line is said once, by whichever way out c
 
 
 def say_once(text):
-    """Print the line to stderr unless it was said already."""
     if _said.acquire(blocking=False):
         say(text)
 

@@ -379,9 +379,8 @@ def folder_tokenizer(folder):
     from tokenizers import Tokenizer
     vocab = Tokenizer.from_file(path).get_vocab(with_added_tokens=True)
     byte = {char: b for b, char in byte_level_alphabet().items()}
-    if vocab == {**byte, EOT: len(byte)}:
-        return "byte"
-    return None if is_gpt2_vocabulary(vocab) else folder
+    return "byte" if vocab == {**byte, EOT: len(byte)} else \
+        None if is_gpt2_vocabulary(vocab) else folder
 
 
 def is_gpt2_vocabulary(vocab):
@@ -409,7 +408,6 @@ def save_char_tokenizer(folder, tok, max_length):
 
 
 def _save_backend(backend, folder, max_length, eos):
-    transformers = _transformers()
     special = {"bos_token": eos, "eos_token": eos} if eos else {}
-    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=max_length,
-                                         **special).save_pretrained(folder)
+    _transformers().PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=max_length,
+                                            **special).save_pretrained(folder)

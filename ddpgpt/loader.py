@@ -47,8 +47,6 @@ def rank_batches(mix, *, block_size, batch_size, micro_steps, rank, world_size, 
             yield on_device(batch)
 
 
-
-
 # ---- for a DataLoader: your own loop's, or Lightning's ----
 
 MAX_INDEX = 2**63 - 1  # sample indices are int64

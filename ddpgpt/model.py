@@ -144,8 +144,7 @@ class ModernBlock(nn.Module):
 
     def forward(self, x, cos, sin):
         x = x + self.attn(self.ln_1(x), cos, sin)
-        x = x + self.mlp(self.ln_2(x))
-        return x
+        return x + self.mlp(self.ln_2(x))
 
 
 class Block(nn.Module):
@@ -160,8 +159,7 @@ class Block(nn.Module):
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
-        x = x + self.mlp(self.ln_2(x))
-        return x
+        return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):

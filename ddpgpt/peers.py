@@ -147,9 +147,8 @@ def which_rank(text, rank, world_size):
         ports = (int(port), int.from_bytes(int(port).to_bytes(2, "big"), "little"))
         found = [r for r, peer in enumerate(GROUP["peers"]) if r != rank and any(
             p in ports and same_ip(a, ip) for a, p in peer.addresses)]
-        if len(found) == 1:
-            return found[0], named(found[0])
-        return None, f"the rank at {ip}:{port}"
+        return (found[0], named(found[0])) if len(found) == 1 else \
+            (None, f"the rank at {ip}:{port}")
     return None, "another rank"
 
 

@@ -198,9 +198,8 @@ def to_device(t, device):
     """The host tensor t on device. To a GPU from pinned memory, asynchronously: a copy from
     pageable memory waits for all the work queued on the GPU first, which keeps the host from
     reading the next batch while the GPU runs the last."""
-    if device_type(device) != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return t.pin_memory().to(device, non_blocking=True) if device_type(device) == "cuda" else \
+        t.to(device)
 
 
 # ---- precision ----
@@ -240,9 +239,8 @@ PEAK_FLOPS = [("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),  # 
 
 def peak_flops(device):
     """The device's dense bf16 peak in FLOP/s, for MFU; None when unknown (or a CPU)."""
-    if device_type(device) != "cuda":
-        return None
-    return peak_flops_of(torch.cuda.get_device_name(device))
+    return peak_flops_of(torch.cuda.get_device_name(device)) if device_type(device) == "cuda" \
+        else None
 
 
 def peak_flops_of(name):

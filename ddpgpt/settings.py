@@ -236,7 +236,6 @@ class TrainConfig:
         return self.gradient_accumulation_steps // world_size
 
 
-
 @dataclass
 class PlanConfig(TrainConfig):
     """The memory plan of a training run (plan.py): per rank, the weights, gradients,
@@ -253,6 +252,7 @@ class PlanConfig(TrainConfig):
         if self.gpu_memory:
             parse_memory(self.gpu_memory)
         self.micro_steps(self.world_size)
+
 
 @dataclass
 class SampleConfig:

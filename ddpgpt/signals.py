@@ -112,8 +112,7 @@ def exit_at_once(script):
 
     def watch():
         while (got := os.read(read_end, 16)) and _before_steps is not None:
-            signum = next((s for s in got if s in EXIT_AT_ONCE), None)
-            if signum is not None:
+            if (signum := next((s for s in got if s in EXIT_AT_ONCE), None)) is not None:
                 time.sleep(GRACE_S)
                 if _before_steps is not None:
                     end_before_steps(script, signum)

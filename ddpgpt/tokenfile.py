@@ -210,8 +210,7 @@ def char_meta(path):
     except Exception as e:  # a damaged pickle fails in many ways (EOFError, KeyError, ...)
         raise UserError(f"{path} is not a readable pickle ({type(e).__name__}: {e}): "
                         f"{remake}.") from None
-    checked = char_table(table)
-    if checked is None:
+    if (checked := char_table(table)) is None:
         raise UserError(f"{path} is not nanoGPT's character-level meta.pkl: it must be a dict "
                         f"of vocab_size (an int up to 65536), itos (each id below it -> its "
                         f"character) and stoi (character -> id, the inverse): {remake}.")

@@ -77,9 +77,8 @@ def stop():
 
 def limit_s(hang_timeout_s, step_times):
     """The training limit: hang_timeout_s, or 10 x the median step if longer; None if off."""
-    if not hang_timeout_s:
-        return None
-    return max(hang_timeout_s, SLOWER_THAN_MEDIAN * statistics.median(step_times or [0]))
+    return max(hang_timeout_s, SLOWER_THAN_MEDIAN * statistics.median(step_times or [0])) \
+        if hang_timeout_s else None
 
 
 class Watchdog:
@@ -192,8 +191,7 @@ class Watchdog:
     def gather(self):
         """Take in the ranks' fresh reports that have come; True once every rank's has."""
         for rank in set(range(self.world_size)) - set(self.found):
-            report = self.fresh(f"rank{rank}.txt")
-            if report is not None:
+            if (report := self.fresh(f"rank{rank}.txt")) is not None:
                 self.found[rank] = report
         return len(self.found) == self.world_size
 

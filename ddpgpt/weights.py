@@ -54,9 +54,8 @@ def for_training(cfg, given, meta, in_parts=False):
                                  f"the checkpoint in {cfg.out_dir}")
         return Start(resume, args, None)
     refuse_to_mix(cfg)
-    if cfg.from_weights:
-        return Start(None, *pretrained(cfg, given, args, meta))
-    return Start(None, args, None)
+    return Start(None, *pretrained(cfg, given, args, meta)) if cfg.from_weights else \
+        Start(None, args, None)
 
 
 def check_fine_tune(cfg, resume):

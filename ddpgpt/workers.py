@@ -123,10 +123,9 @@ def serve(fn, initializer, initargs, tasks, results, inherited):
 def sendable(error):
     """A worker's error as the main process raises it: a UserError as it is, anything else (a
     bug, which may not pickle) as a RuntimeError that carries the worker's traceback."""
-    if isinstance(error, UserError):
-        return error
-    return RuntimeError(f"{type(error).__name__} in a worker process:\n"
-                        f"{''.join(traceback.format_exception(error))}")
+    return error if isinstance(error, UserError) else RuntimeError(
+        f"{type(error).__name__} in a worker process:\n"
+        f"{''.join(traceback.format_exception(error))}")
 
 
 def send(worker, task):
