@@ -45,8 +45,8 @@ def listen(signals, handler):
 def catch_stop_signals(script="train.py"):
     """The list the stop signals are recorded in as they come, instead of dying. Caught from the
     start, so that a signal that comes while the model is built is not lost. Until steps_begin()
-    there is nothing to save: SIGTERM (torchrun stopping the ranks of a failed attempt, scancel) and
-    SIGINT end the process at once instead, with one line (exit_at_once)."""
+    there is nothing to save: SIGTERM (torchrun stopping the ranks of a failed attempt, scancel),
+    SIGINT and SIGHUP end the process at once instead, with one line (exit_at_once)."""
     received = []
 
     def on_signal(signum, frame):
