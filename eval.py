@@ -143,7 +143,7 @@ def load_model(cfg):
     if cfg.block_size > positions:
         raise UserError(f"block_size={cfg.block_size} is more than the model's {positions} "
                         f"positions: use block_size <= {positions}, or 0 for all of them.")
-    model = GPT(GPTConfig(**loaded.args))
+    model = GPT(GPTConfig(**loaded.args), loaded.tokenizer.vocab_size)
     model.load_state_dict(loaded.weights)
     return model, loaded
 

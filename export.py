@@ -99,8 +99,8 @@ def readme(state, path, tok, dest):
     if padding := args["vocab_size"] - tok.vocab_size:
         text += (f"\n## Vocabulary\n\nThe checkpoint's embedding had {args['vocab_size']} rows: "
                  f"train.py pads the vocabulary to a multiple of 64, which runs faster. The "
-                 f"{padding} padding rows belong to no token (ids >= {tok.vocab_size} never "
-                 f"occur in the data) and were dropped.\n")
+                 f"{padding} padding rows belong to no token (ids >= {tok.vocab_size}: never in "
+                 f"the data, never given probability by ddpgpt's loss or sampling): dropped.\n")
     return text
 
 

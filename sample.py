@@ -38,10 +38,9 @@ def main(argv):
     if not ids:
         raise UserError(f"the prompt {cfg.start!r} is empty, but the model needs at least one "
                         f"token to continue: give --start some text (the default is a newline).")
-    model = GPT(GPTConfig(**loaded.args))
+    model = GPT(GPTConfig(**loaded.args), tok.vocab_size)
     model.load_state_dict(loaded.weights)
     model.eval().to(device)
-    never_sample_padding(model, tok.vocab_size, device)
     if cfg.compile:
         model.compile()  # in place, so that generate()'s calls to the model are compiled too
     x = torch.tensor([ids], dtype=torch.long, device=device)
@@ -64,16 +63,6 @@ def read_prompt(start):
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read the prompt file {start[5:]!r} ({e}): give --start="
                         f"FILE:<a UTF-8 text file>, or the prompt itself as --start=<text>.")
-
-
-def never_sample_padding(model, n_tokens, device):
-    """train.py pads the vocabulary to a multiple of 64 for speed; the padding ids are no
-    tokens (tiktoken cannot decode them), so generate() must never sample them."""
-    vocab_size = model.config.vocab_size
-    if n_tokens < vocab_size:
-        padding = torch.arange(vocab_size, device=device) >= n_tokens
-        model.lm_head.register_forward_hook(
-            lambda module, inputs, logits: logits.masked_fill(padding, float("-inf")))
 
 
 if __name__ == "__main__":

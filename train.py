@@ -154,7 +154,7 @@ def start_up(cfg, given, ranks, device):
     if start.resume is not None:
         weights.check_resume(cfg, start.resume, meta, identity, len(data_sources))
     torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(**start.args))
+    model = GPT(GPTConfig(**start.args), arch.n_tokens(meta))
     if start.weights is not None:  # GPT-2's: a checkpoint's are resumed with its state
         model.load_state_dict(start.weights)
     if cfg.optimizer == "muon":  # its patterns checked here, before any collective

@@ -68,13 +68,18 @@ def model_args(cfg, meta):
     """GPTConfig's arguments for a model trained from scratch with these settings on data described
     by meta (vocab_size 0: the data's, padded). A GPT-2's are nanoGPT's keys alone, so that nanoGPT
     reads its checkpoints; the modern block's name their arch and rope_theta too."""
-    vocab_size = cfg.vocab_size or padded(GPT2_VOCAB_SIZE if meta is None else meta["vocab_size"])
+    vocab_size = cfg.vocab_size or padded(n_tokens(meta))
     args = dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
                 block_size=cfg.block_size, bias=cfg.bias, dropout=cfg.dropout,
                 vocab_size=vocab_size)
     if cfg.arch != "gpt2":
         args.update(arch=cfg.arch, rope_theta=cfg.rope_theta, bias=False)
     return args
+
+
+def n_tokens(meta):
+    """The tokenizer's ids of data described by meta (GPT-2's for raw .bin files)."""
+    return GPT2_VOCAB_SIZE if meta is None else meta["vocab_size"]
 
 
 def architecture(args):

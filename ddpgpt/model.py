@@ -165,9 +165,11 @@ class Block(nn.Module):
 class GPT(nn.Module):
     loss_chunks = 1  # the training loss's slices of positions (chunked_loss); 1: one piece
 
-    def __init__(self, config):
+    def __init__(self, config, n_tokens=None):
+        """n_tokens: the tokenizer's ids, where vocab_size pads them (arch.padded); the loss and
+        generate() give the ids past them no probability, as an export has no such rows."""
         super().__init__()
-        self.config = config
+        self.config, self.n_tokens = config, n_tokens or config.vocab_size
         self.modern = config.arch == "modern"
         # built in nanoGPT's order, which the random initialisation follows
         layers = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))
@@ -231,15 +233,20 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
 
         if targets is not None and self.training and self.loss_chunks > 1:
-            return None, chunked_loss(self.lm_head, x, targets, self.loss_chunks)
-        if targets is not None:
-            logits = self.lm_head(x)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
-                                   ignore_index=-1)
-        else:
-            logits = self.lm_head(x[:, [-1], :])  # a list index keeps the time dimension
-            loss = None
-        return logits, loss
+            return None, chunked_loss(self.scores, x, targets, self.loss_chunks)
+        if targets is None:  # the last position: a list index keeps the time dimension
+            return self.scores(x[:, [-1], :]), None
+        logits = self.scores(x)
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
+                                       ignore_index=-1)
+
+    def scores(self, x):
+        """The output layer's logits, -inf at the padding ids (in place: the matmul's backward
+        does not read its output)."""
+        logits = self.lm_head(x)
+        if self.n_tokens < logits.size(-1):
+            logits[..., self.n_tokens:] = float("-inf")
+        return logits
 
     def crop_block_size(self, block_size):
         """Shrink the context length, e.g. to fine-tune a 1024-token checkpoint at 256."""
@@ -276,7 +283,8 @@ class GPT(nn.Module):
             # the model has position embeddings for block_size tokens only
             idx_cond = idx[:, -self.config.block_size:]
             logits, _ = self(idx_cond)
-            logits = logits[:, -1, :] / temperature
+            # the tokens' logits alone: sampled as an export's, which has no padding rows
+            logits = logits[:, -1, :self.n_tokens] / temperature
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 # masked_fill, not logits[mask] = ...: indexing with a mask waits for the GPU

@@ -36,7 +36,7 @@ from typing import Literal
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ddpgpt import configurator, errors  # noqa: E402
-from ddpgpt.arch import ROPE_THETA_RANGE, Arch, check_bias, model_args  # noqa: E402
+from ddpgpt.arch import ROPE_THETA_RANGE, Arch, check_bias, model_args, n_tokens  # noqa: E402
 from ddpgpt.configurator import check_only_for, key  # noqa: E402
 from ddpgpt.data import Sampling  # noqa: E402
 from ddpgpt.errors import UserError  # noqa: E402
@@ -230,9 +230,9 @@ class BlockDataModule(L.LightningDataModule):
 class GPTModule(L.LightningModule):
     """model.GPT trained on (x, y, index) batches; rank 0 logs each step to metrics.jsonl."""
 
-    def __init__(self, args, train_cfg, out_dir, log_interval=10):
+    def __init__(self, args, train_cfg, out_dir, log_interval=10, tokens=None):
         super().__init__()
-        self.model = GPT(GPTConfig(**args))
+        self.model = GPT(GPTConfig(**args), tokens)
         self.train_cfg, self.out_dir, self.log_interval = train_cfg, out_dir, log_interval
         self.step_losses, self.step_indices, self.metrics = [], [], None
 
@@ -311,10 +311,11 @@ def build(cfg):
                                  cfg.gradient_accumulation_steps, cfg.seed, cfg.sampling,
                                  cfg.num_workers, cfg.allow_data_change)
     torch.manual_seed(cfg.seed)
-    args = model_args(cfg, tokenfile.read_meta(cfg.data_dir))
+    meta = tokenfile.read_meta(cfg.data_dir)
     train_cfg = TrainConfig(optimizer=cfg.optimizer, learning_rate=cfg.learning_rate,
                             muon_lr=cfg.muon_lr, muon_ns_dtype=cfg.muon_ns_dtype)
-    return datamodule, GPTModule(args, train_cfg, cfg.out_dir, cfg.log_interval)
+    return datamodule, GPTModule(model_args(cfg, meta), train_cfg, cfg.out_dir, cfg.log_interval,
+                                 n_tokens(meta))
 
 
 def main(argv):

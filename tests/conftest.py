@@ -325,6 +325,11 @@ def evals(out_dir):
     return [r for r in metrics(out_dir) if "val_loss" in r]
 
 
+def last_json(stdout):
+    """The JSON object eval.py prints last."""
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
 def rows_so_far(out_dir):
     """metrics(out_dir) of a run under way: none before it has written its first."""
     return metrics(out_dir) if os.path.exists(os.path.join(out_dir, "metrics.jsonl")) else []

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from ddpgpt import checkpoint, data, hellaswag, tokenfile
 from ddpgpt.errors import UserError
-from conftest import TINY, evals, fails, python, torchrun, train_args, write_token_files
+from conftest import (TINY, evals, fails, last_json, python, torchrun, train_args,
+                      write_token_files)
 from ddpgpt.model import GPT, GPTConfig
 
 # a dozen examples: short and long contexts and endings, non-ASCII text, a label given as a
@@ -62,10 +63,6 @@ def write_hellaswag(path, examples=EXAMPLES):
             f.write(json.dumps({"ctx": ctx, "endings": endings, "label": label},
                                ensure_ascii=False) + "\n")
     return str(path)
-
-
-def last_json(stdout):
-    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def reference_hellaswag(logits_of, encode, block_size):
@@ -131,7 +128,7 @@ def test_hellaswag_counts_match_a_plain_computation_on_1_and_2_ranks(byte_run, s
     one = last_json(python("eval.py", *args, env=env).stdout)
     two = last_json(torchrun(2, "eval.py", *args, env=env).stdout)
     state, _ = checkpoint.load_latest(byte_run)
-    model = GPT(GPTConfig(**state["model_args"])).eval()
+    model = GPT(GPTConfig(**state["model_args"]), state["data_meta"]["vocab_size"]).eval()
     model.load_state_dict(checkpoint.model_state(state))
 
     def logits_of(ids):

@@ -21,7 +21,7 @@ from ddpgpt import checkpoint, configurator, hf, optim, tokenfile
 from ddpgpt.tokenizer import get_tokenizer
 from ddpgpt.weights import for_training
 from ddpgpt.settings import TrainConfig
-from conftest import ROOT, fails, python, run, stdlib_data, steps, train_args
+from conftest import ROOT, fails, last_json, python, run, stdlib_data, steps, train_args
 from ddpgpt.model import GPT, GPTConfig
 
 SMALL = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64)
@@ -272,6 +272,24 @@ def test_two_exports_into_one_dest_and_a_users_dest_tmp(byte_exports):
     GPT2LMHeadModel.from_pretrained(dest)  # the winner's, whole
     assert sorted(os.listdir(root)) == ["exported", "exported.tmp", "out"]
     assert (root / "exported.tmp" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_scores_and_samples_as_its_export(byte_exports, corpus, env):
+    """The 63 padding rows of the checkpoint's 320 take no probability: eval.py's loss and
+    sample.py's text for one seed are the checkpoint's and its export's alike (the loss was
+    taken over the padding too, and samples drawn over 320 ids, not 257)."""
+    root, _ = byte_exports
+    sources = (f"--out_dir={root / 'out'}", f"--init_from={root / 'exported'}")
+    losses = [last_json(python("eval.py", source, f"--data_dir={corpus}", "--hellaswag=False",
+                               "--eval_iters=4", "--batch_size=4", "--device=cpu",
+                               env=env).stdout)["val_loss"] for source in sources]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5), losses
+    for top_k in (0, 200):
+        texts = [python("sample.py", source, "--start=def ", "--num_samples=2", "--seed=3",
+                        "--max_new_tokens=40", f"--top_k={top_k}", "--device=cpu",
+                        env=env).stdout for source in sources]
+        assert texts[0] == texts[1], top_k
 
 
 @pytest.mark.slow
