@@ -12,12 +12,13 @@ rank has at most total / N plus the largest single matrix's cost.
 Under ddp every rank holds the whole, all-reduced gradient. Every rank updates the momentum of
 every matrix (elementwise and cheap), so the optimizer state is whole and the same on every
 rank, and checkpoints are torch.optim.Muon's, under the same key ('momentum_buffer'): one
-written by torch.optim.Muon resumes, and the other way round. Each owner orthogonalises its
-matrices, and one all_gather per step shares the results: each rank's updates, flattened into
-one bucket of Newton-Schulz's dtype (muon_ns_dtype: bfloat16, torch's, or float32) padded to
-the largest rank's, so a rank receives (N - 1) x that bucket: 2 bytes a Muon parameter at most
-in bfloat16 (4 in float32), plus the padding (bytes_per_step()). Then every rank applies each
-update with torch.optim.Muon's learning rate adjustment and decoupled weight decay. On one
+written by torch.optim.Muon resumes, and the other way round. Each owner alone makes the
+Nesterov updates of its matrices and orthogonalises them, and one all_gather_into_tensor per
+step shares the results: each rank's, flattened into one bucket of Newton-Schulz's dtype
+(muon_ns_dtype: bfloat16, torch's, or float32) padded to the largest rank's, so a rank
+receives (N - 1) x that bucket: 2 bytes a Muon parameter at most in bfloat16 (4 in float32),
+plus the padding (bytes_per_step()). Then every rank applies each update with
+torch.optim.Muon's learning rate adjustment and decoupled weight decay. On one
 process, in bfloat16, it is torch.optim.Muon, bit for bit.
 
 Under fsdp each rank holds Shard(0) of each matrix, its weights, gradient and momentum: rank k holds
@@ -105,23 +106,27 @@ class DistributedMuon(torch.optim.Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        matrices = []  # (group, parameter, its Nesterov update) of those with a gradient
+        matrices = []  # (group, parameter, gradient, momentum) of those with a gradient
         for group in self.param_groups:
             params, grads, bufs = [], [], []
             self._init_group(group, params, grads, bufs)  # torch's checks and zero momentum
-            for p, grad, buf in zip(params, grads, bufs):
-                matrices.append((group, p, nesterov(local(grad), local(buf), group)))
+            matrices += [(group, p, local(g), local(b)) for p, g, b in zip(params, grads, bufs)]
         if not matrices:  # no gradients (the same on every rank): nothing to share
             return loss
         world = dist.get_world_size() if dist.is_initialized() else 1
-        owner = owners([tuple(p.shape) for _, p, _ in matrices], world)
-        groups, updates = [g for g, _, _ in matrices], [u for _, _, u in matrices]
-        if parallel.is_dtensor(matrices[0][1]):
-            ortho = orthogonalised_shards(updates, [p.shape for _, p, _ in matrices], groups,
-                                          owner, world, self.ns_dtype)
+        rank = dist.get_rank() if world > 1 else 0
+        shapes, groups = [p.shape for _, p, _, _ in matrices], [g for g, _, _, _ in matrices]
+        owner = owners([tuple(s) for s in shapes], world)
+        sharded = parallel.is_dtensor(matrices[0][1])
+        # every rank's momentum moves; under ddp only the owner needs the update it makes
+        updates = [nesterov(grad, buf, group, sharded or o == rank)
+                   for (group, _, grad, buf), o in zip(matrices, owner)]
+        if sharded:
+            ortho = orthogonalised_shards(updates, shapes, groups, owner, world, self.ns_dtype)
         else:
-            ortho = orthogonalised_whole(updates, groups, owner, world, self.ns_dtype)
-        for (group, p, _), o in zip(matrices, ortho):
+            ortho = orthogonalised_whole(updates, shapes, groups, owner, world, self.ns_dtype,
+                                         matrices[0][1].device)
+        for (group, p, _, _), o in zip(matrices, ortho):
             lr = group["lr"]
             weight = local(p)
             weight.mul_(1 - lr * group["weight_decay"])
@@ -151,11 +156,12 @@ def local(t):
     return t.to_local() if parallel.is_dtensor(t) else t
 
 
-def nesterov(grad, buf, group):
-    """The momentum buffer updated in place, and the update to orthogonalise, as torch's."""
+def nesterov(grad, buf, group, needed):
+    """The momentum buffer updated in place, and the update to orthogonalise, as torch's
+    (None where not needed)."""
     momentum = group["momentum"]
     buf.lerp_(grad, 1 - momentum)
-    return grad.lerp(buf, momentum) if group["nesterov"] else buf
+    return (grad.lerp(buf, momentum) if group["nesterov"] else buf) if needed else None
 
 
 def newton_schulz(update, group, dtype):
@@ -173,24 +179,26 @@ def newton_schulz(update, group, dtype):
     return x.T if tall else x
 
 
-def orthogonalised_whole(updates, groups, owner, world, dtype):
-    """ddp: each update (whole, the same on every rank) orthogonalised by its owner in dtype,
-    shared by one all_gather of per-rank buckets."""
+def orthogonalised_whole(updates, shapes, groups, owner, world, dtype, device):
+    """ddp: each update orthogonalised by its owner (updates: None where another rank owns it)
+    into its rank's row of a (world, bucket) tensor in dtype, which one all_gather_into_tensor
+    fills: the list form would have NCCL gather into a hidden flat buffer and copy out of it."""
     rank = dist.get_rank() if world > 1 else 0
-    mine = [newton_schulz(u, g, dtype).flatten() for u, g, o in zip(updates, groups, owner)
-            if o == rank]
-    if world == 1:
-        return [m.view_as(u) for m, u in zip(mine, updates)]
-    sizes = [sum(u.numel() for u, o in zip(updates, owner) if o == r) for r in range(world)]
-    bucket = torch.zeros(max(sizes), dtype=dtype, device=updates[0].device)
-    if mine:
-        bucket[:sizes[rank]].copy_(torch.cat(mine))
-    buckets = [torch.empty_like(bucket) for _ in range(world)]
-    dist.all_gather(buckets, bucket)
+    sizes = [sum(s.numel() for s, o in zip(shapes, owner) if o == r) for r in range(world)]
+    mine = torch.zeros(max(sizes), dtype=dtype, device=device)
+    at = 0
+    for u, g, o in zip(updates, groups, owner):
+        if o == rank:
+            mine[at:at + u.numel()].copy_(newton_schulz(u, g, dtype).flatten())
+            at += u.numel()
+    gathered = torch.empty(world * mine.numel(), dtype=dtype, device=device) if world > 1 else mine
+    if world > 1:
+        dist.all_gather_into_tensor(gathered, mine)  # flat: gloo takes no (world, n) output
+    gathered = gathered.view(world, -1)
     offsets, out = [0] * world, []
-    for u, o in zip(updates, owner):
-        out.append(buckets[o][offsets[o]:offsets[o] + u.numel()].view_as(u))
-        offsets[o] += u.numel()
+    for s, o in zip(shapes, owner):
+        out.append(gathered[o][offsets[o]:offsets[o] + s.numel()].view(s))
+        offsets[o] += s.numel()
     return out
 
 
