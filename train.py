@@ -100,8 +100,17 @@ def main(argv):
                         watch=(cfg.out_dir, cfg.hang_timeout_s, cfg.startup_timeout_s),
                         locks=[(cfg.out_dir, None), *metrics.tensorboard_locks(cfg)],
                         standing=lambda: standing(cfg, run)) as s:
-        run = make_run(s, launch.start(s, lambda: start_up(cfg, given, s.ranks, s.device)))
-        train(run, s.stops)
+        found = launch.start(s, lambda: start_up(cfg, given, s.ranks, s.device))
+        try:  # the first forward and backward may be DDP's bucket pass or the first evaluation
+            run = make_run(s, found)
+            first = run.state.iter_num
+            train(run, s.stops)
+        except torch.OutOfMemoryError as e:
+            if run is not None and run.state.iter_num >= first + OOM_STEPS:
+                raise
+            memory = torch.cuda.get_device_properties(s.device).total_memory
+            raise UserError(memplan.out_of_memory(found.cfg, s.ranks.world_size, memory, e)) \
+                from None
     return 0
 
 
@@ -247,13 +256,7 @@ def loop(run, stop_signals):
             break
         if state.iter_num == start_iter:
             signals.steps_begin()  # nothing to save before: a stop signal ended the run
-        try:
-            step = train_step(run, history, stop_signals)
-        except torch.OutOfMemoryError as e:
-            if state.iter_num >= start_iter + OOM_STEPS:
-                raise
-            memory = torch.cuda.get_device_properties(run.device).total_memory
-            raise UserError(memplan.out_of_memory(cfg, run.ranks.world_size, memory, e)) from None
+        step = train_step(run, history, stop_signals)
         t_now = time.perf_counter()
         dt, t_last = t_now - t_last, t_now
         report_step(run, step, dt, first=state.iter_num == start_iter)

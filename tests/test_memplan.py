@@ -10,7 +10,7 @@ import shlex
 import pytest
 import torch
 
-from conftest import fails, python, ranks_command, run
+from conftest import fails, python, ranks_command, run, train_args
 
 SMALL = ["--n_layer=2", "--n_head=4", "--n_embd=64", "--block_size=64", "--batch_size=4",
          "--vocab_size=512", "--gradient_accumulation_steps=4", "--device=cpu",
@@ -159,3 +159,18 @@ def test_an_out_of_memory_error_at_the_first_steps_names_the_plan_that_says_what
         in p.stdout, p.stdout
     assert "would fit: --parallel=fsdp (peak 5.8 MiB per rank)" in p.stdout
     assert "would fit: --activation_checkpointing=full (peak 4.8 MiB per rank)" in p.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_out_of_memory_before_the_first_step_is_explained_on_any_rank_count(nproc, corpus,
+                                                                            tmp_path, env):
+    """The first forward is where an oversized batch runs out: on 2 ranks DDP's gradient-bucket
+    pass in the wrap, on 1 the iter-0 evaluation, both before the first step (each was a raw
+    traceback on every rank)."""
+    p = fails("tests/launch_out_of_memory.py", *train_args(corpus, tmp_path / "out"),
+              "--max_iters=2", nproc=nproc, env=env)
+    rank = " (rank 0)" * (nproc > 1)
+    assert f"train.py: error{rank}: out of memory in the first steps (torch: CUDA out of memory. " \
+           "Tried to allocate 2.00 GiB." in p.stderr and "--gpu_memory=81920MiB" in p.stderr, \
+        p.stderr
