@@ -114,9 +114,10 @@ def shard(model, device, dtype, reshard_after_forward, compile):
         if compile:
             block.compile()  # in place, so the weights keep their names
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    # the root's weights are gathered once for the whole forward (FSDP2 keeps them for the
-    # backward, which begins with the output layer)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    # the root at FSDP2's default (None; a bool reshards it), which keeps its weights gathered
+    # from the forward into the backward, which begins with the output layer (and after an
+    # evaluation's forward, which has no backward: sync_gradients knows fsdp by the module)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def sync_gradients(train_model, sync):
@@ -124,7 +125,7 @@ def sync_gradients(train_model, sync):
     DDP's model.no_sync() is the official way, but it bloats the code."""
     if isinstance(train_model, DDP):
         train_model.require_backward_grad_sync = sync
-    elif is_dtensor(next(train_model.parameters())):  # a model that shard() sharded
+    elif hasattr(train_model, "set_requires_gradient_sync"):  # an FSDPModule: see shard()
         train_model.set_requires_gradient_sync(sync)
 
 
@@ -134,8 +135,7 @@ def clip_grad_norm(model, max_norm):
     holds a shard of each gradient: the norm of the whole takes a small all-reduce, on the
     device, as torchtitan computes it."""
     norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-    if is_dtensor(norm):
-        norm = norm.full_tensor()
+    norm = norm.full_tensor() if is_dtensor(norm) else norm
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
     return norm
 

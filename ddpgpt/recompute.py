@@ -5,15 +5,15 @@ keeps from its forward for its backward, and what its backward computes again in
   full       each block keeps its input alone, and its backward runs its forward again:
              about one forward more per step (a third more compute), and the blocks'
              activations shrink to one (batch, block_size, n_embd) tensor a block.
-  selective  torchtitan's op-level policy: each block keeps the outputs of its matmuls and of
-             its attention, and computes the rest again in the backward (the norms, GELU or
-             SwiGLU, the rotations, dropout): the costly operations run once, the cheap
-             elementwise ones twice, for a memory between the two.
+  selective  each block keeps the outputs of all its matmuls, and of its attention where that
+             is one fused kernel (a GPU's; the CPU's without dropout), and computes the rest
+             again (norms, GELU or SwiGLU, rotations, dropout; the CPU's attention with
+             dropout, op by op), for a memory between the two.
 
-selective is an op-level policy rather than "every k-th block in full": it needs no second key,
-it is spread evenly over the blocks (so over fsdp's per-block gathers), and it recomputes only
-what costs little, where k-th-block checkpointing recomputes whole blocks and its memory is a
-step function of k. torchtitan offers both (its selective_ac_option: 'op', or a block interval).
+selective is op-level (torch's create_selective_checkpoint_contexts), as torchtitan's 'op'
+option, but not its policy, which recomputes every second matmul too. Op-level, not "every k-th
+block in full": no second key, spread evenly over the blocks (so over fsdp's per-block gathers),
+and only what costs little recomputed, where k-th-block checkpointing's memory steps with k.
 
 Both use torch.utils.checkpoint (non-reentrant), which restores the random number generators'
 state before a recompute: dropout draws the same masks twice, and the losses are none's bit for

@@ -342,6 +342,47 @@ def test_bad_combinations_are_clear_errors(env, args, message):
     assert message in fails("train.py", *args, env=env).stderr
 
 
+def sharded_tiny():
+    """A small GPT-2 as shard() shares it out, and a batch for it; in memplan.fake_ranks(2):
+    rank 0 of 2 in torch's fake process group, whose collectives move nothing."""
+    from ddpgpt import parallel
+    from ddpgpt.model import GPT, GPTConfig
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+    parallel.shard(model, "cpu", "float32", reshard_after_forward=True, compile=False)
+    return model, torch.zeros(2, 16, dtype=torch.long)
+
+
+def test_the_roots_weights_stay_gathered_from_the_forward_into_the_backward():
+    """FSDP2 keeps the root (the embeddings, tied to the output layer) gathered only at its
+    default: the root was given reshard_after_forward, and its weights were gathered again at
+    the start of every backward."""
+    from torch.distributed.tensor import DTensor
+
+    from ddpgpt import memplan
+    with memplan.fake_ranks(2):
+        model, x = sharded_tiny()
+        _, loss = model(x, x)
+        assert not isinstance(model.transformer.wte.weight, DTensor)  # gathered
+        assert all(isinstance(p, DTensor) for p in model.transformer.h.parameters())
+        loss.backward()
+        assert all(isinstance(p, DTensor) for p in model.parameters())  # resharded
+
+
+def test_a_micro_step_after_an_evaluation_reduces_no_gradients():
+    """An evaluation's forward, which no backward follows, leaves the root gathered, and
+    sync_gradients, which knew fsdp by its first weight's being a DTensor, missed it: the next
+    step's first micro-step reduce-scattered its gradients, and a run resumed where it
+    evaluates differed from the uninterrupted one in the last bits."""
+    from ddpgpt import memplan, parallel
+    with memplan.fake_ranks(2):
+        model, x = sharded_tiny()
+        with torch.no_grad():
+            model(x, x)
+        parallel.sync_gradients(model, False)
+        model(x, x)[1].backward()
+        assert all(p.grad is None for p in model.parameters())  # kept whole, unreduced
+
+
 def test_a_save_in_the_background_needs_room_for_its_copy_in_host_memory():
     one = Ranks(0, 0, 1, 1)
     assert checkpoint.host_has_room(2**20, one)

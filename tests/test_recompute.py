@@ -4,11 +4,18 @@ recompute must draw its masks again), and selective without (where the CPU runs 
 attention kernel it keeps), under ddp and fsdp, with the loss in one piece and in chunks; a run
 resumes exactly under another mode than the one that saved its checkpoint; the loss in chunks
 trains as in one piece but for the sums' rounding."""
+import collections
+
 import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from conftest import TINY, evals, resumed_from, steps, torchrun
-from ddpgpt import checkpoint, configurator
+from ddpgpt import checkpoint, configurator, recompute
 from ddpgpt.errors import UserError
+from ddpgpt.model import GPT, GPTConfig, rotary
 from ddpgpt.settings import TrainConfig
 
 # each parallel with dropout, and one without; both architectures (gpt2's head tied to its
@@ -91,6 +98,46 @@ def test_the_loss_in_chunks_trains_as_in_one_piece_but_for_rounding(runs, corpus
     for (_, loss, norm), (_, loss1, norm1) in zip(chunked, whole):
         assert loss == pytest.approx(loss1, rel=1e-5) and norm == pytest.approx(norm1, rel=1e-4)
     assert val_losses(runs["ddp", "none"]) == pytest.approx(val_losses(one_piece), rel=1e-5)
+
+
+class MadeBy(TorchDispatchMode):
+    """{storage: the operation that first output it} of the operations run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = {}
+
+    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        out = op(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.made.setdefault(StorageWeakRef(t.untyped_storage()), op.__name__)
+        return out
+
+
+FUSED = "_scaled_dot_product_flash_attention_for_cpu.default"  # the CPU's attention kernel
+# {(arch, dropout): the outputs a block keeps under selective beside its input, on the CPU, by
+# the operation that made them}: every Linear's matmul (addmm: GPT-2's have biases) and the
+# fused attention kernel's output and log-sum-exp, where the CPU runs it: without dropout
+KEPT = {("gpt2", 0.0): {"addmm.default": 4, FUSED: 2}, ("modern", 0.0): {"mm.default": 7, FUSED: 2},
+        ("gpt2", 0.1): {"addmm.default": 4}}
+
+
+@pytest.mark.parametrize("arch, dropout", KEPT)
+def test_selective_keeps_a_blocks_matmul_and_fused_attention_outputs_alone(arch, dropout):
+    """What a block's forward made that is still alive after it, its output aside: what it
+    keeps for its backward."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64,
+                          arch=arch, dropout=dropout))
+    recompute.apply(model, "selective", 1)
+    block, x = model.transformer.h[0], torch.randn(2, 16, 32, requires_grad=True)
+    rope = rotary(16, 16, 1e4, "cpu") if arch == "modern" else ()
+    before = {StorageWeakRef(t.untyped_storage()) for t in (*model.parameters(), x, *rope)}
+    with MadeBy() as mode:
+        y = block(x, *rope)
+    kept = collections.Counter(op for ref, op in mode.made.items() if not ref.expired() and
+                               ref not in before | {StorageWeakRef(y.untyped_storage())})
+    assert kept == KEPT[arch, dropout]
 
 
 def test_an_unknown_mode_is_a_clear_error():
