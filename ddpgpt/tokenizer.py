@@ -99,10 +99,9 @@ def _tiktoken_tokenizer(name):
     try:
         enc = tiktoken.get_encoding(_SAME_AS.get(name, name))
     except ValueError as e:
-        raise UserError(
-            f"unknown tokenizer {name!r}: use 'byte', a tiktoken encoding "
-            f"({', '.join(tiktoken.list_encoding_names())}), a Hugging Face hub name "
-            f"(owner/name) or a folder that transformers.AutoTokenizer reads") from e
+        raise UserError(f"unknown tokenizer {name!r}: use 'byte', a tiktoken encoding "
+                        f"({', '.join(tiktoken.list_encoding_names())}), a Hugging Face hub name "
+                        f"(owner/name) or a folder that transformers.AutoTokenizer reads") from e
     except Exception as e:
         raise UserError(f"tiktoken could not load the {name!r} vocabulary ({type(e).__name__}: "
                         f"{e}). {offline_advice(_SAME_AS.get(name, name))}") from e

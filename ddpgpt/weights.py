@@ -146,11 +146,9 @@ def check_pretrained_data(cfg, meta, weights_args, source):
     if (cfg.init_from in NAMES or weights_args["vocab_size"] >= GPT2_VOCAB_SIZE) and \
             tokens not in (None, *GPT2_NAMES):
         ids = f"{weights_args['vocab_size']} token ids, GPT-2's"
-        raise UserError(
-            f"{cfg.data_dir} holds {tokens!r} tokens ({meta['vocab_size']} ids), which "
-            f"{source} ({ids}) cannot read: prepare the data "
-            f"with the tokenizer those weights were trained with (--tokenizer=gpt2 for "
-            f"OpenAI's GPT-2).")
+        raise UserError(f"{cfg.data_dir} holds {tokens!r} tokens ({meta['vocab_size']} ids), which "
+                        f"{source} ({ids}) cannot read: prepare the data with the tokenizer those "
+                        f"weights were trained with (--tokenizer=gpt2 for OpenAI's GPT-2).")
 
 
 # ---- a resume against this run's data ----
