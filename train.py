@@ -38,8 +38,8 @@ import torch  # noqa: E402  (the imports that take seconds come after)
 import torch.distributed as dist  # noqa: E402
 
 from ddpgpt import (arch, checkpoint, data, errors, evaluation, launch, loader,  # noqa: E402
-                    memplan, metrics, optim, parallel, runtime, schedule, sources, watchdog,
-                    weights)
+                    memplan, metrics, optim, parallel, profiling, runtime, schedule, sources,
+                    watchdog, weights)
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.state import TrainState
@@ -155,6 +155,8 @@ def start_up(cfg, given, ranks, device):
     start = weights.for_training(cfg, given, meta, in_parts=parallel.sharded(cfg, ranks))
     if start.resume is None and ranks.master:
         metrics.refuse_another_runs_events(cfg)
+    if cfg.profile_steps:
+        profiling.folder(cfg.out_dir)  # every rank writes its trace there
     # the configuration says what is trained (the architecture of the weights resumed or
     # loaded, the vocab_size that 0 meant), so that its log and checkpoints do not lie
     cfg = dataclasses.replace(cfg, **arch.architecture(start.args))
@@ -246,6 +248,7 @@ def loop(run, stop_signals):
     start_iter = state.iter_num
     history = deque(maxlen=SPIKE_WINDOW)  # (loss, gradient norm) of the last applied steps
     t_last, skipped = time.perf_counter(), 0  # non-finite steps skipped in a row
+    profiled, profiler = profiling.window(cfg.profile_steps, cfg.max_iters), None
     while True:
         if state.iter_num % cfg.eval_interval == 0 or \
                 state.iter_num >= cfg.max_iters or cfg.eval_only:
@@ -256,7 +259,13 @@ def loop(run, stop_signals):
             break
         if state.iter_num == start_iter:
             signals.steps_begin()  # nothing to save before: a stop signal ended the run
+        if profiled and state.iter_num == max(profiled[0], start_iter) <= profiled[1]:
+            profiler = profiling.start(run.device, cfg.profile_memory)
         step = train_step(run, history, stop_signals)
+        if profiler and (state.iter_num == profiled[1] or step.stop):
+            profiling.write(profiler, cfg.out_dir, run.ranks.rank, profiled, run.device,
+                            cfg.profile_memory)
+            profiler = None
         t_now = time.perf_counter()
         dt, t_last = t_now - t_last, t_now
         report_step(run, step, dt, first=state.iter_num == start_iter)

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from ddpgpt import configurator
+from ddpgpt import configurator, profiling
 from ddpgpt.arch import ROPE_THETA_RANGE, Arch, check_bias
 from ddpgpt.configurator import check_only_for, key
 from ddpgpt.data import Sampling
@@ -78,6 +78,10 @@ class TrainConfig:
                                        "tensorboard_dir")
     tensorboard_dir: str = key("", "the folder of this run's TensorBoard event files, one run "
                                    "per folder as out_dir; '': out_dir")
+    profile_steps: str = key("", "iters to profile, e.g. 20-22 (or 20): each rank writes a "
+                                 "torch.profiler trace of them into out_dir/profile/; '': none")
+    profile_memory: bool = key(False, "with profile_steps on CUDA: a memory snapshot of those "
+                                      "iters too (torch.cuda.memory's history)")
     # data
     data_dir: str = key("data/openwebtext", "the folder prepare.py wrote")
     data_mix: str = key("", "sources and their shares of the samples, e.g. "
@@ -196,6 +200,7 @@ class TrainConfig:
         for name in ("reshard_after_forward", "reduce_every_micro_step"):
             check_only_for(self, name, "parallel", "fsdp")
         check_only_for(self, "tensorboard_dir", "tensorboard_log", True)
+        profiling.window(self.profile_steps, self.max_iters)
 
     def check_recipe(self):
         """The combinations of arch and optimizer that cannot work."""
