@@ -1,7 +1,6 @@
 """Benchmarks behind the project's claims. Each part writes <out_dir>/<part>.json (its numbers,
 the command, the machine) and <out_dir>/<part>.png, then docs/benchmarks.md is regenerated from
 every part's JSON. How to run it: docs/benchmarks.md; what each part measures: benchmarks/."""
-import argparse
 import datetime
 import json
 import os
@@ -9,51 +8,51 @@ import shlex
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from benchmarks import (common, datapath, documents, evaluating, fsdp, gpu, memplan, mixing,
                         muon, preparing, preparing_hf, recipe, recompute, report, training)
+from ddpgpt import configurator, errors
+from ddpgpt.configurator import key
 
 PARTS = {"data": datapath, "mix": mixing, "training": training, "prepare": preparing,
          "prepare_hf": preparing_hf, "eval": evaluating, "documents": documents, "fsdp": fsdp,
          "muon": muon, "recipe": recipe, "recompute": recompute, "memplan": memplan, "gpu": gpu}
 DOCS_DATA = os.path.join(common.ROOT, "docs", "bench")
-DOCS_REPORT = os.path.join(common.ROOT, "docs", "benchmarks.md")
+
+
+@dataclass
+class BenchConfig:
+    """Run the benchmarks and write docs/benchmarks.md."""
+    parts: str = key("", f"comma-separated, any of {', '.join(PARTS)}; '': all of them (gpu "
+                         f"only on a GPU or with small)")
+    small: bool = key(False, "tiny sizes that run in seconds (CI), into out-bench-small/; for "
+                             "gpu, a dry run of its every step on the CPU", was="dry-run")
+    out_dir: str = key("", "where the JSON and plots go; '': docs/bench, or out-bench-small/")
+    report: str = key("", "the page; '': <out_dir>/benchmarks.md, docs/bench's docs/benchmarks.md")
+    device: Literal["cpu", "cuda"] = key("cpu", "cuda: adds GPT-2 124M (bf16) to training, eval")
+    report_only: bool = key(False, "run nothing: rewrite the page from the JSON in out_dir")
+    POSITIONAL = ("parts",)
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Run the benchmarks and write docs/benchmarks.md.")
-    p.add_argument("parts", nargs="*", metavar="PART",
-                   help=f"any of {', '.join(PARTS)} (default: all)")
-    p.add_argument("--small", action="store_true",
-                   help="tiny sizes that run in seconds (CI); writes to out-bench-small/")
-    p.add_argument("--dry-run", action="store_true",
-                   help="the gpu part's every step on a tiny model on the CPU, to test its "
-                        "plumbing (CI); the same as --small")
-    p.add_argument("--out_dir", help="where the JSON and plots go (default: docs/bench, or "
-                                     "out-bench-small with --small)")
-    p.add_argument("--report", help="the markdown page (default: docs/benchmarks.md for "
-                                    "docs/bench, else <out_dir>/benchmarks.md)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="cuda adds GPT-2 124M in bf16 to the training part (with "
-                                        "torch.compile) and to the eval part")
-    p.add_argument("--report_only", action="store_true",
-                   help="run nothing: rewrite the page from the JSON already in out_dir")
-    args = p.parse_args(argv)
-    if unknown := [part for part in args.parts if part not in PARTS]:
-        p.error(f"unknown part(s) {', '.join(unknown)}: choose from {', '.join(PARTS)}")
-    args.small = args.small or args.dry_run
+    """The settings, with out_dir and report as they apply, and the parts to run."""
+    cfg = configurator.parse(BenchConfig, argv, "bench.py")
+    if unknown := [part for part in cfg.parts.split(",") if cfg.parts and part not in PARTS]:
+        raise errors.UserError(f"unknown part(s) {', '.join(unknown)}: choose from "
+                               f"{', '.join(PARTS)}")
     # with no GPU, "every part" leaves out the GPU's, whose results it could only replace with
     # "not run"; named, it records exactly that
-    every = [name for name in PARTS if name != "gpu" or args.small or torch.cuda.is_available()]
-    args.parts = [] if args.report_only else args.parts or every
-    args.out_dir = os.path.abspath(args.out_dir or (
-        os.path.join(common.ROOT, "out-bench-small") if args.small else DOCS_DATA))
-    default_report = DOCS_REPORT if args.out_dir == DOCS_DATA else \
-        os.path.join(args.out_dir, "benchmarks.md")
-    args.report = os.path.abspath(args.report or default_report)
-    return args
+    every = [name for name in PARTS if name != "gpu" or cfg.small or torch.cuda.is_available()]
+    parts = [] if cfg.report_only else cfg.parts.split(",") if cfg.parts else every
+    cfg.out_dir = os.path.abspath(cfg.out_dir or (
+        os.path.join(common.ROOT, "out-bench-small") if cfg.small else DOCS_DATA))
+    cfg.report = os.path.abspath(cfg.report or os.path.join(
+        os.path.dirname(cfg.out_dir) if cfg.out_dir == DOCS_DATA else cfg.out_dir, "benchmarks.md"))
+    return cfg, parts
 
 
 def run_part(name, args, command):
@@ -63,7 +62,8 @@ def run_part(name, args, command):
         numbers = PARTS[name].run(args.small, args.device, workdir)
         if runs := numbers.pop("curves", []):  # out_dirs of train.py runs, drawn by plot.py
             common.check(common.run_watched(
-                [sys.executable, "plot.py", *runs, f"--out={curves_png(args.out_dir, name)}",
+                [sys.executable, "plot.py", f"--out_dir={','.join(runs)}",
+                 f"--to={curves_png(args.out_dir, name)}",
                  f"--title={PARTS[name].TITLE}: the runs' curves (plot.py)"],
                 common.child_env(), 600), "plot.py")
     # a command that names the part's temporary folder shows it as <workdir>: the page and the
@@ -105,21 +105,19 @@ def write_report(out_dir, report_path):
 
 
 def main(argv):
-    args = parse_args(argv)
-    if args.small:
-        common.POLL_S = common.SMALL_POLL_S
+    args, parts = parse_args(argv)
+    common.POLL_S = common.SMALL_POLL_S if args.small else common.POLL_S
     os.makedirs(args.out_dir, exist_ok=True)
     os.makedirs(os.path.dirname(args.report), exist_ok=True)
     command = shlex.join(["python", "bench.py", *argv])
-    for name in args.parts:
+    for name in parts:
         print(f"bench: {name}", file=sys.stderr)
         run_part(name, args, command)
         write_report(args.out_dir, args.report)  # after each part: a later failure keeps it
-    if args.report_only:
-        write_report(args.out_dir, args.report)
+    write_report(args.out_dir, args.report)  # report_only's
     print(f"bench: wrote {args.out_dir} and {args.report}", file=sys.stderr)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(errors.run(main, "bench.py", sys.argv[1:]))

@@ -1,7 +1,7 @@
 """Compare two runs step by step: did they read the same global batches (and get the same losses)?
 
-  python compare_runs.py out-a out-b            # batch fingerprints
-  python compare_runs.py out-a out-b --losses   # and losses, exactly
+  python compare_runs.py --out_dir=out-a,out-b            # batch fingerprints
+  python compare_runs.py --out_dir=out-a,out-b --losses   # and losses, exactly
 
 Reads each out_dir's metrics.jsonl, where train.py writes one row per step with `batch_fp`, a
 hash of the samples of that step's global batch. A run's rows are those of its last fresh start
@@ -9,12 +9,12 @@ hash of the samples of that step's global batch. A run's rows are those of its l
 said so); where a resumed run took steps again, its rows count (ddpgpt/metrics.py, read).
 Exits 0 when every step both runs logged agrees, else 1, naming the first step that differs.
 """
-import argparse
 import math
 import sys
 
-from ddpgpt import errors, metrics
+from ddpgpt import configurator, errors, metrics
 from ddpgpt.errors import UserError
+from ddpgpt.settings import CompareConfig
 
 
 def steps(out_dir):
@@ -32,16 +32,14 @@ def same(a, b):
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_a", help="a run's out_dir (its metrics.jsonl)")
-    parser.add_argument("run_b", help="the other run's")
-    parser.add_argument("--losses", action="store_true", help="also compare losses exactly")
-    args = parser.parse_args(argv)
-    a, b = steps(args.run_a), steps(args.run_b)
-    keys = ["batch_fp", "loss"] if args.losses else ["batch_fp"]
+    cfg = configurator.parse(CompareConfig, argv, "compare_runs.py")
+    if len(runs := cfg.out_dir.split(",")) != 2:
+        raise UserError(f"out_dir={cfg.out_dir!r}: give the two runs to compare: --out_dir=a,b")
+    a, b = map(steps, runs)
+    keys = ["batch_fp", "loss"] if cfg.losses else ["batch_fp"]
     common = sorted(set(a) & set(b))
     if not common:
-        raise UserError(f"{args.run_a} and {args.run_b} have no logged step in common: give the "
+        raise UserError(f"{' and '.join(runs)} have no logged step in common: give the "
                         f"out_dirs of two runs that logged the same iters")
     for i in common:
         for key in keys:

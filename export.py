@@ -1,26 +1,17 @@
 """Export a checkpoint as a Hugging Face GPT-2 folder (a Qwen3 folder for arch='modern'), or a
-checkpoint folder as one file:
+checkpoint folder as one file (keys: ExportConfig in ddpgpt/settings.py, `export.py --help`):
 
-  python export.py out-finetune-gpt2 gpt2-finetuned      # the out_dir's newest loadable checkpoint
-  python export.py out/ckpt_0000040.pt gpt2-finetuned    # one checkpoint file (nanoGPT's too)
-  python export.py out-fsdp/ckpt_0000040 ckpt_0000040.pt # a folder (parallel=fsdp) as one file
+  python export.py --out_dir=out-finetune-gpt2 --to=gpt2-finetuned   # its newest checkpoint
+  python export.py --out_dir=out/ckpt_0000040.pt --to=gpt2-finetuned # a file (nanoGPT's too)
+  python export.py --out_dir=out-fsdp/ckpt_0000040 --to=ckpt_0000040.pt  # a folder as one file
 
-transformers loads DEST (AutoModelForCausalLM.from_pretrained(DEST): GPT2LMHeadModel, or
-Qwen3ForCausalLM for the modern block, no remote code), and
-it computes the same function as the checkpoint (float32 logits within 1e-4). It holds
-config.json, generation_config.json, model.safetensors, a README.md that says what was exported
-and the tokenizer files, with which AutoTokenizer encodes and decodes as ddpgpt does: GPT-2's
-(converted from tiktoken's), the byte tokenizer's, nanoGPT's characters' and a Hugging Face
-tokenizer's own (hf.py, save_tokenizer); other tiktoken encodings get none. Only the
-tokenizer's ids are exported: train.py pads the vocabulary for speed, and the padding rows
-belong to no token. DEST must not exist; it is written under a temporary name and renamed when
-complete.
-
-A DEST that ends in .pt is written as one checkpoint file instead, with everything the source
-holds (the optimizer's state, the data position, ...), as parallel=ddp writes them: it resumes
-under ddp or fsdp, and nanoGPT's scripts read its weights.
+The folder computes the same function as the checkpoint (float32 logits within 1e-4), without
+the rows that train.py pads the vocabulary with, and holds the tokenizer files with which
+AutoTokenizer encodes as ddpgpt does (docs/evaluation.md says what is written for each
+tokenizer). A --to that ends in .pt is one checkpoint file with everything the source holds, as
+parallel=ddp writes them, which resumes under ddp or fsdp and which nanoGPT's scripts read.
+--to must not exist: it is written under a temporary name and renamed when complete.
 """
-import argparse
 import json
 import os
 import shutil
@@ -28,8 +19,9 @@ import sys
 
 import torch
 
-from ddpgpt import checkpoint, errors, fileio, hf, logs, weights
+from ddpgpt import checkpoint, configurator, errors, fileio, hf, logs, weights
 from ddpgpt.errors import UserError
+from ddpgpt.settings import ExportConfig
 from ddpgpt.tokenizer import GPT2_NAMES, data_meta, tokenizer_of
 
 LM_EVAL = ("lm_eval --model hf --model_args pretrained={} --tasks hellaswag --device cuda:0 "
@@ -105,7 +97,7 @@ def readme(state, path, tok, dest):
 
 
 def write(dest, state, path, tok):
-    """DEST, complete or not at all."""
+    """dest, complete or not at all."""
     tmp = fileio.tmp_path(dest)
     fileio.remove_stale_temporaries(os.path.dirname(os.path.abspath(dest)),
                                     of=os.path.basename(dest))  # a killed export's
@@ -118,43 +110,38 @@ def write(dest, state, path, tok):
     except OSError as e:
         if os.path.lexists(dest):  # it was not there when this export began
             raise UserError(f"{dest} was made by another process while this export wrote it "
-                            f"(a second export.py into the same DEST?), and export.py never "
+                            f"(a second export.py into the same --to?), and export.py never "
                             f"writes over a folder: this export's copy was removed, and {dest} "
                             f"is the other's. Remove it and run again, or give another "
-                            f"DEST.") from e
+                            f"--to.") from e
         raise UserError(f"could not write {dest} ({fileio.disk_full(e, dest) or e}); nothing is "
-                        f"left there: free space or give another DEST.") from e
+                        f"left there: free space or give another --to.") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_file(dest, state):
-    """DEST, a checkpoint file, complete or not at all."""
+    """dest, a checkpoint file, complete or not at all."""
     try:
         with fileio.publishing(dest) as tmp:
             torch.save(state, tmp)
     except (OSError, RuntimeError) as e:  # torch.save reports a short write as RuntimeError
         raise UserError(f"could not write {dest} ({e}); nothing is left there: free space or "
-                        f"give another DEST.") from e
+                        f"give another --to.") from e
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("source", metavar="OUT_DIR",
-                        help="a run's out_dir (its newest checkpoint), or a checkpoint file or "
-                             "folder")
-    parser.add_argument("dest", metavar="DEST", help="the folder to write, or a file ending in "
-                                                     ".pt; it must not exist")
-    cli = parser.parse_args(argv)
+    cfg = configurator.parse(ExportConfig, argv, "export.py")
+    if not cfg.to:
+        raise UserError("give --to, the folder (or .pt file) to write, one that does not exist")
     logs.setup()  # the package's lines (a damaged checkpoint skipped), to stdout
-    dest = cli.dest.rstrip("/") or cli.dest
+    dest = cfg.to.rstrip("/") or cfg.to
     if os.path.lexists(dest):
         raise UserError(f"{dest} exists: export.py writes a new folder and never over an "
-                        f"existing one. Remove it, or give another DEST.")
+                        f"existing one. Remove it, or give another --to.")
     one_file = dest.endswith(".pt")
     state, path = weights.checkpoint_at(
-        cli.source, "give the out_dir of a run, or one checkpoint (a file or a folder).",
+        cfg.out_dir, "give the out_dir of a run, or one checkpoint (a file or a folder).",
         whole=checkpoint.TENSORS if one_file else ("model",))
     if one_file:
         write_file(dest, state)

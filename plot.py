@@ -1,24 +1,24 @@
 """Draw runs' curves from their metrics.jsonl into a PNG: the loss, the val loss, the learning
 rate and tokens per second, against the iter.
 
-  python plot.py out-quickstart                    # -> out-quickstart/curves.png
-  python plot.py out-a out-b --out=a_vs_b.png      # several runs, a colour each
+  python plot.py --out_dir=out-quickstart                  # -> out-quickstart/curves.png
+  python plot.py --out_dir=out-a,out-b --to=a_vs_b.png     # several runs, a colour each
 
 Each run's rows are those of the run as it stands (ddpgpt/metrics.py, read: from its last fresh
 start, a resumed run's rows in place of those it took again); a dotted line marks each
 resumption. The step loss and tokens/s are drawn faintly as logged and, over them, as a moving
-average of --smooth steps (by default a fiftieth of the run); the evaluations' train loss is a
+average of smooth steps (by default a fiftieth of the run); the evaluations' train loss is a
 dashed line with the step loss. The figure is written whole or not at all.
 """
-import argparse
 import math
 import os
 import sys
 
 import numpy as np
 
-from ddpgpt import errors, fileio, metrics
+from ddpgpt import configurator, errors, fileio, metrics
 from ddpgpt.errors import UserError
+from ddpgpt.settings import PlotConfig
 
 
 def moving_average(values, window):
@@ -65,10 +65,9 @@ def draw(runs, smooth, title):
             x, y = series[key]
             if not x:
                 continue
-            window = smooth or max(1, len(x) // 50)
             panels[key].plot(x, y, color=color, alpha=0.25, linewidth=0.8)
-            panels[key].plot(x, moving_average(y, window), color=color, linewidth=1.5,
-                             label=label if key == "loss" else None)
+            panels[key].plot(x, moving_average(y, smooth or max(1, len(x) // 50)), color=color,
+                             linewidth=1.5, label=label if key == "loss" else None)
         x, y = series["train_loss"]
         panels["loss"].plot(x, y, color=color, linestyle="--", marker=".", linewidth=1)
         x, y = series["val_loss"]
@@ -108,36 +107,25 @@ def zoom_past_first(ax, val_losses):
     top = high + 0.15 * span
     ax.set_ylim(low - 0.1 * span, top)
     off = [values[0] for values in val_losses if values and values[0] > top]
-    if not off:
-        return ""
-    return f" (the first evaluation, {off[0]:.4f}, is off the top)" if len(off) == 1 and \
-        len(val_losses) == 1 else " (the first evaluations are off the top)"
+    if len(off) == 1 and len(val_losses) == 1:
+        return f" (the first evaluation, {off[0]:.4f}, is off the top)"
+    return " (the first evaluations are off the top)" if off else ""
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", metavar="OUT_DIR",
-                        help="a run's out_dir (its metrics.jsonl); several for one figure")
-    parser.add_argument("--out", help="the PNG to write (default: OUT_DIR/curves.png for one "
-                                      "run, curves.png for several)")
-    parser.add_argument("--smooth", type=int, default=0,
-                        help="steps in the moving average (default 0: a fiftieth of the run)")
-    parser.add_argument("--title", default="", help="a title above the panels")
-    args = parser.parse_args(argv)
-    if args.smooth < 0:
-        raise UserError(f"--smooth={args.smooth} must be at least 0 (0: a fiftieth of the run)")
-    labels = [os.path.basename(os.path.normpath(r)) or r for r in args.runs]
+    cfg = configurator.parse(PlotConfig, argv, "plot.py")
+    out_dirs = cfg.out_dir.split(",")
+    labels = [os.path.basename(os.path.normpath(r)) or r for r in out_dirs]
     if len(set(labels)) < len(labels):  # out/a and other/a: the paths tell them apart
-        labels = args.runs
-    runs = {label: curves(r) for label, r in zip(labels, args.runs)}
-    out = args.out or (os.path.join(args.runs[0], "curves.png") if len(args.runs) == 1
-                       else "curves.png")
-    fig = draw(runs, args.smooth, args.title)
+        labels = out_dirs
+    runs = {label: curves(r) for label, r in zip(labels, out_dirs)}
+    out = cfg.to or os.path.join(out_dirs[0] if len(out_dirs) == 1 else "", "curves.png")
+    fig = draw(runs, cfg.smooth, cfg.title)
     try:
         with fileio.publishing(out) as tmp:
             fig.savefig(tmp, format="png", dpi=100)
     except OSError as e:
-        raise UserError(f"could not write {out} ({e.strerror or e}): give --out a path in a "
+        raise UserError(f"could not write {out} ({e.strerror or e}): give --to a path in a "
                         f"folder you can write to") from e
     print(f"plot.py: wrote {out} ({', '.join(labels)})")
     return 0

@@ -194,8 +194,9 @@ def make_run(s, found):
     micro_steps = cfg.micro_steps(ranks.world_size)
     log.info(f"world size {ranks.world_size}, device {device}, dtype {precision.dtype}, "
              f"{model.get_num_params() / 1e6:.2f}M parameters, global batch {cfg.global_batch} x "
-             f"{cfg.block_size} tokens ({micro_steps} micro-step{'s' * (micro_steps != 1)} of "
-             f"{cfg.batch_size} per rank)")
+             f"{cfg.block_size} tokens (gradient_accumulation_steps="
+             f"{cfg.gradient_accumulation_steps} / world size {ranks.world_size} = {micro_steps} "
+             f"micro-step{'s' * (micro_steps != 1)} of {cfg.batch_size} per rank)")
     schedule.note_an_unfinished_decay(cfg)
     sources.log_train(found.splits["train"], cfg.max_iters * cfg.global_batch)
     batches = loader.rank_batches(

@@ -15,9 +15,9 @@ optimizer=muon) on GPT-2 124M's model and batch, whose step must stay within 10%
 with AdamW, and under fsdp on two ranks with selective recomputation, the loss in chunks and
 fsdp's two non-default keys.
 
-A dry run (`--dry-run`, as `--small`) does every step on a tiny model on the CPU, in float32
+A dry run (`--small`) does every step on a tiny model on the CPU, in float32
 without compile (TORCH_LOGS still set and read), so that CI tests the plumbing. Without a GPU
-and without --dry-run every check is recorded as not run."""
+and without --small every check is recorded as not run."""
 import json
 import math
 import os

@@ -5,7 +5,7 @@
 #       --out_dir=data/pystdlib-gpt2
 #   python train.py config/finetune_gpt2.py
 #   python sample.py --out_dir=out-finetune-gpt2 --start="def "
-#   python export.py out-finetune-gpt2 gpt2-pystdlib
+#   python export.py --out_dir=out-finetune-gpt2 --to=gpt2-pystdlib
 # The first run downloads the weights into Hugging Face's cache (about 500 MB); with no network
 # see "Fine-tuning GPT-2" in docs/evaluation.md. On 8 GPUs: torchrun --standalone --nproc_per_node=8
 # train.py config/finetune_gpt2.py (gradient_accumulation_steps is global).

@@ -3,7 +3,7 @@
 # the same FLOPs per token as GPT-2 124M) and Muon for its matrices, AdamW for the rest.
 #   python prepare.py
 #   torchrun --standalone --nproc_per_node=8 train.py config/owt_modern.py
-#   python export.py out-owt-modern owt-qwen3   # a Hugging Face Qwen3 folder
+#   python export.py --out_dir=out-owt-modern --to=owt-qwen3   # a Hugging Face Qwen3 folder
 # Not measured at this size here (no GPU was lent): the keys below are nanochat's and
 # modded-nanogpt's published choices for Muon at this width (learning rate 0.02, momentum
 # 0.95, no warm-up needed by Muon, a long cooldown), config/owt.py's for the rest; the

@@ -5,7 +5,7 @@
 #   python prepare.py --dataset=pystdlib --tokenizer=byte --val_fraction=0.02
 #   torchrun --standalone --nproc_per_node=2 train.py config/quickstart_modern.py
 #   python sample.py --out_dir=out-quickstart-modern --start="def "
-#   python export.py out-quickstart-modern quickstart-qwen3   # a Hugging Face Qwen3 folder
+#   python export.py --out_dir=out-quickstart-modern --to=quickstart-qwen3   # a Qwen3 folder
 data_dir = "data/pystdlib"
 out_dir = "out-quickstart-modern"
 

@@ -24,14 +24,13 @@ import typing
 from ddpgpt import errors
 from ddpgpt.errors import SettingsError, UserError
 
-HELP = ("-h", "--help")
 
-
-def key(default, help, *, at_least=None, above=None, below=None, at_most=None, factory=None):
+def key(default, help, *, at_least=None, above=None, below=None, at_most=None, factory=None,
+        was=None):
     """A settings field: its default (or a factory for one that depends on the machine), its
-    one line of help, and the range a number must lie in."""
+    one line of help, the range a number must lie in, and the name it had before, if any."""
     bounds = {"at_least": at_least, "above": above, "below": below, "at_most": at_most}
-    metadata = {"help": help, **{k: v for k, v in bounds.items() if v is not None}}
+    metadata = {"help": help, "was": was, **{k: v for k, v in bounds.items() if v is not None}}
     given = {"default_factory": factory} if factory is not None else {"default": default}
     return dataclasses.field(**given, metadata=metadata)
 
@@ -98,7 +97,8 @@ def check_only_for(cfg, name, key, wanted):
 
 def check_key(key, fields, where, script):
     if key not in fields:
-        close = difflib.get_close_matches(key, fields, n=3, cutoff=0.6)
+        close = [f"{n} (its new name)" for n, f in fields.items() if f.metadata.get("was") == key] \
+            or difflib.get_close_matches(key, fields, n=3, cutoff=0.6)
         hint = f"did you mean {' or '.join(close)}? " if close else ""
         raise UserError(f"{where}: unknown key {key!r}; {hint}`python {script} --help` lists "
                         f"the keys.")
@@ -108,11 +108,10 @@ def read_config_file(path):
     if not os.path.isfile(path):
         raise UserError(f"config file {path} does not exist (config files are paths such "
                         f"as config/quickstart.py; settings are given as --key=value)")
-    with open(path) as f:
-        source = f.read()
     scope = {}
     try:
-        exec(compile(source, path, "exec"), scope)
+        with open(path) as f:
+            exec(compile(f.read(), path, "exec"), scope)
     except SyntaxError as e:
         raise UserError(f"config file {path} does not parse: line {e.lineno}: {e.msg}") from e
     except Exception as e:
@@ -123,8 +122,7 @@ def read_config_file(path):
 
 
 def parse_value(raw, typ):
-    if choices(typ):  # the type of its choices
-        typ = type(choices(typ)[0])
+    typ = type(choices(typ)[0]) if choices(typ) else typ  # a Literal's: its choices' type
     try:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
@@ -136,13 +134,17 @@ def parse_value(raw, typ):
     return value
 
 
-def arguments(argv, hints):
+def arguments(argv, hints, positional=()):
     """(key, raw value or None, where) of each --key=value, --key value or --flag, and
-    (None, path, where) of each config file, in order."""
-    i = 0
+    (None, path, where) of each config file, in order; then the others (not .py) as positional's
+    keys, one each (more are config files), or all as a lone key's, comma-separated."""
+    i, bare = 0, []
     while i < len(argv):
         arg = argv[i]
-        if not arg.startswith("--"):
+        if not arg.startswith("--") and not arg.endswith(".py") and \
+                (len(bare) < len(positional) or len(positional) == 1):
+            bare.append(arg)
+        elif not arg.startswith("--"):
             yield None, arg, f"config file {arg}"
         else:
             key, sep, raw = arg[2:].partition("=")
@@ -153,6 +155,8 @@ def arguments(argv, hints):
                 raw = "True" if hints.get(key) is bool else None
             yield key, raw, f"argument {arg}"
         i += 1
+    values = [",".join(bare)] if len(positional) == 1 and bare else bare
+    yield from ((k, raw, f"argument {raw}") for k, raw in zip(positional, values))
 
 
 def parse_given(config_cls, argv, script):
@@ -161,7 +165,7 @@ def parse_given(config_cls, argv, script):
     must tell a key the user chose from a default, and one of two keys that replace each other
     (data_dir, data_mix) the later. -h or --help prints the keys and exits, as argparse does.
     A problem is a SettingsError: every rank reads the same arguments and files."""
-    if any(arg in HELP for arg in argv):
+    if any(arg in ("-h", "--help") for arg in argv):
         print(help_text(config_cls, script))
         raise SystemExit(0)
     try:
@@ -174,7 +178,7 @@ def read_settings(config_cls, argv, script):
     hints = typing.get_type_hints(config_cls)
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
     values, given = {}, {}
-    for key, raw, where in arguments(argv, hints):
+    for key, raw, where in arguments(argv, hints, getattr(config_cls, "POSITIONAL", ())):
         pairs = read_config_file(raw).items() if key is None else [(key, raw)]
         for name, value in pairs:
             check_key(name, fields, where, script)
@@ -200,9 +204,8 @@ def end_now_if_unreadable(config_cls, argv, script):
     """Read the settings before the script's slow imports (torch's takes seconds): a mistyped
     key or a bad value ends the process in a moment, reported as errors.run reports it in
     main(), and --help prints at once. main() reads them again, after the imports."""
-    def read(argv):
+    def read(argv):  # None: exit status 0
         parse_given(config_cls, argv, script)
-        return 0
 
     if status := errors.run(read, script, argv):
         raise SystemExit(status)
@@ -217,15 +220,14 @@ def describe(cfg):
 
 def help_text(config_cls, script):
     """--help: the script's usage, then each key with its type, range, default and help."""
-    hints = typing.get_type_hints(config_cls)
-    lines = [f"usage: python {script} [config files] [--key=value ...]", "",
+    hints, positional = typing.get_type_hints(config_cls), getattr(config_cls, "POSITIONAL", ())
+    bare = "".join(f" [{k}{' ...' * (len(positional) == 1)}]" for k in positional)
+    lines = [f"usage: python {script} [config files] [--key=value ...]{bare}", "",
              inspect.cleandoc(config_cls.__doc__ or ""), "",
              "Config files (python that assigns keys) and --key=value apply in order. Keys:"]
     for f in dataclasses.fields(config_cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        kind = type_name(hints[f.name])
-        if bounds_text(f.metadata):
-            kind += f", {bounds_text(f.metadata)}"
+        kind = ", ".join(filter(None, [type_name(hints[f.name]), bounds_text(f.metadata)]))
         lines.append(f"  --{f.name}={default!r}  ({kind})")
         lines.append(textwrap.fill(f.metadata.get("help", ""), width=99,
                                    initial_indent=" " * 6, subsequent_indent=" " * 6))

@@ -358,3 +358,29 @@ class IndexConfig:
     eot_token: int = key(-1, "the id that ends each document, for files without meta.json "
                              f"(nanoGPT's, llm.c's); -1: GPT-2's {GPT2_EOT}. Where meta.json gives "
                              "one, that one (another is refused)", at_least=-1)
+
+
+@dataclass
+class ExportConfig:
+    """Export a checkpoint as a Hugging Face GPT-2 folder (Qwen3 for arch='modern') or one file."""
+    out_dir: str = key("out", "a run's out_dir (its newest checkpoint), or one checkpoint")
+    to: str = key("", "the folder to write, or a file ending in .pt; it must not exist")
+    POSITIONAL = ("out_dir", "to")
+
+
+@dataclass
+class PlotConfig:
+    """Draw runs' curves from their metrics.jsonl into a PNG: loss, val loss, lr and tokens/s."""
+    out_dir: str = key("out", "a run's out_dir; several, comma-separated, for one figure")
+    to: str = key("", "the PNG; '': out_dir/curves.png for one run, else curves.png", was="out")
+    smooth: int = key(0, "steps in the moving average; 0: a fiftieth of the run", at_least=0)
+    title: str = key("", "a title above the panels")
+    POSITIONAL = ("out_dir",)
+
+
+@dataclass
+class CompareConfig:
+    """Compare two runs step by step: did they read the same global batches (and losses)?"""
+    out_dir: str = key("", "the two runs' out_dirs, comma-separated")
+    losses: bool = key(False, "also compare the losses, exactly")
+    POSITIONAL = ("out_dir",)

@@ -1,5 +1,5 @@
 """bench.py's gpu part (tests/test_bench.py: what every part's run must show): its dry run,
-every step on the CPU; without a GPU and without --dry-run, every check recorded as not run; the
+every step on the CPU; without a GPU and without --small, every check recorded as not run; the
 counting of torch.compile's recompiles and graph breaks in TORCH_LOGS's own lines. And the eval
 part in its small mode."""
 import json
@@ -20,7 +20,7 @@ def test_gpu_dry_run(env, tmp_path):
     committed = os.path.join(DOCS, "bench", "gpu.json")
     with open(committed, "rb") as f:
         before = f.read()
-    result, page = bench_part("gpu", env, tmp_path, flag="--dry-run")
+    result, page = bench_part("gpu", env, tmp_path)
     with open(committed, "rb") as f:
         assert f.read() == before
     assert result["settings"]["mode"] == "dry run"

@@ -56,5 +56,5 @@ def test_sample_eval_and_export_read_it(old_run, env, tmp_path):
                "--eval_iters=2", "--batch_size=4", env=env)
     result = json.loads(p.stdout.splitlines()[-1])
     assert result["val_loss"] == pytest.approx(expected["eval_4"]["val_loss"], rel=LOSS_RTOL)
-    python("export.py", out, tmp_path / "exported", env=env)
+    python("export.py", f"--out_dir={out}", f"--to={tmp_path / 'exported'}", env=env)
     assert (tmp_path / "exported" / "model.safetensors").is_file()

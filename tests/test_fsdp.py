@@ -89,7 +89,8 @@ def test_fsdp_resumes_bit_for_bit_after_a_rank_is_killed(runs, corpus, tmp_path,
         env, lambda: checkpoint.list_checkpoints(killed) and
         any(r.get("iter", -1) >= 11 for r in rows_so_far(killed)), tmp_path / "log")
     assert f"resuming from {checkpoint.path_for(killed, 10, folder=True)} (iter 10)" in out
-    same = python("compare_runs.py", runs["fsdp"], killed, "--losses", env=env, check=False)
+    same = python("compare_runs.py", f"--out_dir={runs['fsdp']},{killed}", "--losses", env=env,
+                  check=False)
     assert same.returncode == 0 and "over 20 steps" in same.stdout, same.stdout
 
 
@@ -239,13 +240,14 @@ def test_export_eval_and_sample_read_a_checkpoint_folder(runs, corpus, tmp_path,
                  "--hellaswag=False", "--eval_iters=4", "--batch_size=4", env=env)
     result = json.loads(p.stdout.splitlines()[-1])
     assert result["val_loss"] == pytest.approx(evals(runs["fsdp"])[-1]["val_loss"], rel=1e-6)
-    python("export.py", runs["fsdp"], tmp_path / "hf", env=env)
+    python("export.py", f"--out_dir={runs['fsdp']}", f"--to={tmp_path / 'hf'}", env=env)
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     # one command makes the folder one file: the same values, and it resumes under ddp (on
     # one process: what the file holds is the point here; ddp on 2 ranks resuming a folder is
     # test_ddp_and_fsdp_resume_each_others_checkpoints)
     one_file = tmp_path / "ckpt_0000010.pt"
-    python("export.py", checkpoint.path_for(runs["fsdp"], 10, folder=True), one_file, env=env)
+    python("export.py", f"--out_dir={checkpoint.path_for(runs['fsdp'], 10, folder=True)}",
+           f"--to={one_file}", env=env)
     assert same_state(loaded(str(one_file)),
                       loaded(checkpoint.path_for(runs["fsdp"], 10, folder=True)))
     out = resumed(str(one_file), tmp_path / "out", env, corpus, 1)

@@ -1,7 +1,8 @@
 """Every script answers --help (and -h) as a newcomer types it: its keys, each with its type,
 range, default and one line of help, in the order of the settings class that parses them, so
-there is no second list to keep in step; export.py and compare_runs.py, which take positional
-arguments, answer argparse's usage. A mistyped key points at --help."""
+there is no second list to keep in step. A mistyped key points at --help, a renamed one at its
+new name; the bare arguments that export.py, plot.py, compare_runs.py and bench.py took before
+they took --key=value stand for the keys they were."""
 import dataclasses
 import os
 import sys
@@ -10,12 +11,15 @@ import typing
 
 import pytest
 
+import bench
 from ddpgpt import configurator, settings
 from conftest import ROOT, fails, python, run
 
 SCRIPTS = {"train.py": settings.TrainConfig, "sample.py": settings.SampleConfig,
            "eval.py": settings.EvalConfig, "prepare.py": settings.PrepareConfig,
-           "index_documents.py": settings.IndexConfig}
+           "index_documents.py": settings.IndexConfig, "export.py": settings.ExportConfig,
+           "plot.py": settings.PlotConfig, "compare_runs.py": settings.CompareConfig,
+           "bench.py": bench.BenchConfig}
 
 
 def expected_entries(config_cls):
@@ -42,7 +46,7 @@ def train_help(session_env):
 def test_help_lists_every_key_with_its_type_default_and_help(script, env, request):
     out = request.getfixturevalue("train_help") if script == "train.py" else \
         python(script, "--help", env=env).stdout
-    assert out.startswith(f"usage: python {script} [config files] [--key=value ...]\n")
+    assert out.startswith(f"usage: python {script} [config files] [--key=value ...]")
     assert textwrap.dedent(SCRIPTS[script].__doc__).strip().splitlines()[0] in out
     where = 0
     for line, help_words in expected_entries(SCRIPTS[script]):
@@ -69,20 +73,42 @@ def test_the_lightning_example_answers_help(env):
         assert line in out, out
 
 
-@pytest.mark.parametrize("script, words", [
-    ("export.py", ["usage: export.py [-h] OUT_DIR DEST", "a run's out_dir (its newest "
-                   "checkpoint), or a checkpoint file or", "the folder to write, or a file "
-                   "ending in .pt; it must not exist",
-                   # what follows the description's colon (was: nothing)
-                   "  python export.py out/ckpt_0000040.pt gpt2-finetuned"]),
-    ("compare_runs.py", ["usage: compare_runs.py [-h] [--losses] run_a run_b",
-                         "a run's out_dir (its metrics.jsonl)", "also compare losses exactly"]),
-    ("plot.py", ["usage: plot.py [-h]", "a run's out_dir (its metrics.jsonl); several for one "
-                 "figure"]),
+@pytest.mark.parametrize("script, old, new", [
+    ("plot.py", "--out=ab.png", "to"),  # the PNG it writes
+    ("bench.py", "--dry-run", "small"),  # the gpu part's dry run is its small mode
 ])
-def test_scripts_with_positional_arguments_answer_argparses_help(script, words, env):
-    out = python(script, "--help", env=env).stdout
-    assert all(w in out for w in words), out
+def test_a_renamed_key_names_its_new_name(script, old, new, env):
+    message = fails(script, old, env=env).stderr.strip().splitlines()[-1]
+    assert message == (f"{script}: error: argument {old}: unknown key '{old[2:].split('=')[0]}'; "
+                       f"did you mean {new} (its new name)? `python {script} --help` lists the "
+                       f"keys."), message
+
+
+def test_bare_arguments_stand_for_the_keys_they_were(env, tmp_path):
+    """compare_runs.py A B is --out_dir=A,B, as its usage says (so are plot.py's run folders,
+    and bench.py's parts: test_bench.py); export.py OUT_DIR TO is --out_dir=OUT_DIR --to=TO,
+    and a third is no key's: a config file."""
+    usage = python("compare_runs.py", "--help", env=env).stdout.splitlines()[0]
+    assert usage == "usage: python compare_runs.py [config files] [--key=value ...] [out_dir ...]"
+    a, b = tmp_path / "a", tmp_path / "b"
+    bare, keyed = (fails("compare_runs.py", *args, env=env).stderr
+                   for args in ([a, b], [f"--out_dir={a},{b}"]))
+    assert bare == keyed == (f"compare_runs.py: error: cannot read {a}/metrics.jsonl (No such file "
+                             f"or directory): give the out_dir of a train.py run\n"), bare
+    message = fails("export.py", a, b, tmp_path / "c", env=env).stderr.strip()
+    assert message == (f"export.py: error: config file {tmp_path / 'c'} does not exist (config "
+                       f"files are paths such as config/quickstart.py; settings are given as "
+                       f"--key=value)"), message
+
+
+@pytest.mark.parametrize("script, args, said", [
+    ("export.py", ["--out_dir=out"], "export.py: error: give --to, the folder (or .pt file) to "
+     "write, one that does not exist"),
+    ("compare_runs.py", ["--out_dir=out-a"], "compare_runs.py: error: out_dir='out-a': give the "
+     "two runs to compare: --out_dir=a,b"),
+])
+def test_what_a_script_must_be_given(script, args, said, env):
+    assert fails(script, *args, env=env).stderr.strip() == said
 
 
 @pytest.mark.parametrize("script, typo, key", [

@@ -122,7 +122,7 @@ def test_fine_tune_export_and_reload_in_transformers(hf_folder, gpt2_data, tmp_p
     p = python("train.py", *args, "--max_iters=6", env=env)
     assert "resuming from" in p.stdout and "(iter 4)" in p.stdout
     assert sorted(steps(out)) == [0, 1, 2, 3, 4, 5]
-    python("export.py", out, dest, env=env)
+    python("export.py", f"--out_dir={out}", f"--to={dest}", env=env)
     state, _ = checkpoint.load_latest(str(out))
     assert state["iter_num"] == 6 and state["model_args"]["gelu_approximate"] == "tanh"
     theirs = GPT2LMHeadModel.from_pretrained(dest).eval()
@@ -176,7 +176,7 @@ def test_a_nanogpt_checkpoint_samples_resumes_and_exports(gpt2_data, tmp_path, e
     p = python("train.py", "--init_from=resume", f"--data_dir={gpt2_data}", f"--out_dir={out}",
                *RUN, "--max_iters=4", "--eval_interval=2", env=env)
     assert f"resuming from {out / 'ckpt.pt'} (iter 2)" in p.stdout and sorted(steps(out)) == [2, 3]
-    python("export.py", out / "ckpt.pt", dest, env=env)
+    python("export.py", f"--out_dir={out / 'ckpt.pt'}", f"--to={dest}", env=env)
     theirs = GPT2LMHeadModel.from_pretrained(dest).eval()
     assert theirs.config.vocab_size == 50257 and theirs.config.activation_function == "gelu"
     assert max_logit_difference(model, theirs, random_ids(32)) < 1e-4
@@ -202,15 +202,16 @@ def copy_of(byte_run, out):
 
 @pytest.fixture(scope="module")
 def byte_exports(byte_run, tmp_path_factory, session_env):
-    """Two export.py of a copy of byte_run started at once into one DEST, beside a folder of the
+    """Two export.py of a copy of byte_run started at once into one --to, beside a folder of the
     user's named like export's temporary one: (that folder's parent, [(returncode, stdout,
-    stderr) of each]). Run once: the winner's DEST is the export whose contents a test reads,
+    stderr) of each]). Run once: the winner's --to is the export whose contents a test reads,
     the two ends what the test of the race reads."""
     root = tmp_path_factory.mktemp("byte_exports")
     out, dest = copy_of(byte_run, root / "out"), root / "exported"
     (root / "exported.tmp").mkdir()
     (root / "exported.tmp" / "notes.txt").write_text("mine")
-    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "export.py"), out, dest],
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "export.py"), f"--out_dir={out}",
+                               f"--to={dest}"],
                               env=session_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     ends = [(p, *p.communicate(timeout=600)) for p in procs]
@@ -222,7 +223,7 @@ def test_a_byte_model_without_biases_exports_exactly(byte_exports, env):
     from transformers import AutoTokenizer, GPT2LMHeadModel
     root, ends = byte_exports
     out, dest = root / "out", root / "exported"
-    assert 0 in [returncode for returncode, _, _ in ends], ends  # export.py out dest
+    assert 0 in [returncode for returncode, _, _ in ends], ends  # export.py --out_dir=out --to=dest
     state, _ = checkpoint.load_latest(str(out))
     assert state["model_args"]["bias"] is False and state["model_args"]["vocab_size"] == 320
     theirs = GPT2LMHeadModel.from_pretrained(dest).eval()
@@ -257,7 +258,7 @@ def test_a_byte_model_without_biases_exports_exactly(byte_exports, env):
 @pytest.mark.slow
 def test_two_exports_into_one_dest_and_a_users_dest_tmp(byte_exports):
     """A folder of the user's named like export's temporary one is left alone (export's own
-    carries its pid and host), and the loser of two exports into one DEST is told so, not to
+    carries its pid and host), and the loser of two exports into one --to is told so, not to
     free space."""
     from transformers import GPT2LMHeadModel
     root, ends = byte_exports
@@ -266,7 +267,7 @@ def test_two_exports_into_one_dest_and_a_users_dest_tmp(byte_exports):
     loser = [stderr for returncode, _, stderr in ends if returncode == 1][0]
     loser = loser.strip().splitlines()[-1]
     assert loser.startswith((f"export.py: error: {dest} was made by another process while "
-                             f"this export wrote it (a second export.py into the same DEST?)",
+                             f"this export wrote it (a second export.py into the same --to?)",
                              f"export.py: error: {dest} exists")), loser
     assert "free space" not in loser and "Traceback" not in ends[0][2] + ends[1][2]
     GPT2LMHeadModel.from_pretrained(dest)  # the winner's, whole
@@ -401,8 +402,8 @@ def test_without_hf_hub_offline_the_fix_is_said_before_the_hubs_retries(tmp_path
 @pytest.mark.slow
 def test_export_errors(tmp_path, env):
     (tmp_path / "dest").mkdir()
-    p = fails("export.py", tmp_path, tmp_path / "dest", env=env)
+    p = fails("export.py", f"--out_dir={tmp_path}", f"--to={tmp_path / 'dest'}", env=env)
     assert f"export.py: error: {tmp_path / 'dest'} exists" in p.stderr
-    p = fails("export.py", tmp_path, tmp_path / "new", env=env)
+    p = fails("export.py", f"--out_dir={tmp_path}", f"--to={tmp_path / 'new'}", env=env)
     assert f"export.py: error: {tmp_path} holds no loadable checkpoint" in p.stderr
     assert not os.path.exists(tmp_path / "new")

@@ -218,7 +218,7 @@ def pipeline(prepared, tmp_path_factory, session_env):
     work = tmp_path_factory.mktemp("hf_pipeline")
     torchrun(2, "train.py", *train_args(data, work / "out", "--max_iters=4", "--eval_interval=4",
                                         "--gradient_accumulation_steps=2"), env=session_env)
-    python("export.py", work / "out", work / "export", env=session_env)
+    python("export.py", f"--out_dir={work / 'out'}", f"--to={work / 'export'}", env=session_env)
     return data, work / "out", work / "export"
 
 

@@ -155,7 +155,7 @@ def test_ranks_read_train_py_batches_and_a_resumed_checkpoint_continues_them(env
     # the same initial weights on the same tokens: the same first loss as train.py
     assert b[0]["loss"] == pytest.approx(a[0]["loss"], rel=1e-5)
     assert [b[i]["loss"] for i in range(6)] == [c[i]["loss"] for i in range(6)]
-    p = python("compare_runs.py", ref, whole, env=env)
+    p = python("compare_runs.py", f"--out_dir={ref},{whole}", env=env)
     assert "identical batch_fp over 6 steps" in p.stdout
 
 

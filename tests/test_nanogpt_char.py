@@ -98,7 +98,7 @@ def test_an_export_carries_its_characters_as_a_hugging_face_tokenizer(char_run, 
 
     _, _, out = char_run
     dest = tmp_path / "exported"
-    python("export.py", out, dest, env=env)
+    python("export.py", f"--out_dir={out}", f"--to={dest}", env=env)
     tok = AutoTokenizer.from_pretrained(dest)
     text = "ROMEO:\nWhat, ho!  3 o'clock; and then?\n\n$&-."
     ids = [CHARS.index(c) for c in text]

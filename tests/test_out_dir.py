@@ -84,7 +84,7 @@ def test_a_run_that_left_no_checkpoint_is_told_apart_from_the_next(env, corpus, 
     rows = metrics(out)
     assert [r["run"] for r in rows if "run" in r] == ["fresh", "fresh"]
     assert sum(1 for r in rows if r.get("iter") == 0 and "loss" in r) == 2  # both runs' iter 0
-    cmp = python("compare_runs.py", out, ref, "--losses", env=env)
+    cmp = python("compare_runs.py", f"--out_dir={out},{ref}", "--losses", env=env)
     assert f"{out}: the last run's steps (its metrics.jsonl holds 6 rows of earlier runs" \
         in cmp.stdout and "identical batch_fp and loss over 3 steps" in cmp.stdout, cmp.stdout
 
@@ -114,10 +114,11 @@ def test_read_refuses_a_damaged_line_and_names_it(tmp_path, env):
     (tmp_path / "metrics.jsonl").write_text('{"iter": 0, "loss": 1}\nnot json\n{"iter": 1}\n')
     with pytest.raises(UserError, match=r"metrics.jsonl, line 2 is not JSON"):
         run_metrics.read(str(tmp_path))
-    message = fails("compare_runs.py", tmp_path, tmp_path, env=env).stderr.strip()
+    message = fails("compare_runs.py", f"--out_dir={tmp_path},{tmp_path}", env=env).stderr.strip()
     assert message.startswith(f"compare_runs.py: error: {tmp_path}/metrics.jsonl, line 2 is "
                               f"not JSON") and "\n" not in message, message
-    message = fails("compare_runs.py", tmp_path / "nowhere", tmp_path, env=env).stderr
+    message = fails("compare_runs.py", f"--out_dir={tmp_path / 'nowhere'},{tmp_path}",
+                    env=env).stderr
     assert f"cannot read {tmp_path}/nowhere/metrics.jsonl (No such file or directory): give " \
            f"the out_dir of a train.py run" in message
 

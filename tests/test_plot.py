@@ -34,24 +34,25 @@ def pixels_of(png, rgb):
 @pytest.mark.slow
 def test_one_run_into_its_out_dir_and_several_into_one_figure(two_runs, env, tmp_path):
     fast, slow = two_runs
-    p = python("plot.py", fast, env=env)
+    p = python("plot.py", f"--out_dir={fast}", env=env)
     assert p.stdout.strip() == f"plot.py: wrote {fast / 'curves.png'} (fast)"
     one = fast / "curves.png"
     assert image.imread(one).shape[:2] == (700, 1100)
     assert pixels_of(one, BLUE) > 1000 and pixels_of(one, ORANGE) == 0
     both = tmp_path / "both.png"
-    python("plot.py", fast, slow, f"--out={both}", "--smooth=5", "--title=lr", env=env)
+    python("plot.py", f"--out_dir={fast},{slow}", f"--to={both}", "--smooth=5", "--title=lr",
+           env=env)
     assert pixels_of(both, BLUE) > 1000 and pixels_of(both, ORANGE) > 1000
     assert not list(tmp_path.glob("*.tmp"))
 
 
 @pytest.mark.slow
 def test_what_is_not_a_run(env, tmp_path):
-    message = fails("plot.py", tmp_path, env=env).stderr.strip()
+    message = fails("plot.py", f"--out_dir={tmp_path}", env=env).stderr.strip()
     assert message == (f"plot.py: error: cannot read {tmp_path}/metrics.jsonl (No such file "
                        f"or directory): give the out_dir of a train.py run"), message
     (tmp_path / "metrics.jsonl").write_text('{"run": "fresh", "iter": 0}\n')
-    message = fails("plot.py", tmp_path, env=env).stderr.strip()
+    message = fails("plot.py", f"--out_dir={tmp_path}", env=env).stderr.strip()
     assert message.startswith(f"plot.py: error: {tmp_path}/metrics.jsonl holds no step of a "
                               f"run"), message
 
@@ -60,7 +61,7 @@ def test_what_is_not_a_run(env, tmp_path):
 def test_a_line_that_is_json_but_not_a_row_is_named(env, tmp_path, line):
     """It was an AttributeError ('list' object has no attribute 'get') or a KeyError."""
     (tmp_path / "metrics.jsonl").write_text(f'{{"run": "fresh", "iter": 0}}\n{line}\n')
-    message = fails("plot.py", tmp_path, env=env).stderr.strip()
+    message = fails("plot.py", f"--out_dir={tmp_path}", env=env).stderr.strip()
     assert message == (f"plot.py: error: {tmp_path}/metrics.jsonl, line 2 is not a row of "
                        f"train.py's ({line!r}): metrics.jsonl holds one JSON object per line, "
                        f"each with its iter, as train.py writes them"), message
@@ -75,7 +76,7 @@ def test_a_run_that_diverged_is_drawn_without_its_non_finite_values(env, tmp_pat
     rows += [{"iter": i, "train_loss": v, "val_loss": v}
              for i, v in ((0, 5.0), (5, math.inf), (8, math.nan))]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    p = python("plot.py", tmp_path, env=env)
+    p = python("plot.py", f"--out_dir={tmp_path}", env=env)
     assert p.stdout.splitlines()[0] == (f"plot.py: {tmp_path}: left out the values that are "
                                         f"not finite (NaN or inf): 6 of loss, 2 of train_loss, "
                                         f"2 of val_loss"), p.stdout

@@ -157,7 +157,7 @@ def test_export_is_a_qwen3_that_transformers_loads_and_init_from_loads_back(
     run = [f"--data_dir={gpt2_data}", *TINY, "--gradient_accumulation_steps=1",
            "--eval_interval=2", "--max_iters=2"]
     python("train.py", *run, *MODERN, f"--out_dir={out}", "--rope_theta=500000", env=env)
-    exported = python("export.py", out, dest, env=env)
+    exported = python("export.py", f"--out_dir={out}", f"--to={dest}", env=env)
     config = json.loads((dest / "config.json").read_text())
     assert config["model_type"] == "qwen3" and "auto_map" not in config  # no remote code
     assert config["rope_parameters"]["rope_theta"] == 500000

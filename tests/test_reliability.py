@@ -22,7 +22,7 @@ from conftest import (ROOT, RunsCode, fails, first_steps, metrics, on_ranks, pyt
 
 
 def compare(env, a, b, *flags):
-    return python("compare_runs.py", a, b, *flags, env=env, check=False)
+    return python("compare_runs.py", f"--out_dir={a},{b}", *flags, env=env, check=False)
 
 
 def sha(path):
@@ -204,7 +204,7 @@ def test_refusing_a_checkpoint_that_would_run_code_never_suggests_loading_it(env
     why the file was refused, and nothing else."""
     marker, evil = tmp_path / "code_ran", tmp_path / "ckpt.pt"
     torch.save({"model": {}, "model_args": {}, "iter_num": 2, "x": RunsCode(marker)}, evil)
-    err = fails("export.py", evil, tmp_path / "exported", env=env).stderr
+    err = fails("export.py", f"--out_dir={evil}", f"--to={tmp_path / 'exported'}", env=env).stderr
     message = err.strip().splitlines()[-1]
     assert message.startswith(f"export.py: error: {evil} was refused: loading it would execute "
                               f"code (its pickle calls posix.system"), message

@@ -74,7 +74,8 @@ def kill_at_steps(out, kills, procs):
 def assert_same_run(env, reference, restarted, log, restarts):
     assert log.count("resuming from") == restarts, log
     assert "Traceback" not in log, log
-    same = python("compare_runs.py", reference, restarted, "--losses", env=env, check=False)
+    same = python("compare_runs.py", f"--out_dir={reference},{restarted}", "--losses", env=env,
+                  check=False)
     assert same.returncode == 0 and f"over {MAX_ITERS} steps" in same.stdout, same.stdout
 
 

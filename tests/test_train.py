@@ -37,7 +37,8 @@ def two_rank_run(corpus, tmp_path_factory, session_env):
 @pytest.mark.slow
 def test_two_ranks_train_save_and_the_loss_falls(two_rank_run):
     out, p = two_rank_run
-    assert "world size 2" in p.stdout and "(2 micro-steps of 4 per rank)" in p.stdout
+    assert "world size 2" in p.stdout and \
+        "(gradient_accumulation_steps=4 / world size 2 = 2 micro-steps of 4 per rank)" in p.stdout
     rows = steps(out)
     assert sorted(rows) == list(range(40))
     first, last = rows[0]["loss"], sum(rows[i]["loss"] for i in range(35, 40)) / 5
