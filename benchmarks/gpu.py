@@ -1,11 +1,12 @@
 """The GPU path, checked on one GPU by one command and recorded: `python bench.py
-gpu`, at most 9 minutes, no network, its data made here. Fourteen checks, each with pass or fail
-and its numbers: the versions; GPT-2 124M (config/owt.py) in bf16 with torch.compile through
+gpu`, at most 9 minutes, no network, its data made here. Fifteen checks, each with pass or fail,
+its numbers and its time, in the order of what only a GPU shows: the versions; every collective
+of the multi-GPU paths over NCCL in a one-rank group (benchmarks/nccl_rank.py); GPT-2 124M (config/owt.py) in bf16 with torch.compile through
 train.py as a user runs it, and benchmarks/minimal_loop.py, nanoGPT's loop at its barest on the same
 model and GPU (the ceiling); recompiles and graph breaks, counted in TORCH_LOGS's lines, in a
 fresh run and after a resume; a checkpoint's save time and a resume that goes on with the same
 batches and losses; on the quick start's model: two ranks of DDP + compile on the one GPU with
-gloo (two processes cannot share a GPU under NCCL); one rank under torchrun over NCCL in
+gloo (two processes cannot share a GPU under NCCL); one rank under torchrun in
 float16 with the GradScaler, document-aligned windows and an evaluation and background save
 every other step, its peak memory flat across the evaluations; sample.py, and eval.py with
 HellaSwag, on the GPU; two ranks of fsdp (FSDP2, bf16 mixed precision, compiled blocks, a
@@ -59,6 +60,7 @@ MODES = {
                *TWO_RANKS],
         one_rank=["config/quickstart.py", "--device=cuda", "--dtype=float16", "--compile=True",
                   "--backend=nccl"],
+        collectives=["cuda", "nccl", "bfloat16"],
         steps=20, save_at=15, warmup=5, rank_steps=10, one_rank_steps=10, vocab=50257,
         tokens=2_000_000, new_tokens=200,
         device="cuda", caps=dict(train=300, minimal=180, resume=180, ranks=180, sample=90),
@@ -66,6 +68,7 @@ MODES = {
     "dry run": dict(
         main=[*TINY, "--gradient_accumulation_steps=2", *CPU], ranks=[*TINY, *CPU, *TWO_RANKS],
         one_rank=[*TINY, "--gradient_accumulation_steps=2", *CPU, "--backend=gloo"],
+        collectives=["cpu", "gloo", "float32"],
         steps=6, save_at=4, warmup=2, rank_steps=3, one_rank_steps=6, vocab=257, tokens=100_000,
         new_tokens=20,
         device="cpu", caps=dict(train=300, minimal=300, resume=300, ranks=300, sample=300),
@@ -75,8 +78,9 @@ LOSS_RTOL = 1e-3  # a resumed step's loss against the uninterrupted run's
 PARITY_RTOL = 2e-2  # ddp's and fsdp's losses and gradient norms, each in bf16 on the GPU
 MEMORY_GROWTH = 0.02  # the peak memory's growth from the second evaluation to the run's end
 MFU_TARGET, CEILING_TARGET, RECIPE_TARGET = 0.45, 0.03, 0.10
-CHECKS = ["versions", "train.py", "minimal loop", "recompiles", "checkpoint and resume",
-          "sample.py", "2 ranks", "1 rank: nccl, float16, documents", "eval.py and HellaSwag",
+ONE_RANK = "1 rank: float16, documents"
+CHECKS = ["versions", "collectives, 1-rank group", "train.py", "minimal loop", "recompiles",
+          "checkpoint and resume", "sample.py", "2 ranks", ONE_RANK, "eval.py and HellaSwag",
           "fsdp, 2 ranks", "fsdp resumed, 2 ranks", "ddp vs fsdp", "modern + muon",
           "fsdp + muon + selective, 2 ranks"]
 LOOPS = ("train.py", "minimal loop", "modern + muon")  # the speed table's rows
@@ -91,7 +95,8 @@ ABOUT = {"gpu": "A run on the GPU.",
          "not run": "Not run: no GPU in this session. The checks and commands below are what "
                     "`python bench.py gpu` runs on one."}
 TABLES = {
-    "checks": [("check", "{check}"), ("result", "{result}"), ("measured", "{measured}")],
+    "checks": [("check", "{check}"), ("result", "{result}"), ("measured", "{measured}"),
+               ("took", "{took_s:.0f} s")],
     "speed": [("loop", "{loop}"), ("steps counted", "{steps_counted}"),
               ("tokens/step", "{tokens_per_step:,}"), ("ms/step (median)", "{ms_per_step:,.1f}"),
               ("tok/s", "{tok_per_s:,.0f}"), ("achieved TFLOP/s", "{tflops:.3f}"),
@@ -213,6 +218,27 @@ def versions(s):
     # on the GPU the numbers must be complete, MFU's peak included; a dry run records the CPU's
     return check_row("versions", s.mode == "dry run" or (numbers["nccl"] and peak), measured,
                      **numbers)
+
+
+def collectives(s):
+    """benchmarks/nccl_rank.py: ddp and fsdp, each with Muon, in a one-rank process group over
+    NCCL (gloo in a dry run), so that every collective of the multi-GPU paths runs on it once:
+    the backend is the process group's own, and each path's losses must fall."""
+    name = "collectives, 1-rank group"
+    finished = launch(s, name, [*common.torchrun(1), "-m", "benchmarks.nccl_rank",
+                                *s.spec["collectives"]], s.spec["caps"]["sample"])
+    if not succeeded(finished):
+        return failed_row(name, finished)
+    out = json.loads(next(line for line in reversed(finished.output.splitlines())
+                          if line.startswith("{")))
+    paths = {"ddp": "all-reduce, Muon's all_gather_single",
+             "fsdp": "all-gather, reduce-scatter, Muon's all_to_all_single"}
+    passed = out["backend"] == s.spec["collectives"][1] and all(
+        math.isfinite(out[k][-1]) and out[k][-1] < out[k][0] for k in paths)
+    return check_row(name, passed, f"process group backend {out['backend']} (read from it), "
+                     f"{out['world_size']} rank; " + "; ".join(
+                         f"{k} + muon ({why}): loss {out[k][0]:.3f} -> {out[k][-1]:.3f}"
+                         for k, why in paths.items()), backend=out["backend"])
 
 
 def fresh_run(s):
@@ -449,7 +475,7 @@ def one_rank(s):
     process per GPU) or that no other check sets: float16 with the GradScaler, document-aligned
     windows, an evaluation and a background save every other step. Its peak memory must not
     grow from the second evaluation on, across two more."""
-    name, spec, out = "1 rank: nccl, float16, documents", s.spec, s.out("one-rank")
+    name, spec, out = ONE_RANK, s.spec, s.out("one-rank")
     args = [*train_args(spec["one_rank"], s.bytes, out, spec["one_rank_steps"],
                         EVERY_OTHER_STEP), "--sampling=documents"]
     finished = launch(s, name, [*common.torchrun(1), "train.py", *args], spec["caps"]["ranks"])
@@ -464,7 +490,7 @@ def one_rank(s):
     passed = "world size 1," in finished.output and len(steps) == spec["one_rank_steps"] and \
         all(math.isfinite(r["loss"]) for r in steps) and len(evals) >= 4 and \
         growth <= MEMORY_GROWTH
-    return check_row(name, passed, f"backend {cfg.backend}, {cfg.dtype}, sampling "
+    return check_row(name, passed, f"no process group (one rank), {cfg.dtype}, sampling "
                      f"{cfg.sampling}: {len(steps)} steps, {len(evals)} evaluations (at "
                      f"{', '.join(map(str, evals))}); peak memory "
                      f"{report.FORMAT.format('{:+.1%}', growth)} from the second evaluation to "
@@ -539,11 +565,13 @@ def modern_muon(s):
 
 def guarded(check, name, s):
     """A check whose own code fails is recorded as failed, and the others still run."""
+    t0 = time.monotonic()
     try:
-        return check(s)
+        row = check(s)
     except Exception as e:
         print(f"bench gpu: {name}: {type(e).__name__}: {e}", file=sys.stderr)
-        return check_row(name, False, f"the bench failed: {type(e).__name__}: {e}"[:300])
+        row = check_row(name, False, f"the bench failed: {type(e).__name__}: {e}"[:300])
+    return {**row, "took_s": time.monotonic() - t0}
 
 
 # ---- the part ----
@@ -556,18 +584,19 @@ def run(small, device, workdir):
         return not_run()
     s = Session(mode, workdir)
     print(f"bench gpu: {mode}, at most {s.spec['budget_s'] / 60:.0f} min", file=sys.stderr)
-    # run in the order that keeps the most important numbers if time runs out: GPT-2 124M's
-    # speed and resume, then what only a GPU shows (NCCL, fsdp in bf16, Muon over fsdp's
-    # shards), then what the CPU already checks on other paths
-    order = [("versions", versions), ("train.py", fresh_run), ("minimal loop", minimal_loop),
-             ("checkpoint and resume", resume), ("recompiles", recompiles),
-             ("1 rank: nccl, float16, documents", one_rank), ("2 ranks", two_ranks),
+    # run in the order of what only a GPU shows, so that a budget run out leaves the rest
+    # (recorded as not run): NCCL's collectives, GPT-2 124M's speed and MFU in bf16 with
+    # compile, Muon's step there, fsdp in bf16, float16's scaler; then what the CPU already
+    # checks on other paths
+    order = [("versions", versions), ("collectives, 1-rank group", collectives),
+             ("train.py", fresh_run), ("modern + muon", modern_muon),
              ("fsdp, 2 ranks", lambda s: two_ranks(s, "fsdp", "fsdp, 2 ranks", "fsdp")),
-             ("ddp vs fsdp", ddp_vs_fsdp),
              ("fsdp + muon + selective, 2 ranks",
               lambda s: two_ranks(s, "fsdp", "fsdp + muon + selective, 2 ranks", "fsdp-muon",
                                   [*RECIPE, *SELECTIVE, *FSDP_KEYS])),
-             ("modern + muon", modern_muon), ("fsdp resumed, 2 ranks", fsdp_resumed),
+             (ONE_RANK, one_rank), ("checkpoint and resume", resume),
+             ("recompiles", recompiles), ("minimal loop", minimal_loop), ("2 ranks", two_ranks),
+             ("ddp vs fsdp", ddp_vs_fsdp), ("fsdp resumed, 2 ranks", fsdp_resumed),
              ("sample.py", sample), ("eval.py and HellaSwag", eval_hellaswag)]
     rows = {}
     for i, (name, check) in enumerate(order, 1):
@@ -592,7 +621,9 @@ def settings(mode, spec, cfg):
                         spec["steps"])
     one_rank = [*train_args(spec["one_rank"], "<byte data>", "<one-rank>",
                             spec["one_rank_steps"], EVERY_OTHER_STEP), "--sampling=documents"]
-    commands = [f"TORCH_LOGS={TORCH_LOGS} python train.py {' '.join(main)}",
+    commands = [f"torchrun --standalone --nproc_per_node=1 -m benchmarks.nccl_rank "
+                f"{' '.join(spec['collectives'])}",
+                f"TORCH_LOGS={TORCH_LOGS} python train.py {' '.join(main)}",
                 f"python -m benchmarks.minimal_loop {' '.join(spec['main'])} --data_dir=<data> "
                 f"--max_iters={spec['steps']}",
                 f"TORCH_LOGS={TORCH_LOGS} python train.py {' '.join(main)} --init_from=resume"

@@ -13,7 +13,7 @@ Under ddp every rank holds the whole, all-reduced gradient. Every rank updates t
 every matrix (elementwise and cheap), so the optimizer state is whole and the same on every
 rank, and checkpoints are torch.optim.Muon's, under the same key ('momentum_buffer'): one
 written by torch.optim.Muon resumes, and the other way round. Each owner alone makes the
-Nesterov updates of its matrices and orthogonalises them, and one all_gather_into_tensor per
+Nesterov updates of its matrices and orthogonalises them, and one all_gather_single per
 step shares the results: each rank's, flattened into one bucket of Newton-Schulz's dtype
 (muon_ns_dtype: bfloat16, torch's, or float32) padded to the largest rank's, so a rank
 receives (N - 1) x that bucket: 2 bytes a Muon parameter at most in bfloat16 (4 in float32),
@@ -181,7 +181,7 @@ def newton_schulz(update, group, dtype):
 
 def orthogonalised_whole(updates, shapes, groups, owner, world, dtype, device):
     """ddp: each update orthogonalised by its owner (updates: None where another rank owns it)
-    into its rank's row of a (world, bucket) tensor in dtype, which one all_gather_into_tensor
+    into its rank's row of a (world, bucket) tensor in dtype, which one all_gather_single
     fills: the list form would have NCCL gather into a hidden flat buffer and copy out of it."""
     rank = dist.get_rank() if world > 1 else 0
     sizes = [sum(s.numel() for s, o in zip(shapes, owner) if o == r) for r in range(world)]
@@ -191,9 +191,11 @@ def orthogonalised_whole(updates, shapes, groups, owner, world, dtype, device):
         if o == rank:
             mine[at:at + u.numel()].copy_(newton_schulz(u, g, dtype).flatten())
             at += u.numel()
-    gathered = torch.empty(world * mine.numel(), dtype=dtype, device=device) if world > 1 else mine
-    if world > 1:
-        dist.all_gather_into_tensor(gathered, mine)  # flat: gloo takes no (world, n) output
+    # a one-rank group gathers too: bench gpu's check of NCCL on one GPU runs this path
+    gathered = torch.empty(world * mine.numel(), dtype=dtype, device=device) \
+        if dist.is_initialized() else mine
+    if dist.is_initialized():
+        dist.all_gather_single(gathered, mine)  # flat: gloo takes no (world, n) output
     gathered = gathered.view(world, -1)
     offsets, out = [0] * world, []
     for s, o in zip(shapes, owner):

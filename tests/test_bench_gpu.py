@@ -45,9 +45,14 @@ def test_gpu_dry_run(env, tmp_path):
     assert checks["sample.py"]["samples"] == 2
     assert "world size 2 on cpu, gloo" in checks["2 ranks"]["measured"]
     assert checks["modern + muon"]["recompiles_after"] == 0
-    one_rank = checks["1 rank: nccl, float16, documents"]
+    one_rank = checks[gpu.ONE_RANK]
     assert one_rank["evaluations"] == 4 and one_rank["memory_growth"] <= gpu.MEMORY_GROWTH
-    assert "backend gloo, float32, sampling documents" in one_rank["measured"]
+    assert "no process group (one rank), float32, sampling documents" in one_rank["measured"]
+    # the one-rank group's backend as the process group says, not as the settings do
+    collectives = checks["collectives, 1-rank group"]
+    assert collectives["backend"] == "gloo" and "process group backend gloo (read from it), 1 " \
+        "rank; ddp + muon (all-reduce, Muon's all_gather_single): loss " in collectives["measured"]
+    assert all(r["took_s"] >= 0 for r in checks.values())
     assert checks["eval.py and HellaSwag"]["hellaswag_n"] == gpu.HELLASWAG_EXAMPLES
     fsdp_resumed, parity = checks["fsdp resumed, 2 ranks"], checks["ddp vs fsdp"]
     # float32 on a CPU: fsdp resumed from its folder repeats its run bit for bit, and its
