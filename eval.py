@@ -65,9 +65,8 @@ def start_up(cfg, given):
                  f"{cfg.block_size} tokens")
     ev = make_evaluation(cfg, given, val, loaded)
     if not ev.splits and ev.hellaswag is None:
-        raise UserError(f"there is nothing to evaluate: hellaswag=False, and {cfg.init_from} "
-                        f"comes with no data for the val loss: give --data_dir=<a folder of "
-                        f"its tokens>.")
+        raise UserError(f"there is nothing to evaluate: hellaswag=False, and {cfg.init_from} comes "
+                        f"with no data for the val loss: give --data_dir=<a folder of its tokens>.")
     return cfg, model, loaded, ev, where
 
 

@@ -1,7 +1,6 @@
-"""
-Make the document index of a data folder's splits, which sampling='documents' reads (data.py),
-for token files that have none: nanoGPT's train.bin and val.bin, llm.c's shards, ddpgpt folders
-made before prepare.py wrote it with the tokens.
+"""Make the document index of a data folder's splits, which sampling='documents' reads (data.py),
+for token files that have none: nanoGPT's train.bin and val.bin, llm.c's shards, ddpgpt folders made
+before prepare.py wrote it with the tokens.
 
     python index_documents.py --data_dir=data/openwebtext    # nanoGPT's files, or an older folder
     python index_documents.py --data_dir=data/fineweb10B     # llm.c / modded-nanogpt shards

@@ -216,10 +216,9 @@ def check_folder(folder):
     except (OSError, ValueError, AttributeError) as e:
         raise UserError(f"{path} cannot be read ({e}): {FOLDER_HINT}.") from e
     if model_type not in MODEL_TYPES:
-        raise UserError(f"{folder} holds a {model_type!r} model (config.json's model_type), "
-                        f"not a GPT-2 or a Qwen3 (the modern block), the models model.py "
-                        f"computes: give a GPT-2 folder, one that export.py wrote, or one of "
-                        f"{', '.join(NAMES)}.")
+        raise UserError(f"{folder} holds a {model_type!r} model (config.json's model_type), not a "
+                        f"GPT-2 or a Qwen3 (the modern block), the models model.py computes: give "
+                        f"a GPT-2 folder, one that export.py wrote, or one of {', '.join(NAMES)}.")
     return model_type
 
 
@@ -254,12 +253,11 @@ def cannot_load(init_from, error):
     if init_from not in NAMES:
         return f"cannot load the GPT-2 in {init_from} ({reason}): {FOLDER_HINT}."
     repo = repo_of(init_from)
-    return (f"GPT-2's weights {init_from!r} ({repo}) are not in Hugging Face's cache and cannot "
-            f"be downloaded ({reason}). Run once with network access and without "
-            f"HF_HUB_OFFLINE=1 to cache them (in $HF_HOME, by default ~/.cache/huggingface), "
-            f"or download the folder where there is network, with `hf download {repo} "
-            f"config.json model.safetensors --local-dir ./{init_from}`, copy it here and set "
-            f"--init_from=./{init_from}.")
+    return (f"GPT-2's weights {init_from!r} ({repo}) are not in Hugging Face's cache and cannot be "
+            f"downloaded ({reason}). Run once with network access and without HF_HUB_OFFLINE=1 to "
+            f"cache them (in $HF_HOME, by default ~/.cache/huggingface), or download the folder "
+            f"where there is network, with `hf download {repo} config.json model.safetensors "
+            f"--local-dir ./{init_from}`, copy it here and set --init_from=./{init_from}.")
 
 
 def say_the_hub_comes_first(repo):

@@ -83,9 +83,8 @@ def muon_parameters(model, patterns):
                 f"use the default 'transformer.h.*.c_*.weight' (every matrix in the blocks).")
         chosen |= found
     if not chosen:
-        raise UserError(f"muon_params={patterns!r} names no parameter for Muon: give patterns "
-                        f"such as the default 'transformer.h.*.c_*.weight', or use "
-                        f"optimizer='adamw'.")
+        raise UserError(f"muon_params={patterns!r} names no parameter for Muon: give patterns such "
+                        f"as the default 'transformer.h.*.c_*.weight', or use optimizer='adamw'.")
     flat = [f"{name} {tuple(named[name].shape)}" for name in named
             if name in chosen and named[name].dim() != 2]
     if flat:

@@ -272,11 +272,10 @@ def missing_split(data_dir, split, meta):
                 f"the prepare.py command that wrote it again: it resumes after those shards, "
                 f"and train.py reads the folder once it has finished.")
     if meta is None and ours:
-        return (f"{data_dir} holds shards ({os.path.basename(ours[0])} and "
-                f"{len(ours) - 1} more) but no {META_NAME}, which lists each split's shards "
-                f"in order with their token counts and dtype: it was deleted, or the folder "
-                f"was copied without it. Put it back, or make the data again with `{hint} "
-                f"--shard_tokens=N`.")
+        return (f"{data_dir} holds shards ({os.path.basename(ours[0])} and {len(ours) - 1} more) "
+                f"but no {META_NAME}, which lists each split's shards in order with their token "
+                f"counts and dtype: it was deleted, or the folder was copied without it. Put it "
+                f"back, or make the data again with `{hint} --shard_tokens=N`.")
     if meta is None and llmc:
         stray = [n for n in ("train.bin", "val.bin") if os.path.isfile(os.path.join(data_dir, n))]
         return (f"{data_dir} holds llm.c shards ({os.path.basename(llmc[0])} and "
