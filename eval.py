@@ -12,8 +12,7 @@ EvalConfig (ddpgpt/settings.py; `python eval.py --help`). A checkpoint is evalua
 on the data it trained on, with its eval_iters, batch_size and block_size: then the val loss is
 the one train.py logged at its iter (what is measured, and how, is ddpgpt/evaluation.py's).
 Progress goes to stderr; stdout gets a summary, then one JSON line of the numbers (`python
-eval.py ... | tail -n 1`).
-"""
+eval.py ... | tail -n 1`)."""
 import dataclasses
 import json
 import logging

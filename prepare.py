@@ -21,8 +21,7 @@ shard, and writes the same bytes as a run that never stopped.
 One prepare at a time writes in an out_dir (ddpgpt/lock.py): a second one is refused, naming
 the first. Stopped by SIGINT, SIGTERM or SIGHUP, or by a full disk, it removes its temporary
 files and says what it kept; what it published before stays as it was. Keys as in
-PrepareConfig (ddpgpt/settings.py; `python prepare.py --help`).
-"""
+PrepareConfig (ddpgpt/settings.py; `python prepare.py --help`)."""
 import json
 import math
 import os

@@ -26,8 +26,7 @@ starts, from the index's distinct lengths) is computed once per source (windows(
 batch, and a batch costs the same whatever its sources. The ranks read disjoint slices of one
 global batch, any world size reads the same global batches, and resuming needs one integer:
 the number of samples consumed. The token files themselves are tokenfile.py's; the contract is
-numpy's alone, and loader.py makes its batches tensors (train.py's, and a DataLoader's).
-"""
+numpy's alone, and loader.py makes its batches tensors (train.py's, and a DataLoader's)."""
 import hashlib
 from itertools import count
 from typing import Literal, NamedTuple, Optional, get_args

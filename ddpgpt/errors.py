@@ -2,8 +2,7 @@
 
 Every script runs its main() through run(), which catches UserError, prints its message as one
 paragraph, `<script>: error (rank N): ...` (line()), and exits 1. Anything else is a bug in
-ddpgpt and keeps its traceback. A stop signal that ends a script is one line too (Interrupted).
-"""
+ddpgpt and keeps its traceback. A stop signal that ends a script is one line too (Interrupted)."""
 import os
 import signal
 import sys

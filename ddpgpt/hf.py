@@ -18,8 +18,7 @@ of model.swiglu_hidden(n_embd), RMSNorm's epsilon model.RMS_EPS, default rotary 
 no sliding window.
 
 transformers (and so torch) is imported inside the functions that need it: it takes seconds, a
-run from scratch or from a checkpoint never needs it, and the settings read NAMES before torch.
-"""
+run from scratch or from a checkpoint never needs it, and the settings read NAMES before torch."""
 import json
 import logging
 import os

@@ -5,8 +5,7 @@ the slowest rank named when it stays the slowest.
 
 Each run opens its rows in metrics.jsonl with a start row, {"run": "fresh"} or {"run":
 "resumed"} and the iter it starts at, so that the file says where one run ends and the next
-begins: read() gives the rows of the run as it stands, which compare_runs.py and plot.py take.
-"""
+begins: read() gives the rows of the run as it stands, which compare_runs.py and plot.py take."""
 import dataclasses
 import hashlib
 import json

@@ -29,8 +29,7 @@ rank its rows of the result back (in Newton-Schulz's dtype: 2 bytes a parameter 
 rank applies them to its rows. Gather-to-owner and scatter rather than an all_gather, which under
 fsdp would bring every whole matrix to every rank: N times the bytes, and the memory fsdp is there
 to save. The momentum is a DTensor like the weights, so a checkpoint folder holds it sharded, as
-AdamW's moments (sharded.py), and it resumes at any world size and under ddp.
-"""
+AdamW's moments (sharded.py), and it resumes at any world size and under ddp."""
 import torch
 import torch.distributed as dist
 # torch's learning-rate adjustment (private, of the torch that requirements.txt pins), so that

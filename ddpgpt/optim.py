@@ -14,8 +14,7 @@ clipping are the same as for AdamW. The two optimizers are stepped as one (MuonA
 that train.py, float16's GradScaler and a checkpoint see one.
 
 The schedule (schedule.py) is learning_rate's (AdamW's); Muon's follows it in proportion, from
-muon_lr at the peak (set_lr).
-"""
+muon_lr at the peak (set_lr)."""
 import collections.abc
 import fnmatch
 import inspect

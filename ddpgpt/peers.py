@@ -1,7 +1,6 @@
 """The other ranks of the process group: the store each torchrun restart meets them in, who
 they are (a Peer each, learnt as the group stands), and what a failed collective says about the
-one that was lost (launch.watched says it).
-"""
+one that was lost (launch.watched says it)."""
 import contextlib
 import os
 import re

@@ -1,7 +1,6 @@
 """The data a run reads: its sources (data_dir, or the folders and weights of data_mix), each
 split opened as a data.Mixture of the sources' token files, and what that data is (its
-identity), which checkpoints keep and every rank must share.
-"""
+identity), which checkpoints keep and every rank must share."""
 import dataclasses
 import logging
 import math

@@ -10,8 +10,7 @@ The tokenizers by name encode every Python str ('char' encodes its own character
 any others in a UserError). A str can hold lone surrogates (U+D800..U+DFFF),
 which UTF-8 cannot encode: JSON's "\\ud800" escapes make them, and so does a command-line
 argument that is not UTF-8. Each becomes U+FFFD, the replacement character: tiktoken's
-encode_ordinary does that itself, and _any_str does it for ours and Hugging Face's.
-"""
+encode_ordinary does that itself, and _any_str does it for ours and Hugging Face's."""
 import contextlib
 import hashlib
 import logging

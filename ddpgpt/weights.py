@@ -11,8 +11,7 @@ the tokenizer it reads.
 
 train.py starts through for_training() and checks a resume against its data with
 check_resume(); sample.py and eval.py load through load(); export.py, which exports
-checkpoints only, through checkpoint_at() and tokenizer.py's data_meta() and tokenizer_of().
-"""
+checkpoints only, through checkpoint_at() and tokenizer.py's data_meta() and tokenizer_of()."""
 import logging
 import os
 import shlex
