@@ -181,9 +181,8 @@ def purge(start_iter):
 
 
 def as_record(step, **what):
-    """An event at step (what: its file_version, session_log or summary) as a record of the
-    event file: its length, its data and their masked CRCs, as tensorboard's RecordWriter
-    writes them."""
+    """An event at step (what: its file_version, session_log or summary) as a record of the event
+    file: its length, its data and their masked CRCs, as tensorboard's RecordWriter writes them."""
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
     event_pb2, _ = import_tensorboard()
     data = event_pb2.Event(wall_time=time.time(), step=step, **what).SerializeToString()
