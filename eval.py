@@ -104,12 +104,11 @@ def check_same_val(val, loaded, where):
     before = (Saved.of(loaded.state).data_identity or {}).get("val")
     now = sources.identity(val)["val"]
     if before is not None and before != now:
-        raise UserError(
-            f"{where} is not the data the checkpoint was trained on: its val split is {now} "
-            f"(tokens and fingerprint per source), the checkpoint's was {before}, so it was "
-            f"prepared again since and this val loss would not be the run's. Point it at the "
-            f"data the run trained on, or give --data_dir=<a folder> to evaluate on that "
-            f"folder as it is now.")
+        raise UserError(f"{where} is not the data the checkpoint was trained on: its val split is "
+                        f"{now} (tokens and fingerprint per source), the checkpoint's was "
+                        f"{before}, so it was prepared again since and this val loss would not be "
+                        f"the run's. Point it at the data the run trained on, or give "
+                        f"--data_dir=<a folder> to evaluate on that folder as it is now.")
 
 
 def make_evaluation(cfg, given, val, loaded):

@@ -225,9 +225,8 @@ def check_init_from(init_from, keywords):
     """A UserError unless init_from is one of keywords, a name in NAMES or an existing folder."""
     if init_from in keywords or init_from in NAMES or os.path.isdir(init_from):
         return
-    raise UserError(
-        f"init_from={init_from!r} is none of {', '.join(keywords)}, GPT-2's weights by name "
-        f"({', '.join(NAMES)}) or an existing folder; {FOLDER_HINT}.")
+    raise UserError(f"init_from={init_from!r} is none of {', '.join(keywords)}, GPT-2's weights by "
+                    f"name ({', '.join(NAMES)}) or an existing folder; {FOLDER_HINT}.")
 
 
 def shape(init_from):

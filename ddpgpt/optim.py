@@ -49,10 +49,8 @@ def make_optimizer(model, weight_decay, learning_rate, betas, device_type):
 def adamw(parameters, weight_decay, learning_rate, betas, device_type):
     # decaying biases and LayerNorm gains just pulls them towards a degenerate zero
     params = [p for p in parameters if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     # the fused kernel is one launch for all parameters instead of several per tensor
     fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
     extra = dict(fused=True) if fused else dict()

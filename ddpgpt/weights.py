@@ -194,10 +194,9 @@ def check_same_optimizer(cfg, trained):
     if was != now:
         changed = ", ".join(f"{k}={now[k]!r} ({was[k]!r} there)" for k in was if was[k] != now[k])
         fix = " ".join(f"--{k}={shlex.quote(v)}" for k, v in was.items())
-        raise UserError(
-            f"{changed}: the checkpoint in {cfg.out_dir} holds the state of the optimizer it "
-            f"was trained with, which another one cannot take up. Resume with {fix}, or "
-            f"start a new run in another out_dir.")
+        raise UserError(f"{changed}: the checkpoint in {cfg.out_dir} holds the state of the "
+                        f"optimizer it was trained with, which another one cannot take up. Resume "
+                        f"with {fix}, or start a new run in another out_dir.")
 
 
 # ---- sample.py, eval.py, export.py: a run, a checkpoint file, or GPT-2's weights ----
