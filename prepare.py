@@ -197,10 +197,9 @@ class SplitWriter:
         if os.path.exists(old_meta):  # it vouches for the files this one may replace
             os.remove(old_meta)
         fileio.publish(self.file.name, path)
-        self.shards.append({"file": self.name(), "tokens": self.tokens,
-                            "documents": self.documents, "next_doc": next_doc,
-                            "fingerprint": tokenfile.sampled_fingerprint([path],
-                                                                         self.header_bytes)})
+        fingerprint = tokenfile.sampled_fingerprint([path], self.header_bytes)
+        self.shards.append({"file": self.name(), "tokens": self.tokens, "documents": self.documents,
+                            "next_doc": next_doc, "fingerprint": fingerprint})
         self.file, self.tokens, self.documents = None, 0, 0
 
     def finish(self):
