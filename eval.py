@@ -6,14 +6,12 @@ split, and HellaSwag accuracy, on one process or many:
   python eval.py --init_from=gpt2                                      # OpenAI's GPT-2 124M
   torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2-xl --data_dir=data/openwebtext
 
-The model is a run's out_dir (its newest checkpoint; nanoGPT's ckpt.pt too), one checkpoint file,
-or GPT-2's weights by name or as a Hugging Face folder (ddpgpt/weights.py). Keys as in
-EvalConfig (ddpgpt/settings.py; `python eval.py --help`). A checkpoint is evaluated by default
-on the data it trained on, with its eval_iters, batch_size and block_size: then the val loss is
-the one train.py logged at its iter (what is measured, and how, is ddpgpt/evaluation.py's).
-Progress goes to stderr; stdout gets a summary, then one JSON line of the numbers (`python
-eval.py ... | tail -n 1`).
-"""
+The model is a run's out_dir (its newest checkpoint; nanoGPT's ckpt.pt too), one checkpoint file, or
+GPT-2's weights by name or as a Hugging Face folder (ddpgpt/weights.py). Keys as in EvalConfig
+(ddpgpt/settings.py; `python eval.py --help`). A checkpoint is evaluated by default on the data it
+trained on, with its eval_iters, batch_size and block_size: then the val loss is the one train.py
+logged at its iter (what is measured, and how, is ddpgpt/evaluation.py's). Progress goes to stderr;
+stdout gets a summary, then one JSON line of the numbers (`python eval.py ... | tail -n 1`)."""
 import dataclasses
 import json
 import logging
@@ -28,8 +26,7 @@ cpu.wait_passively()  # before torch is imported
 if __name__ == "__main__":  # a mistyped key ends before torch's import, which takes seconds
     configurator.end_now_if_unreadable(EvalConfig, sys.argv[1:], "eval.py")
 
-from ddpgpt import (errors, evaluation, hellaswag, launch, runtime, sources,  # noqa: E402
-                    weights)
+from ddpgpt import errors, evaluation, hellaswag, launch, runtime, sources, weights  # noqa: E402
 from ddpgpt.errors import UserError  # noqa: E402
 from ddpgpt.model import GPT, GPTConfig  # noqa: E402
 from ddpgpt.settings import TrainConfig  # noqa: E402
@@ -58,25 +55,20 @@ def start_up(cfg, given):
     where its val split comes from)."""
     model, loaded = load_model(cfg)
     trained = Saved.of(loaded.state).config if loaded.state else {}  # {} for HF weights
-    cfg = as_trained(cfg, trained, loaded.args["block_size"])
+    # the evaluation settings left at 0 as the checkpoint's run had them (train.py's defaults for
+    # weights that come with no run), and block_size the model's
+    cfg = dataclasses.replace(cfg, block_size=cfg.block_size or loaded.args["block_size"], **{
+        key: getattr(cfg, key) or trained.get(key) or getattr(TrainConfig, key)
+        for key in ("eval_iters", "batch_size")})
     val, where = val_split(cfg, trained, loaded) if cfg.val_loss else ({}, None)
     if val:
         log.info(f"eval.py: val loss on {where}, {cfg.eval_iters} x {cfg.batch_size} windows of "
                  f"{cfg.block_size} tokens")
     ev = make_evaluation(cfg, given, val, loaded)
     if not ev.splits and ev.hellaswag is None:
-        raise UserError(f"there is nothing to evaluate: hellaswag=False, and {cfg.init_from} "
-                        f"comes with no data for the val loss: give --data_dir=<a folder of "
-                        f"its tokens>.")
+        raise UserError(f"there is nothing to evaluate: hellaswag=False, and {cfg.init_from} comes "
+                        f"with no data for the val loss: give --data_dir=<a folder of its tokens>.")
     return cfg, model, loaded, ev, where
-
-
-def as_trained(cfg, trained, positions):
-    """cfg with the evaluation settings it leaves at 0 as the checkpoint's run had them
-    (train.py's defaults for weights that come with no run), and block_size the model's."""
-    return dataclasses.replace(cfg, block_size=cfg.block_size or positions, **{
-        key: getattr(cfg, key) or trained.get(key) or getattr(TrainConfig, key)
-        for key in ("eval_iters", "batch_size")})
 
 
 def val_split(cfg, trained, loaded):
@@ -112,12 +104,11 @@ def check_same_val(val, loaded, where):
     before = (Saved.of(loaded.state).data_identity or {}).get("val")
     now = sources.identity(val)["val"]
     if before is not None and before != now:
-        raise UserError(
-            f"{where} is not the data the checkpoint was trained on: its val split is {now} "
-            f"(tokens and fingerprint per source), the checkpoint's was {before}, so it was "
-            f"prepared again since and this val loss would not be the run's. Point it at the "
-            f"data the run trained on, or give --data_dir=<a folder> to evaluate on that "
-            f"folder as it is now.")
+        raise UserError(f"{where} is not the data the checkpoint was trained on: its val split is "
+                        f"{now} (tokens and fingerprint per source), the checkpoint's was "
+                        f"{before}, so it was prepared again since and this val loss would not be "
+                        f"the run's. Point it at the data the run trained on, or give "
+                        f"--data_dir=<a folder> to evaluate on that folder as it is now.")
 
 
 def make_evaluation(cfg, given, val, loaded):

@@ -1,7 +1,6 @@
-"""
-Make the document index of a data folder's splits, which sampling='documents' reads (data.py),
-for token files that have none: nanoGPT's train.bin and val.bin, llm.c's shards, ddpgpt folders
-made before prepare.py wrote it with the tokens.
+"""Make the document index of a data folder's splits, which sampling='documents' reads (data.py),
+for token files that have none: nanoGPT's train.bin and val.bin, llm.c's shards, ddpgpt folders made
+before prepare.py wrote it with the tokens.
 
     python index_documents.py --data_dir=data/openwebtext    # nanoGPT's files, or an older folder
     python index_documents.py --data_dir=data/fineweb10B     # llm.c / modded-nanogpt shards
@@ -13,8 +12,7 @@ renamed when complete: a stopped run keeps the splits it finished and leaves not
 written, so running it again does the rest, and an index that still matches its token files is
 kept. A document starts at each file's first token and after every end-of-text id: meta.json's,
 or GPT-2's for nanoGPT's and llm.c's files, which have no meta.json (--eot_token=N for
-another). Keys as in IndexConfig (ddpgpt/settings.py; `python index_documents.py --help`).
-"""
+another). Keys as in IndexConfig (ddpgpt/settings.py; `python index_documents.py --help`)."""
 import contextlib
 import sys
 import time

@@ -1,7 +1,6 @@
-"""
-Turn a text corpus (corpus.py reads them) into token files for training, in the formats
-tokenfile.py describes: <out_dir>/train.bin, val.bin and meta.json, or with --shard_tokens
-shards of about that many tokens each, in ddpgpt's raw format or llm.c's (--format=llmc).
+"""Turn a text corpus (corpus.py reads them) into token files for training, in the formats
+tokenfile.py describes: <out_dir>/train.bin, val.bin and meta.json, or with --shard_tokens shards of
+about that many tokens each, in ddpgpt's raw format or llm.c's (--format=llmc).
 
     python prepare.py                                       # OpenWebText, from the HF hub
     python prepare.py --dataset=path/to/openwebtext         # a copy of its archives, offline
@@ -22,8 +21,7 @@ shard, and writes the same bytes as a run that never stopped.
 One prepare at a time writes in an out_dir (ddpgpt/lock.py): a second one is refused, naming
 the first. Stopped by SIGINT, SIGTERM or SIGHUP, or by a full disk, it removes its temporary
 files and says what it kept; what it published before stays as it was. Keys as in
-PrepareConfig (ddpgpt/settings.py; `python prepare.py --help`).
-"""
+PrepareConfig (ddpgpt/settings.py; `python prepare.py --help`)."""
 import json
 import math
 import os
@@ -199,10 +197,9 @@ class SplitWriter:
         if os.path.exists(old_meta):  # it vouches for the files this one may replace
             os.remove(old_meta)
         fileio.publish(self.file.name, path)
-        self.shards.append({"file": self.name(), "tokens": self.tokens,
-                            "documents": self.documents, "next_doc": next_doc,
-                            "fingerprint": tokenfile.sampled_fingerprint([path],
-                                                                         self.header_bytes)})
+        fingerprint = tokenfile.sampled_fingerprint([path], self.header_bytes)
+        self.shards.append({"file": self.name(), "tokens": self.tokens, "documents": self.documents,
+                            "next_doc": next_doc, "fingerprint": fingerprint})
         self.file, self.tokens, self.documents = None, 0, 0
 
     def finish(self):
@@ -336,11 +333,10 @@ def prepare(cfg):
     if cfg.format == "llmc" and tokenizer.name not in GPT2_NAMES:
         # llm.c's header names no tokenizer: its magic says uint16 GPT-2 ids
         raise UserError(f"--format=llmc writes llm.c's GPT-2 shards, whose header (magic "
-                        f"{tokenfile.LLMC_MAGIC}) says the ids are GPT-2's: llm.c, "
-                        f"modded-nanogpt and train.py would read {cfg.tokenizer!r} ids "
-                        f"({tokenizer.vocab_size} of them) as GPT-2 tokens. Use "
-                        f"--tokenizer=gpt2, or --format=raw, whose meta.json names the "
-                        f"tokenizer.")
+                        f"{tokenfile.LLMC_MAGIC}) says the ids are GPT-2's: llm.c, modded-nanogpt "
+                        f"and train.py would read {cfg.tokenizer!r} ids ({tokenizer.vocab_size} of "
+                        f"them) as GPT-2 tokens. Use --tokenizer=gpt2, or --format=raw, whose "
+                        f"meta.json names the tokenizer.")
     docs = corpus.open_corpus(cfg.dataset, cfg.text_column, cfg.num_proc, cfg.streaming,
                               cfg.hub_config)
     out_dir = cfg.out_dir or os.path.join("data", docs.name)

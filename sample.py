@@ -4,8 +4,7 @@ one checkpoint file), or from GPT-2's weights (a name or a Hugging Face folder):
   python sample.py --init_from=gpt2 --start="The meaning of life is"
 
 Keys as in SampleConfig (ddpgpt/settings.py; `python sample.py --help`). The samples go to
-stdout, what was loaded to stderr, so `python sample.py ... > samples.txt` keeps the text only.
-"""
+stdout, what was loaded to stderr, so `python sample.py ... > samples.txt` keeps the text only."""
 import logging
 import sys
 

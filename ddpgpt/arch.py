@@ -1,8 +1,7 @@
 """The architecture of a model, as numbers and without torch: GPTConfig, from which model.py
 builds a GPT (a checkpoint keeps it as model_args), and its two block designs (arch): GPT-2's,
 as nanoGPT has it, and the modern block, Qwen3's (model.py describes both). The settings that
-choose them (settings.py) take their choices, ranges and checks from here.
-"""
+choose them (settings.py) take their choices, ranges and checks from here."""
 import dataclasses
 from dataclasses import dataclass
 from typing import Literal, get_args

@@ -13,8 +13,7 @@ on any world size: a folder under ddp is read whole, a file under fsdp is sharde
 nanoGPT ckpt.pt in out_dir is found too, as the oldest. Loading never runs code from a checkpoint
 (weights_only=True, and sharded.py's reader for a folder's index).
 
-A run writes through a Saver: on the ranks that write, in the background (async_save) or not.
-"""
+A run writes through a Saver: on the ranks that write, in the background (async_save) or not."""
 import dataclasses
 import glob
 import logging

@@ -224,8 +224,7 @@ def skip(path, name, skipped, seen, by_name, as_text=False):
     """Is path no document of the corpus? If so, it goes into skipped under its kind. Hidden,
     macOS and backup names count in folders only (by_name): a glob that names them means them,
     as a glob of another extension means those files, as text (as_text)."""
-    kind = kind_of(path, name, seen, by_name, as_text)
-    if kind:
+    if kind := kind_of(path, name, seen, by_name, as_text):
         skipped[kind].append(path)
     return kind is not None
 
@@ -332,13 +331,12 @@ def download_openwebtext():
         except OSError as e:  # every hub error is one, not-cached-and-offline included
             reason = " ".join(str(e).split())  # the hub's messages span lines
             raise UserError(
-                f"could not get {filename} of the hub dataset {OWT_REPO} ({reason}). The "
-                f"first run downloads OpenWebText's 21 archives (about 13 GB) into the Hugging "
-                f"Face cache ({huggingface_hub.constants.HF_HUB_CACHE}) and needs the network; "
-                f"later runs read the cache, offline too. Without the network here, "
-                f"download the archives where there is one with `hf download {OWT_REPO} "
-                f"--repo-type dataset --include 'subsets/*' --local-dir DIR`, copy DIR here and "
-                f"pass --dataset=DIR.") from e
+                f"could not get {filename} of the hub dataset {OWT_REPO} ({reason}). The first run "
+                f"downloads OpenWebText's 21 archives (about 13 GB) into the Hugging Face cache "
+                f"({huggingface_hub.constants.HF_HUB_CACHE}) and needs the network; later runs "
+                f"read the cache, offline too. Without the network here, download the archives "
+                f"where there is one with `hf download {OWT_REPO} --repo-type dataset --include "
+                f"'subsets/*' --local-dir DIR`, copy DIR here and pass --dataset=DIR.") from e
     return paths
 
 
@@ -429,8 +427,7 @@ def files_identity(paths):
 
 
 def openwebtext_corpus(name, archives, num_proc):
-    return Corpus(name, f"OpenWebText, {len(archives)} archives in "
-                        f"{os.path.dirname(archives[0])}",
+    return Corpus(name, f"OpenWebText, {len(archives)} archives in {os.path.dirname(archives[0])}",
                   lambda: (text for path in archives for text in archive_documents(path)),
                   lambda: count_archives(archives, num_proc), files_identity(archives))
 
@@ -448,7 +445,8 @@ def open_corpus(dataset, column, num_proc, streaming=False, hub_config=""):
 
 def counted(name, description, documents, identity="", names=None):
     """A Corpus whose documents are counted by reading them all once (names: see tally)."""
-    return Corpus(name, description, documents, lambda: count_documents(documents, names), identity)
+    return Corpus(name, description, documents, lambda: tally(
+        tqdm(documents(), desc="counting documents", unit=" docs"), names), identity)
 
 
 def text_corpus(dataset, column):
@@ -528,16 +526,12 @@ def tally(texts, names=None):
     return {**n, "undecodable_files": undecodable} if undecodable else n
 
 
-def count_documents(documents, names=None):
-    return tally(tqdm(documents(), desc="counting documents", unit=" docs"), names)
-
-
 def count_archive(path):
     return tally(archive_documents(path))
 
 
 def count_archives(archives, num_proc):
-    """count_documents for OpenWebText, one archive per process: decompressing is the work."""
+    """Counting the documents of OpenWebText, one archive per process: decompressing is the work."""
     counts, num_proc = Counter(), min(num_proc, len(archives))
     # in order, so that the first damaged archive is the one named
     with workers.ordered_map(count_archive, archives, num_proc,
@@ -547,11 +541,7 @@ def count_archives(archives, num_proc):
             counts.update(n)
             bar.set_postfix(documents=f"{counts['documents']:,}")
             bar.update()
-    report_openwebtext_total(counts["documents"] + counts["empty"], archives)
-    return counts
-
-
-def report_openwebtext_total(total, archives):
+    total = counts["documents"] + counts["empty"]
     print(f"OpenWebText: {total:,} documents (.txt files) in {len(archives)} archives")
     if total != OWT_DOCUMENTS:
         missing = sorted({os.path.basename(a) for a in OWT_ARCHIVES} -
@@ -562,4 +552,5 @@ def report_openwebtext_total(total, archives):
               f"{', '.join(missing) or 'none'}). They are a partial download or copy, or "
               f"upstream changed them; the token files will hold only these documents, and "
               f"the expected numbers in docs/data.md do not apply.", file=sys.stderr)
+    return counts
 

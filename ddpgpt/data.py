@@ -26,8 +26,7 @@ starts, from the index's distinct lengths) is computed once per source (windows(
 batch, and a batch costs the same whatever its sources. The ranks read disjoint slices of one
 global batch, any world size reads the same global batches, and resuming needs one integer:
 the number of samples consumed. The token files themselves are tokenfile.py's; the contract is
-numpy's alone, and loader.py makes its batches tensors (train.py's, and a DataLoader's).
-"""
+numpy's alone, and loader.py makes its batches tensors (train.py's, and a DataLoader's)."""
 import hashlib
 from itertools import count
 from typing import Literal, NamedTuple, Optional, get_args
@@ -398,11 +397,10 @@ def check_ids(token_split, offsets, windows, vocab_size):
     row = int(np.argmax(windows.max(axis=1) >= vocab_size))
     k = int(np.searchsorted(token_split.starts, offsets[row], side="right")) - 1
     raise UserError(
-        f"{token_split.paths[k]} holds token id {int(windows[row].max())} in the window at "
-        f"token offset {int(offsets[row] - token_split.starts[k])}, but the model's "
-        f"vocab_size is {vocab_size}: the file was made with another tokenizer, or it is "
-        f"corrupt. Prepare the data with the model's tokenizer, or set vocab_size above "
-        f"the largest id.")
+        f"{token_split.paths[k]} holds token id {int(windows[row].max())} in the window at token "
+        f"offset {int(offsets[row] - token_split.starts[k])}, but the model's vocab_size is "
+        f"{vocab_size}: the file was made with another tokenizer, or it is corrupt. Prepare the "
+        f"data with the model's tokenizer, or set vocab_size above the largest id.")
 
 
 SAMPLE_AHEAD = 64  # micro-batches whose windows are drawn in one call: numpy's cost is per

@@ -90,19 +90,17 @@ def open_doc_index(token_split, data_dir, split):
     path, files = doc_index_path(data_dir, split), tokenfile.describe(token_split)
     make = f"`{INDEX_HINT.format(data_dir)}`"
     if not os.path.isfile(path):
-        raise UserError(
-            f"{path} does not exist: it is the document index of {files}, "
-            f"which sampling='documents' reads. Make it with {make} (it reads the token "
-            f"files once; prepare.py writes it with them).")
+        raise UserError(f"{path} does not exist: it is the document index of {files}, which "
+                        f"sampling='documents' reads. Make it with {make} (it reads the token "
+                        f"files once; prepare.py writes it with them).")
     try:
         documents, lengths, _, _, eot, split_fp, own_fp = read_doc_header(path)
     except ValueError as e:
         raise UserError(f"{path} is not a document index that this code reads ({e}). Make it "
                         f"again with {make}.") from None
     if split_fp != token_split.fingerprint:
-        raise UserError(
-            f"{path} is the document index of other token files than {files}: "
-            f"they were made again, or changed, after it was. Make it again with {make}.")
+        raise UserError(f"{path} is the document index of other token files than {files}: they "
+                        f"were made again, or changed, after it was. Make it again with {make}.")
     if own_fp != tokenfile.sampled_fingerprint([path], DOCS_HEADER_BYTES):
         raise UserError(f"{path} does not match its own fingerprint: it was damaged or written "
                         f"over after it was made. Make it again with {make}.")

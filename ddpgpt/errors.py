@@ -2,8 +2,7 @@
 
 Every script runs its main() through run(), which catches UserError, prints its message as one
 paragraph, `<script>: error (rank N): ...` (line()), and exits 1. Anything else is a bug in
-ddpgpt and keeps its traceback. A stop signal that ends a script is one line too (Interrupted).
-"""
+ddpgpt and keeps its traceback. A stop signal that ends a script is one line too (Interrupted)."""
 import os
 import signal
 import sys
@@ -50,8 +49,11 @@ def run(main, script, argv):
         if os.environ.get("RANK", "0") == "0":
             say(line(script, e))
             say_torchrun_reports_next()
-        else:
-            wait_for_the_launcher()
+        else:  # rank 0 says it: wait, silent, for the launcher to end this rank once rank 0
+            # has exited (exiting first, torchrun could end rank 0 before its line is out)
+            for stop in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(stop, signal.SIG_DFL)  # ended without a word
+            time.sleep(60)
         return 1
     except UserError as e:
         rank = os.environ.get("RANK")
@@ -64,15 +66,6 @@ def run(main, script, argv):
             raise
         say_once(e.line)
         exit_now(128 + e.signum)
-
-
-def wait_for_the_launcher(cap_s=60):
-    """Rank 0 meets the same SettingsError and says it: this rank waits, silent, for the
-    launcher to end it once rank 0 has exited. Were it to exit first, torchrun could end rank
-    0 before its line is out."""
-    for stop in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(stop, signal.SIG_DFL)  # ended without a word
-    time.sleep(cap_s)
 
 
 def exit_now(status):

@@ -2,8 +2,7 @@
 under a temporary name of its writer's own (tmp_path), flushed to disk and renamed to its final
 name when complete (publish). Token files, meta.json, checkpoints and exported folders are all
 published this way. Also: what a full disk looks like (disk_full). The lock that keeps a second
-writer out of a folder is lock.py's.
-"""
+writer out of a folder is lock.py's."""
 import contextlib
 import errno
 import json

@@ -15,8 +15,7 @@ at GPT-2's 1024 positions none is cut, and the number of examples cut is reporte
 Examples are packed into batches of whole examples, shortest first, of at most `budget` input
 tokens each (the four rows padded to the longest, the padding's targets -1, which the model
 does not score). The batches are dealt out to the ranks in turn, and the counts summed: each
-example is scored in the same batch on any world size, so the counts are the same to the bit.
-"""
+example is scored in the same batch on any world size, so the counts are the same to the bit."""
 import fcntl
 import http.client
 import json

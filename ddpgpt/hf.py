@@ -18,8 +18,7 @@ of model.swiglu_hidden(n_embd), RMSNorm's epsilon model.RMS_EPS, default rotary 
 no sliding window.
 
 transformers (and so torch) is imported inside the functions that need it: it takes seconds, a
-run from scratch or from a checkpoint never needs it, and the settings read NAMES before torch.
-"""
+run from scratch or from a checkpoint never needs it, and the settings read NAMES before torch."""
 import json
 import logging
 import os
@@ -216,10 +215,9 @@ def check_folder(folder):
     except (OSError, ValueError, AttributeError) as e:
         raise UserError(f"{path} cannot be read ({e}): {FOLDER_HINT}.") from e
     if model_type not in MODEL_TYPES:
-        raise UserError(f"{folder} holds a {model_type!r} model (config.json's model_type), "
-                        f"not a GPT-2 or a Qwen3 (the modern block), the models model.py "
-                        f"computes: give a GPT-2 folder, one that export.py wrote, or one of "
-                        f"{', '.join(NAMES)}.")
+        raise UserError(f"{folder} holds a {model_type!r} model (config.json's model_type), not a "
+                        f"GPT-2 or a Qwen3 (the modern block), the models model.py computes: give "
+                        f"a GPT-2 folder, one that export.py wrote, or one of {', '.join(NAMES)}.")
     return model_type
 
 
@@ -227,9 +225,8 @@ def check_init_from(init_from, keywords):
     """A UserError unless init_from is one of keywords, a name in NAMES or an existing folder."""
     if init_from in keywords or init_from in NAMES or os.path.isdir(init_from):
         return
-    raise UserError(
-        f"init_from={init_from!r} is none of {', '.join(keywords)}, GPT-2's weights by name "
-        f"({', '.join(NAMES)}) or an existing folder; {FOLDER_HINT}.")
+    raise UserError(f"init_from={init_from!r} is none of {', '.join(keywords)}, GPT-2's weights by "
+                    f"name ({', '.join(NAMES)}) or an existing folder; {FOLDER_HINT}.")
 
 
 def shape(init_from):
@@ -254,12 +251,11 @@ def cannot_load(init_from, error):
     if init_from not in NAMES:
         return f"cannot load the GPT-2 in {init_from} ({reason}): {FOLDER_HINT}."
     repo = repo_of(init_from)
-    return (f"GPT-2's weights {init_from!r} ({repo}) are not in Hugging Face's cache and cannot "
-            f"be downloaded ({reason}). Run once with network access and without "
-            f"HF_HUB_OFFLINE=1 to cache them (in $HF_HOME, by default ~/.cache/huggingface), "
-            f"or download the folder where there is network, with `hf download {repo} "
-            f"config.json model.safetensors --local-dir ./{init_from}`, copy it here and set "
-            f"--init_from=./{init_from}.")
+    return (f"GPT-2's weights {init_from!r} ({repo}) are not in Hugging Face's cache and cannot be "
+            f"downloaded ({reason}). Run once with network access and without HF_HUB_OFFLINE=1 to "
+            f"cache them (in $HF_HOME, by default ~/.cache/huggingface), or download the folder "
+            f"where there is network, with `hf download {repo} config.json model.safetensors "
+            f"--local-dir ./{init_from}`, copy it here and set --init_from=./{init_from}.")
 
 
 def say_the_hub_comes_first(repo):

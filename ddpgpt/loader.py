@@ -1,8 +1,7 @@
 """This rank's batches as tensors, of the windows that data.py's contract says it reads: for
 train.py, rank_batches, which reads ahead in a thread of its own and hands each batch to the
 device; for a DataLoader (your own loop, or Lightning), BlockDataset over the global sample
-indices and RankSampler, which yields this rank's indices of each global batch.
-"""
+indices and RankSampler, which yields this rank's indices of each global batch."""
 import operator
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor

@@ -1,6 +1,5 @@
 """One writer per folder: the lock that prepare.py takes on its out_dir and train.py's rank 0
-on its own, so that two runs never write into one folder at once.
-"""
+on its own, so that two runs never write into one folder at once."""
 import contextlib
 import fcntl
 import json

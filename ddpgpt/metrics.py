@@ -5,8 +5,7 @@ the slowest rank named when it stays the slowest.
 
 Each run opens its rows in metrics.jsonl with a start row, {"run": "fresh"} or {"run":
 "resumed"} and the iter it starts at, so that the file says where one run ends and the next
-begins: read() gives the rows of the run as it stands, which compare_runs.py and plot.py take.
-"""
+begins: read() gives the rows of the run as it stands, which compare_runs.py and plot.py take."""
 import dataclasses
 import hashlib
 import json
@@ -143,10 +142,9 @@ def refuse_another_runs_events(cfg):
         if others:
             raise UserError(
                 f"{folder} holds the TensorBoard event files of a run of another out_dir "
-                f"({', '.join(others[:3])}{', ...' if others[3:] else ''}), which this run's "
-                f"would hide: TensorBoard drops what a folder holds from the iter a run starts "
-                f"at. Give this run another --tensorboard_dir, or move those event files "
-                f"elsewhere first.")
+                f"({', '.join(others[:3])}{', ...' if others[3:] else ''}), which this run's would "
+                f"hide: TensorBoard drops what a folder holds from the iter a run starts at. Give "
+                f"this run another --tensorboard_dir, or move those event files elsewhere first.")
 
 
 def import_tensorboard():
@@ -174,19 +172,17 @@ def open_tensorboard(cfg):
 
 def purge(start_iter):
     """The events that open a run's event file: its format, and the run's first iter (torch's
-    purge_step), which tells TensorBoard's readers to drop what earlier runs wrote there from
-    that iter on (the steps a crash took past the checkpoint now resumed; all of an earlier
-    run that left no checkpoint), as read() drops those rows of metrics.jsonl: no step is
-    shown twice."""
+    purge_step), which tells TensorBoard's readers to drop what earlier runs wrote there from that
+    iter on (the steps a crash took past the checkpoint now resumed; all of an earlier run that left
+    no checkpoint), as read() drops those rows of metrics.jsonl: no step is shown twice."""
     event_pb2, _ = import_tensorboard()
     return (as_record(start_iter, file_version="brain.Event:2") + as_record(
         start_iter, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
 
 
 def as_record(step, **what):
-    """An event at step (what: its file_version, session_log or summary) as a record of the
-    event file: its length, its data and their masked CRCs, as tensorboard's RecordWriter
-    writes them."""
+    """An event at step (what: its file_version, session_log or summary) as a record of the event
+    file: its length, its data and their masked CRCs, as tensorboard's RecordWriter writes them."""
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
     event_pb2, _ = import_tensorboard()
     data = event_pb2.Event(wall_time=time.time(), step=step, **what).SerializeToString()
@@ -283,11 +279,10 @@ def log_straggler(row, slowest):
         return
     _, iters, alone, median, waits = zip(*slowest)
     alone, median, wait = (statistics.fmean(v) for v in (alone, median, waits))
-    log.info(f"iter {row['iter']}: rank {rank} is the slowest, at each of the last "
-             f"{len(slowest)} log steps (iters {iters[0]} to {iters[-1]}): {alone:.1f} ms alone "
-             f"in the step against a median of {median:.1f} ms for the other ranks, "
-             f"{alone / median:.2f}x (+{alone - median:.1f} ms a step), {wait:.1f} ms of it "
-             f"waiting for data")
+    log.info(f"iter {row['iter']}: rank {rank} is the slowest, at each of the last {len(slowest)} "
+             f"log steps (iters {iters[0]} to {iters[-1]}): {alone:.1f} ms alone in the step "
+             f"against a median of {median:.1f} ms for the other ranks, {alone / median:.2f}x "
+             f"(+{alone - median:.1f} ms a step), {wait:.1f} ms of it waiting for data")
     slowest.clear()
 
 

@@ -9,8 +9,7 @@ transformers' Qwen3ForCausalLM): RMSNorm instead of LayerNorm, rotary position e
 instead of a learned table, RMSNorm on each head's queries and keys (QK-norm), a SwiGLU MLP,
 no biases, and an output head of its own. Its parameters keep nanoGPT's names where there is
 one (wte, h.N.ln_1, attn.c_proj, mlp.c_fc, ln_f, lm_head); the rest are attn.c_q, c_k, c_v
-(separate matrices, which Muon orthogonalises one by one), attn.q_norm, k_norm and mlp.c_gate.
-"""
+(separate matrices, which Muon orthogonalises one by one), attn.q_norm, k_norm and mlp.c_gate."""
 import math
 
 import torch

@@ -9,17 +9,16 @@ costliest down (the earlier one first among equals) and each goes to the rank wi
 cost so far (the lower rank among equals): greedy longest-processing-time, whose most loaded
 rank has at most total / N plus the largest single matrix's cost.
 
-Under ddp every rank holds the whole, all-reduced gradient. Every rank updates the momentum of
-every matrix (elementwise and cheap), so the optimizer state is whole and the same on every
-rank, and checkpoints are torch.optim.Muon's, under the same key ('momentum_buffer'): one
-written by torch.optim.Muon resumes, and the other way round. Each owner alone makes the
-Nesterov updates of its matrices and orthogonalises them, and one all_gather_single per
-step shares the results: each rank's, flattened into one bucket of Newton-Schulz's dtype
-(muon_ns_dtype: bfloat16, torch's, or float32) padded to the largest rank's, so a rank
-receives (N - 1) x that bucket: 2 bytes a Muon parameter at most in bfloat16 (4 in float32),
-plus the padding (bytes_per_step()). Then every rank applies each update with
-torch.optim.Muon's learning rate adjustment and decoupled weight decay. On one
-process, in bfloat16, it is torch.optim.Muon, bit for bit.
+Under ddp every rank holds the whole, all-reduced gradient. Every rank updates the momentum of every
+matrix (elementwise and cheap), so the optimizer state is whole and the same on every rank, and
+checkpoints are torch.optim.Muon's, under the same key ('momentum_buffer'): one written by
+torch.optim.Muon resumes, and the other way round. Each owner alone makes the Nesterov updates of
+its matrices and orthogonalises them, and one all_gather_single per step shares the results:
+each rank's, flattened into one bucket of Newton-Schulz's dtype (muon_ns_dtype: bfloat16, torch's,
+or float32) padded to the largest rank's, so a rank receives (N - 1) x that bucket: 2 bytes a Muon
+parameter at most in bfloat16 (4 in float32), plus the padding (bytes_per_step()). Then every rank
+applies each update with torch.optim.Muon's learning rate adjustment and decoupled weight decay. On
+one process, in bfloat16, it is torch.optim.Muon, bit for bit.
 
 Under fsdp each rank holds Shard(0) of each matrix, its weights, gradient and momentum: rank k holds
 rows [k * ceil(r / N), (k + 1) * ceil(r / N)) (torch.chunk's rows, which DTensor's Shard(0) keeps).
@@ -30,8 +29,7 @@ rank its rows of the result back (in Newton-Schulz's dtype: 2 bytes a parameter 
 rank applies them to its rows. Gather-to-owner and scatter rather than an all_gather, which under
 fsdp would bring every whole matrix to every rank: N times the bytes, and the memory fsdp is there
 to save. The momentum is a DTensor like the weights, so a checkpoint folder holds it sharded, as
-AdamW's moments (sharded.py), and it resumes at any world size and under ddp.
-"""
+AdamW's moments (sharded.py), and it resumes at any world size and under ddp."""
 import torch
 import torch.distributed as dist
 # torch's learning-rate adjustment (private, of the torch that requirements.txt pins), so that

@@ -14,8 +14,7 @@ clipping are the same as for AdamW. The two optimizers are stepped as one (MuonA
 that train.py, float16's GradScaler and a checkpoint see one.
 
 The schedule (schedule.py) is learning_rate's (AdamW's); Muon's follows it in proportion, from
-muon_lr at the peak (set_lr).
-"""
+muon_lr at the peak (set_lr)."""
 import collections.abc
 import fnmatch
 import inspect
@@ -50,10 +49,8 @@ def make_optimizer(model, weight_decay, learning_rate, betas, device_type):
 def adamw(parameters, weight_decay, learning_rate, betas, device_type):
     # decaying biases and LayerNorm gains just pulls them towards a degenerate zero
     params = [p for p in parameters if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     # the fused kernel is one launch for all parameters instead of several per tensor
     fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
     extra = dict(fused=True) if fused else dict()
@@ -83,9 +80,8 @@ def muon_parameters(model, patterns):
                 f"use the default 'transformer.h.*.c_*.weight' (every matrix in the blocks).")
         chosen |= found
     if not chosen:
-        raise UserError(f"muon_params={patterns!r} names no parameter for Muon: give patterns "
-                        f"such as the default 'transformer.h.*.c_*.weight', or use "
-                        f"optimizer='adamw'.")
+        raise UserError(f"muon_params={patterns!r} names no parameter for Muon: give patterns such "
+                        f"as the default 'transformer.h.*.c_*.weight', or use optimizer='adamw'.")
     flat = [f"{name} {tuple(named[name].shape)}" for name in named
             if name in chosen and named[name].dim() != 2]
     if flat:

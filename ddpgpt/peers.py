@@ -1,7 +1,6 @@
 """The other ranks of the process group: the store each torchrun restart meets them in, who
 they are (a Peer each, learnt as the group stands), and what a failed collective says about the
-one that was lost (launch.watched says it).
-"""
+one that was lost (launch.watched says it)."""
 import contextlib
 import os
 import re
@@ -17,17 +16,16 @@ from ddpgpt.fileio import alive
 
 # ---- a store for each restart ----
 #
-# torchrun (torch 2.4 and later) hands every restart of the workers the same TCPStore: its
-# agent's (TORCHELASTIC_USE_AGENT_STORE=True, MASTER_ADDR/MASTER_PORT point at it), which keeps
-# the keys of the attempt before. init_process_group's own keys carry no attempt number, so a
-# restarted rank can read a dead rank's address and fail ("Connection refused") or wait for
-# ever (pytorch#135712; torch's own prefix, TORCHELASTIC_RESTART_COUNT, differs between nodes:
-# it counts the restarts that each node's agent caused). Every restart therefore joins under a
-# prefix of its own, a random one that rank 0 draws and the others learn through the store.
-# The others delete the key first: whatever they then read was written by this attempt's
-# rank 0, since every worker of the attempt before is gone before torchrun starts the next.
-# Rank 0 writes it again and again until the group stands, so that a rank that deletes it
-# after rank 0 first wrote it still reads it.
+# torchrun (torch 2.4 and later) hands every restart of the workers the same TCPStore: its agent's
+# (TORCHELASTIC_USE_AGENT_STORE=True, MASTER_ADDR/MASTER_PORT point at it), which keeps the keys of
+# the attempt before. init_process_group's own keys carry no attempt number, so a restarted rank can
+# read a dead rank's address and fail ("Connection refused") or wait for ever (pytorch#135712;
+# torch's own prefix, TORCHELASTIC_RESTART_COUNT, differs between nodes: it counts the restarts that
+# each node's agent caused). Every restart therefore joins under a prefix of its own, a random one
+# that rank 0 draws and the others learn through the store. The others delete the key first:
+# whatever they then read was written by this attempt's rank 0, since every worker of the attempt
+# before is gone before torchrun starts the next. Rank 0 writes it again and again until the group
+# stands, so that a rank that deletes it after rank 0 first wrote it still reads it.
 
 ATTEMPT_KEY = "ddpgpt/attempt"
 ATTEMPT_REPUBLISH_S = 0.05

@@ -1,7 +1,6 @@
 """A keyed permutation of [0, n) that builds nothing of size n: which sample reads which window
 (data.py) and which document goes to which split (prepare.py) are drawn with it, as pure
-functions of a seed and an index. Numpy only, so that prepare.py does not import torch.
-"""
+functions of a seed and an index. Numpy only, so that prepare.py does not import torch."""
 import functools
 
 import numpy as np

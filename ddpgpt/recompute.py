@@ -19,8 +19,7 @@ Both use torch.utils.checkpoint (non-reentrant), which restores the random numbe
 state before a recompute: dropout draws the same masks twice, and the losses are none's bit for
 bit. Applied in place to each block's forward, inside fsdp's per-block unit and beneath
 torch.compile (parallel.wrap), so the weights keep their names: checkpoints are the same
-whatever the mode, and a run resumes under another.
-"""
+whatever the mode, and a run resumes under another."""
 import functools
 
 import torch

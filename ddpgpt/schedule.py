@@ -1,8 +1,7 @@
 """The learning-rate schedule: a linear warm-up, then cosine decay to min_lr (nanoGPT's), or
 (lr_schedule='wsd') warm-up, a stable phase and a cooldown over the last cooldown_frac of
 max_iters, which lets a run be extended by raising max_iters before the cooldown begins. It is
-learning_rate's; optim.set_lr sets every group's rate from it.
-"""
+learning_rate's; optim.set_lr sets every group's rate from it."""
 import logging
 import math
 from types import SimpleNamespace

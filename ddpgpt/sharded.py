@@ -16,8 +16,7 @@ stored once, under the first, as torch.save stores it.
 
 Reading runs no code from the files: the tensors load with torch.load(weights_only=True), the
 index with an unpickler that makes nothing but DCP's own records of it, and an index that
-holds pickled objects instead of tensors is refused.
-"""
+holds pickled objects instead of tensors is refused."""
 import io
 import os
 import pickle

@@ -1,7 +1,6 @@
 """The data a run reads: its sources (data_dir, or the folders and weights of data_mix), each
 split opened as a data.Mixture of the sources' token files, and what that data is (its
-identity), which checkpoints keep and every rank must share.
-"""
+identity), which checkpoints keep and every rank must share."""
 import dataclasses
 import logging
 import math
@@ -131,9 +130,8 @@ def open_for_model(data_dir, split, tok, block_size, vocab_size):
     meta = tokenfile.read_meta(data_dir)
     used = (meta or {}).get("tokenizer")
     if used and not reads(tok, meta):
-        raise UserError(f"{data_dir} holds {used!r} tokens, but the model reads "
-                        f"{tok.name!r} tokens: give a data_dir prepared with "
-                        f"--tokenizer={tok.name}.")
+        raise UserError(f"{data_dir} holds {used!r} tokens, but the model reads {tok.name!r} "
+                        f"tokens: give a data_dir prepared with --tokenizer={tok.name}.")
     check_fits(data_dir, meta, vocab_size)
     return data.mixture([open_split(data_dir, split, block_size)])
 

@@ -6,8 +6,7 @@ checkpoint.resume); a new piece of where-the-run-is is added here alone.
 Its keys in a checkpoint are nanoGPT's (iter_num, best_val_loss, model_args) and ddpgpt's:
 samples_consumed (the data position), data_meta (the data's meta.json, which names the tokenizer)
 and data_identity (what the data is, so that a resume on other data is caught). Saved reads a
-checkpoint's from any version, with what an older one (nanoGPT's) that lacks a key implies.
-"""
+checkpoint's from any version, with what an older one (nanoGPT's) that lacks a key implies."""
 import math
 from typing import NamedTuple, Optional
 

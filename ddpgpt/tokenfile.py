@@ -178,9 +178,8 @@ def read_meta(data_dir):
                         f"last by prepare.py, so a damaged one means the folder is "
                         f"incomplete: run `{hint}` again.")
     if meta.get("format_version") != FORMAT_VERSION:
-        raise UserError(
-            f"{path} has format_version {meta.get('format_version')!r}, this code reads "
-            f"{FORMAT_VERSION}: run `{hint}` again.")
+        raise UserError(f"{path} has format_version {meta.get('format_version')!r}, this code "
+                        f"reads {FORMAT_VERSION}: run `{hint}` again.")
     return meta
 
 
@@ -251,11 +250,10 @@ def split_files(data_dir, split, meta):
         return [single], 0, [info["tokens"]] if "tokens" in info else None
     shards = llmc_shards(data_dir, split)
     if not shards:
-        raise UserError(
-            f"{data_dir} holds llm.c shards but none of the {split} split (*_{split}_*.bin): "
-            f"llm.c's data scripts write the validation split as the first shard, e.g. "
-            f"fineweb_val_000000.bin; copy it there, or make the data with `"
-            f"{PREPARE_HINT.format(data_dir)} --format=llmc`.")
+        raise UserError(f"{data_dir} holds llm.c shards but none of the {split} split "
+                        f"(*_{split}_*.bin): llm.c's data scripts write the validation split as "
+                        f"the first shard, e.g. fineweb_val_000000.bin; copy it there, or make the "
+                        f"data with `{PREPARE_HINT.format(data_dir)} --format=llmc`.")
     return shards, LLMC_HEADER_BYTES, None
 
 
@@ -272,11 +270,10 @@ def missing_split(data_dir, split, meta):
                 f"the prepare.py command that wrote it again: it resumes after those shards, "
                 f"and train.py reads the folder once it has finished.")
     if meta is None and ours:
-        return (f"{data_dir} holds shards ({os.path.basename(ours[0])} and "
-                f"{len(ours) - 1} more) but no {META_NAME}, which lists each split's shards "
-                f"in order with their token counts and dtype: it was deleted, or the folder "
-                f"was copied without it. Put it back, or make the data again with `{hint} "
-                f"--shard_tokens=N`.")
+        return (f"{data_dir} holds shards ({os.path.basename(ours[0])} and {len(ours) - 1} more) "
+                f"but no {META_NAME}, which lists each split's shards in order with their token "
+                f"counts and dtype: it was deleted, or the folder was copied without it. Put it "
+                f"back, or make the data again with `{hint} --shard_tokens=N`.")
     if meta is None and llmc:
         stray = [n for n in ("train.bin", "val.bin") if os.path.isfile(os.path.join(data_dir, n))]
         return (f"{data_dir} holds llm.c shards ({os.path.basename(llmc[0])} and "
@@ -297,11 +294,10 @@ def check_llmc_shards(data_dir, split, paths):
     names = sorted({os.path.basename(p).rsplit(f"_{s}_", 1)[0]  # <name>_<split>_<index>.bin
                     for s in SPLITS for p in llmc_shards(data_dir, s)})
     if len(names) > 1:
-        raise UserError(
-            f"{data_dir} holds llm.c shards of {len(names)} datasets ("
-            f"{', '.join(n + '_*' for n in names)}), which would be read as one {split} split: "
-            f"keep one dataset per folder, and train on several with "
-            f"data_mix='<folder>=<weight>,...'.")
+        raise UserError(f"{data_dir} holds llm.c shards of {len(names)} datasets "
+                        f"({', '.join(n + '_*' for n in names)}), which would be read as one "
+                        f"{split} split: keep one dataset per folder, and train on several with "
+                        f"data_mix='<folder>=<weight>,...'.")
     numbers = sorted(int(m.group(1)) for p in paths
                      if (m := re.search(r"_(\d+)\.bin$", os.path.basename(p))))
     missing = sorted(set(range(numbers[0], numbers[-1] + 1)) - set(numbers)) if numbers else []
@@ -319,16 +315,14 @@ def check_llmc_header(path, n_tokens):
     if len(header) < 3 or header[0] != LLMC_MAGIC or header[1] != LLMC_VERSION:
         found = f"magic {header[0]}, version {header[1]}" if len(header) >= 3 else \
             "a file shorter than the header"
-        raise UserError(
-            f"{path} is not an llm.c GPT-2 token shard: its header has {found}, not magic "
-            f"{LLMC_MAGIC}, version {LLMC_VERSION} (uint16 GPT-2 tokens; other llm.c formats, "
-            f"such as llama-3's uint32 shards, are not read). Remove it from the folder, or "
-            f"make the shards again.")
+        raise UserError(f"{path} is not an llm.c GPT-2 token shard: its header has {found}, not "
+                        f"magic {LLMC_MAGIC}, version {LLMC_VERSION} (uint16 GPT-2 tokens; other "
+                        f"llm.c formats, such as llama-3's uint32 shards, are not read). Remove it "
+                        f"from the folder, or make the shards again.")
     if header[2] != n_tokens:
-        raise UserError(
-            f"{path}: its header says {header[2]} tokens but the file holds {n_tokens} after the "
-            f"{LLMC_HEADER_BYTES}-byte header: the shard is truncated or was not written "
-            f"completely. Download or make it again.")
+        raise UserError(f"{path}: its header says {header[2]} tokens but the file holds {n_tokens} "
+                        f"after the {LLMC_HEADER_BYTES}-byte header: the shard is truncated or was "
+                        f"not written completely. Download or make it again.")
 
 
 def file_tokens(paths, dtype, header_bytes, listed, hint):
@@ -342,18 +336,16 @@ def file_tokens(paths, dtype, header_bytes, listed, hint):
                         f"deleted or moved after prepare.py wrote the folder. Restore it, or run "
                         f"`{hint}` again.") from None
     for k in np.flatnonzero((sizes < 0) | (sizes % dtype.itemsize != 0))[:1].tolist():
-        raise UserError(
-            f"{paths[k]} is {sizes[k] + header_bytes} bytes, which is not "
-            f"{'a header and ' if header_bytes else ''}a whole number of {dtype.name} tokens "
-            f"({dtype.itemsize} bytes each): the file is truncated or is not a token file. "
-            f"Run `{hint}` again.")
+        raise UserError(f"{paths[k]} is {sizes[k] + header_bytes} bytes, which is not "
+                        f"{'a header and ' if header_bytes else ''}a whole number of {dtype.name} "
+                        f"tokens ({dtype.itemsize} bytes each): the file is truncated or is not a "
+                        f"token file. Run `{hint}` again.")
     counts = sizes // dtype.itemsize
     if listed is not None:
         for k in np.flatnonzero(counts != np.asarray(listed, dtype=np.int64))[:1].tolist():
-            raise UserError(
-                f"{paths[k]} holds {counts[k]} tokens but {META_NAME} says {listed[k]}: the file "
-                f"was truncated, extended or replaced after prepare.py wrote it. Run `{hint}` "
-                f"again.")
+            raise UserError(f"{paths[k]} holds {counts[k]} tokens but {META_NAME} says "
+                            f"{listed[k]}: the file was truncated, extended or replaced after "
+                            f"prepare.py wrote it. Run `{hint}` again.")
     if header_bytes:
         for path, n_tokens in zip(paths, counts.tolist()):
             check_llmc_header(path, n_tokens)
@@ -384,10 +376,9 @@ def open_split(data_dir, split, block_size):
         log.info(f"data: {split}: {describe(token_split)}, {token_split.n_tokens:,} tokens")
     expected = (meta or {}).get("splits", {}).get(split, {}).get("fingerprint")
     if expected is not None and expected != fingerprint:
-        raise UserError(
-            f"{describe(token_split)} {'does' if len(paths) == 1 else 'do'} not match the "
-            f"fingerprint in {META_NAME}: the content changed after prepare.py wrote it (a "
-            f"different file of the same size?). Run `{hint}` again.")
+        raise UserError(f"{describe(token_split)} {'does' if len(paths) == 1 else 'do'} not match "
+                        f"the fingerprint in {META_NAME}: the content changed after prepare.py "
+                        f"wrote it (a different file of the same size?). Run `{hint}` again.")
     check_block_size(token_split, block_size)
     return token_split
 
@@ -405,17 +396,15 @@ def check_block_size(token_split, block_size):
     at least one file must hold one, or sampling has nothing to draw from."""
     longest = int(np.diff(token_split.starts).max())
     if longest < block_size + 1 and len(token_split.paths) == 1:
-        raise UserError(
-            f"{describe(token_split)} holds {longest} tokens, fewer than one block of "
-            f"block_size={block_size} plus the shifted target: set block_size to at most "
-            f"{max(longest - 1, 0)} or prepare more data.")
+        raise UserError(f"{describe(token_split)} holds {longest} tokens, fewer than one block of "
+                        f"block_size={block_size} plus the shifted target: set block_size to at "
+                        f"most {max(longest - 1, 0)} or prepare more data.")
     if longest < block_size + 1:
-        raise UserError(
-            f"{describe(token_split)} hold at most {longest} tokens a shard, fewer than one "
-            f"block of block_size={block_size} plus the shifted target, and no window crosses "
-            f"from one shard into the next: prepare the data again with larger shards "
-            f"(--shard_tokens={block_size + 1} or more), or set block_size to at most "
-            f"{max(longest - 1, 0)}.")
+        raise UserError(f"{describe(token_split)} hold at most {longest} tokens a shard, fewer "
+                        f"than one block of block_size={block_size} plus the shifted target, and "
+                        f"no window crosses from one shard into the next: prepare the data again "
+                        f"with larger shards (--shard_tokens={block_size + 1} or more), or set "
+                        f"block_size to at most {max(longest - 1, 0)}.")
 
 
 def read(token_split, offsets, length):

@@ -10,8 +10,7 @@ The tokenizers by name encode every Python str ('char' encodes its own character
 any others in a UserError). A str can hold lone surrogates (U+D800..U+DFFF),
 which UTF-8 cannot encode: JSON's "\\ud800" escapes make them, and so does a command-line
 argument that is not UTF-8. Each becomes U+FFFD, the replacement character: tiktoken's
-encode_ordinary does that itself, and _any_str does it for ours and Hugging Face's.
-"""
+encode_ordinary does that itself, and _any_str does it for ours and Hugging Face's."""
 import contextlib
 import hashlib
 import logging
@@ -210,11 +209,10 @@ def byte_lengths(tok, n_ids):
     if tok.eot is not None:
         lengths[tok.eot] = 1
     if tok.fingerprint and (kept := lengths[tok.encode(PROBE)].sum()) < len(PROBE):
-        log.info(f"note: the tokenizer {tok.name!r} drops text (unknown words, or a "
-                 f"pre-tokenizer or normalizer that leaves some out): {PROBE!r} decodes to "
-                 f"{kept} of its {len(PROBE)} bytes. Bits per byte count the bytes its tokens "
-                 f"decode to, so they read higher than the text's would, and do not compare "
-                 f"with another tokenizer's.")
+        log.info(f"note: the tokenizer {tok.name!r} drops text (unknown words, or a pre-tokenizer "
+                 f"or normalizer that leaves some out): {PROBE!r} decodes to {kept} of its "
+                 f"{len(PROBE)} bytes. Bits per byte count the bytes its tokens decode to, so they "
+                 f"read higher than the text's would, and do not compare with another tokenizer's.")
     return lengths
 
 
@@ -277,9 +275,8 @@ def _hf_tokenizer(name):
         try:
             return any_str(text)
         except Exception as e:  # the tokenizers library raises a bare Exception
-            raise UserError(f"the tokenizer {name_of(name)!r} cannot encode the text "
-                            f"{text[:40]!r} ({e}): give a text of what its vocabulary "
-                            f"holds.") from e
+            raise UserError(f"the tokenizer {name_of(name)!r} cannot encode the text {text[:40]!r} "
+                            f"({e}): give a text of what its vocabulary holds.") from e
 
     def encode_batch(texts):
         """Without the offsets that encode() computes: a third less CPU per token."""

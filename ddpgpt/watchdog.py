@@ -19,8 +19,7 @@ them through files: on several nodes that needs out_dir on a file system that al
 Each rank decides on its own clock; the step's all-reduce keeps the ranks within a step of each
 other, so they fire within a second or two of each other. A rank stuck where Python cannot run
 (a C call that holds the GIL) is caught by faulthandler's own thread instead, a little later:
-it dumps that rank's stacks and exits 1.
-"""
+it dumps that rank's stacks and exits 1."""
 import faulthandler
 import json
 import linecache

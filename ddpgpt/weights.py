@@ -11,8 +11,7 @@ the tokenizer it reads.
 
 train.py starts through for_training() and checks a resume against its data with
 check_resume(); sample.py and eval.py load through load(); export.py, which exports
-checkpoints only, through checkpoint_at() and tokenizer.py's data_meta() and tokenizer_of().
-"""
+checkpoints only, through checkpoint_at() and tokenizer.py's data_meta() and tokenizer_of()."""
 import logging
 import os
 import shlex
@@ -195,10 +194,9 @@ def check_same_optimizer(cfg, trained):
     if was != now:
         changed = ", ".join(f"{k}={now[k]!r} ({was[k]!r} there)" for k in was if was[k] != now[k])
         fix = " ".join(f"--{k}={shlex.quote(v)}" for k, v in was.items())
-        raise UserError(
-            f"{changed}: the checkpoint in {cfg.out_dir} holds the state of the optimizer it "
-            f"was trained with, which another one cannot take up. Resume with {fix}, or "
-            f"start a new run in another out_dir.")
+        raise UserError(f"{changed}: the checkpoint in {cfg.out_dir} holds the state of the "
+                        f"optimizer it was trained with, which another one cannot take up. Resume "
+                        f"with {fix}, or start a new run in another out_dir.")
 
 
 # ---- sample.py, eval.py, export.py: a run, a checkpoint file, or GPT-2's weights ----

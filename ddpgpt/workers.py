@@ -14,8 +14,7 @@ nothing from them. If the main process dies outright, their task pipes end and t
 
 Task i goes to worker i % num_proc, and results come back in task order. A worker reads its tasks in
 a thread of its own, so the main process's send of a task never waits for the worker to finish an
-earlier one (which could be waiting, in turn, for the main process to take its result).
-"""
+earlier one (which could be waiting, in turn, for the main process to take its result)."""
 import contextlib
 import multiprocessing
 import os
