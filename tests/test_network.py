@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from conftest import ROOT, batches_and_losses, torchrun, train_args
+from conftest import ROOT, batches_and_losses, torchrun, traceback_of_ours, train_args
 
 SLOW_RATE = "400mbit"  # a tenth or less of what gloo moves over an unthrottled veth here
 CHECK_BUDGET_S = 5  # the check's time, throttled link and all, on this loaded CPU
@@ -89,6 +89,7 @@ def test_a_slow_link_between_two_nodes_names_both_and_stops_the_run_only_then(no
     throttle(nodes, 1)
     slow = on_nodes(nodes, [1, 1], train_args(corpus, tmp_path / "slow", *steps), env)
     assert slow[0].returncode != 0 and slow[1].returncode != 0
+    assert not traceback_of_ours(slow[0].stderr + slow[1].stderr)
     said = slow[0].stdout + slow[0].stderr
     assert re.search(r"train.py: error \(ranks 0, 1\): network: the bus bandwidth between "
                      r"nodes, [\d.]+ GB/s, is far below 0.1 GB/s, the least that "
