@@ -20,7 +20,7 @@ MIB = {"cuda": 32, "cpu": 4}  # a transfer's size: large enough that its time is
 REPS = 3  # timed runs of each transfer after one to warm up; the fastest counts
 SLOW = 1 / 3  # a node whose best link is below this share of the best pair's is slow
 # the fabric that NCCL's variables name (the first that matches) and its least between-node bus
-# bandwidth in GB/s: half of one 100 Gb/s link's, of 10 GbE's for sockets (docs/performance.md)
+# bandwidth in GB/s: half the rate of its slowest common link (docs/performance.md's table)
 FABRICS = (("EFA", 6, r"FI_PROVIDER=efa|NCCL_NET=.*(ofi|libfabric)"),
            ("Ethernet", 0.6, r"NCCL_NET=socket|NCCL_IB_DISABLE=1"),
            ("InfiniBand", 6, r"NCCL_NET=ib$|NCCL_IB_"), ("Ethernet", 0.6, r"NCCL_SOCKET_IFNAME="))

@@ -1,7 +1,8 @@
 """The network check before the first step (ddpgpt/network.py), on nodes simulated on this
 machine: a network namespace per node, with its own host name (unshare --uts), joined to a
 bridge in a namespace of its own by a veth pair, so that the traffic stays on them; tc throttles
-one node's link. Needs root, as CI has."""
+one node's link. Needs root, as CI has; which fabric NCCL's variables name does not.
+(NCCL's own paths are not run here: no GPUs.)"""
 import os
 import re
 import subprocess
@@ -10,10 +11,24 @@ import uuid
 
 import pytest
 
+from ddpgpt import network
 from conftest import ROOT, batches_and_losses, torchrun, traceback_of_ours, train_args
 
 SLOW_RATE = "400mbit"  # a tenth or less of what gloo moves over an unthrottled veth here
 CHECK_BUDGET_S = 5  # the check's time, throttled link and all, on this loaded CPU
+
+
+@pytest.mark.parametrize("variables, named", [
+    ({"FI_PROVIDER": "efa", "NCCL_SOCKET_IFNAME": "ens"}, ("EFA", 6)),
+    ({"NCCL_NET": "AWS Libfabric"}, ("EFA", 6)),
+    ({"NCCL_IB_HCA": "mlx5_0", "NCCL_SOCKET_IFNAME": "eth0"}, ("InfiniBand", 6)),
+    ({"NCCL_IB_HCA": "mlx5_0", "NCCL_IB_DISABLE": "1"}, ("Ethernet", 0.6)),
+    ({"NCCL_NET": "Socket"}, ("Ethernet", 0.6)),
+    ({"NCCL_SOCKET_IFNAME": "eth0"}, ("Ethernet", 0.6)),
+    ({"GLOO_SOCKET_IFNAME": "eth0"}, None),
+])
+def test_the_variables_name_the_fabric_whose_least_is_expected(variables, named):
+    assert network.fabric(variables) == named
 
 
 def ip(*args):
