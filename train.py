@@ -38,8 +38,8 @@ import torch  # noqa: E402  (the imports that take seconds come after)
 import torch.distributed as dist  # noqa: E402
 
 from ddpgpt import (arch, checkpoint, data, errors, evaluation, launch, loader,  # noqa: E402
-                    memplan, metrics, optim, parallel, profiling, runtime, schedule, sources,
-                    watchdog, weights)
+                    memplan, metrics, network, optim, parallel, profiling, runtime, schedule,
+                    sources, watchdog, weights)
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
 from ddpgpt.state import TrainState
@@ -101,6 +101,9 @@ def main(argv):
                         locks=[(cfg.out_dir, None), *metrics.tensorboard_locks(cfg)],
                         standing=lambda: standing(cfg, run)) as s:
         found = launch.start(s, lambda: start_up(cfg, given, s.ranks, s.device))
+        if cfg.network_check != "off" and s.ranks.world_size > 1:
+            launch.start(s, lambda: network.check(s.ranks, s.device, cfg.network_min_gbps,
+                                                  stop=cfg.network_check == "stop"))
         try:  # the first forward and backward may be DDP's bucket pass or the first evaluation
             run = make_run(s, found)
             first = run.state.iter_num

@@ -72,7 +72,7 @@ def session(script, device, backend="", timeout_s=600, *, locks=(), watch=None, 
 def start(s, start_up):
     """start_up()'s result once every rank has run it; where a rank met a UserError, every
     rank stops (StartUpFailed), rank 0 having said each problem once. start_up runs no
-    collective, so that every rank gets to agree."""
+    collective after a rank could meet its UserError, so that every rank gets to agree."""
     try:
         found, error = start_up(), None
     except UserError as e:

@@ -154,6 +154,12 @@ class TrainConfig:
                               at_most=YEAR_S)
     startup_timeout_s: int = key(1800, "the same limit until the first step completes; 0: off",
                                  at_least=0, at_most=YEAR_S)
+    network_check: Literal["on", "off", "stop"] = key(
+        "on", "on: with 2+ ranks, time the network before the first step and say where it is "
+              "slow (docs/performance.md); stop: and end the run there when it is; off")
+    network_min_gbps: float = key(0.0, "the least between-node bus bandwidth (GB/s) to take "
+                                       "as fast; 0: the least of the fabric that NCCL's "
+                                       "variables name", at_least=0)
     seed: int = key(1337, "the data order, the initial weights and dropout", at_least=0)
     # how the ranks share the model (parallel.py) and how checkpoints are written
     parallel: Parallel = key("ddp", "ddp: every rank holds all the weights, gradients and "
