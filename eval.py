@@ -134,7 +134,8 @@ def load_model(cfg):
     if cfg.block_size > positions:
         raise UserError(f"block_size={cfg.block_size} is more than the model's {positions} "
                         f"positions: use block_size <= {positions}, or 0 for all of them.")
-    model = GPT(GPTConfig(**loaded.args), loaded.tokenizer.vocab_size)
+    # the loss as the run's was: over the tokenizer's ids, or every row in older checkpoints
+    model = GPT(GPTConfig(**loaded.args), loaded.state and Saved.of(loaded.state).scored_ids)
     model.load_state_dict(loaded.weights)
     return model, loaded
 

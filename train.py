@@ -42,7 +42,7 @@ from ddpgpt import (arch, checkpoint, data, errors, evaluation, launch, loader, 
                     sources, watchdog, weights)
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
-from ddpgpt.state import TrainState
+from ddpgpt.state import Saved, TrainState
 
 log = logging.getLogger("ddpgpt.train")
 
@@ -168,7 +168,9 @@ def start_up(cfg, given, ranks, device):
     if start.resume is not None:
         weights.check_resume(cfg, start.resume, meta, identity, len(data_sources))
     torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(**start.args), arch.n_tokens(meta))
+    # the loss over the tokenizer's ids, or as the resumed checkpoint's was (state.Saved)
+    model = GPT(GPTConfig(**start.args), arch.n_tokens(meta) if start.resume is None else
+                Saved.of(start.resume).scored_ids)
     if start.weights is not None:  # GPT-2's: a checkpoint's are resumed with its state
         model.load_state_dict(start.weights)
     if cfg.optimizer == "muon":  # its patterns checked here, before any collective
@@ -190,7 +192,8 @@ def make_run(s, found):
     precision = runtime.precision(cfg.dtype, device)
     model, eval_model, train_model = parallel.wrap(found.model, cfg, ranks, device, precision)
     optimizer = optim.make(cfg, model, runtime.device_type(device))
-    state = TrainState(found.start.args, found.meta, found.identity, cfg.global_batch)
+    state = TrainState(found.start.args, found.meta, found.identity, cfg.global_batch,
+                       found.model.n_tokens)
     resume = found.start.resume
     if resume is not None:
         checkpoint.resume(resume, model, optimizer, precision.scaler, state)

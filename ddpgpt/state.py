@@ -4,8 +4,9 @@ the optimizer's tensors, the loss scale and the settings (checkpoint.contents, a
 checkpoint.resume); a new piece of where-the-run-is is added here alone.
 
 Its keys in a checkpoint are nanoGPT's (iter_num, best_val_loss, model_args) and ddpgpt's:
-samples_consumed (the data position), data_meta (the data's meta.json, which names the tokenizer)
-and data_identity (what the data is, so that a resume on other data is caught). Saved reads a
+samples_consumed (the data position), data_meta (the data's meta.json, which names the tokenizer),
+data_identity (what the data is, so that a resume on other data is caught) and scored_ids (the
+ids the loss is over: model.GPT's n_tokens). Saved reads a
 checkpoint's from any version, with what an older one (nanoGPT's) that lacks a key implies."""
 import math
 from typing import NamedTuple, Optional
@@ -18,15 +19,17 @@ class TrainState:
     batch, which is why the batch index is always samples // global_batch. A class, as the
     Stateful contract is one."""
 
-    def __init__(self, model_args, data_meta, data_identity, global_batch):
+    def __init__(self, model_args, data_meta, data_identity, global_batch, scored_ids):
         self.model_args, self.data_meta, self.data_identity = model_args, data_meta, data_identity
+        self.scored_ids = scored_ids
         self.global_batch = global_batch  # the run's: where a nanoGPT checkpoint's steps end
         self.iter_num, self.samples, self.best_val = 0, 0, math.inf
 
     def state_dict(self):
         return {"model_args": self.model_args, "iter_num": self.iter_num,
                 "samples_consumed": self.samples, "best_val_loss": self.best_val,
-                "data_meta": self.data_meta, "data_identity": self.data_identity}
+                "data_meta": self.data_meta, "data_identity": self.data_identity,
+                "scored_ids": self.scored_ids}
 
     def load_state_dict(self, state):
         """Go on from a checkpoint's progress. Its model arguments and data are not taken: the run
@@ -46,13 +49,16 @@ class Saved(NamedTuple):
     config: dict  # the settings it was trained with; {} where it has none
     data_meta: Optional[dict]
     data_identity: Optional[dict]
+    # the ids its loss is over; None: every row of the output layer, padding too (checkpoints
+    # before the loss left the padding out, and nanoGPT's), which a resume keeps computing
+    scored_ids: Optional[int]
 
     @classmethod
     def of(cls, state):
         return cls(iter_num=state["iter_num"], samples_consumed=state.get("samples_consumed"),
                    best_val=state.get("best_val_loss", math.inf), scaler=state.get("scaler"),
                    config=state.get("config") or {}, data_meta=state.get("data_meta"),
-                   data_identity=state.get("data_identity"))
+                   data_identity=state.get("data_identity"), scored_ids=state.get("scored_ids"))
 
     def samples(self, global_batch):
         """The data position."""
