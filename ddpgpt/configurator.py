@@ -95,15 +95,6 @@ def check_only_for(cfg, name, key, wanted):
 
 # ---- reading config files and arguments ----
 
-def check_key(key, fields, where, script):
-    if key not in fields:
-        close = [f"{n} (its new name)" for n, f in fields.items() if f.metadata.get("was") == key] \
-            or difflib.get_close_matches(key, fields, n=3, cutoff=0.6)
-        hint = f"did you mean {' or '.join(close)}? " if close else ""
-        raise UserError(f"{where}: unknown key {key!r}; {hint}`python {script} --help` lists "
-                        f"the keys.")
-
-
 def read_config_file(path):
     if not os.path.isfile(path):
         raise UserError(f"config file {path} does not exist (config files are paths such "
@@ -181,7 +172,13 @@ def read_settings(config_cls, argv, script):
     for key, raw, where in arguments(argv, hints, getattr(config_cls, "POSITIONAL", ())):
         pairs = read_config_file(raw).items() if key is None else [(key, raw)]
         for name, value in pairs:
-            check_key(name, fields, where, script)
+            if name not in fields:
+                close = [f"{n} (its new name)" for n, f in fields.items()
+                         if f.metadata.get("was") == name] \
+                    or difflib.get_close_matches(name, fields, n=3, cutoff=0.6)
+                hint = f"did you mean {' or '.join(close)}? " if close else ""
+                raise UserError(f"{where}: unknown key {name!r}; {hint}`python {script} --help` "
+                                f"lists the keys.")
             try:
                 if key is not None:
                     if value is None:

@@ -132,21 +132,17 @@ def arrow_documents(batches, column):
         yield from (text or "" for text in batch.column(column).to_pylist())
 
 
-def parquet_documents(path, column):
-    try:
-        f = pq.ParquetFile(path)
-        check_arrow_column(f.schema_arrow, column, path)
-        yield from arrow_documents(f.iter_batches(batch_size=1024, columns=[column]), column)
-    except (OSError, pa.ArrowException) as e:
-        raise UserError(f"{path} could not be read as parquet ({e}).") from e
-
-
 def file_documents(path, column):
     kind, _ = text_kind(path)
     if kind == ".txt":
         yield "".join(utf8_lines(path))
     elif kind == ".parquet":
-        yield from parquet_documents(path, column)
+        try:
+            f = pq.ParquetFile(path)
+            check_arrow_column(f.schema_arrow, column, path)
+            yield from arrow_documents(f.iter_batches(batch_size=1024, columns=[column]), column)
+        except (OSError, pa.ArrowException) as e:
+            raise UserError(f"{path} could not be read as parquet ({e}).") from e
     else:
         yield from json_documents(path, column, kind)
 

@@ -258,17 +258,6 @@ def cannot_load(init_from, error):
             f"--local-dir ./{init_from}`, copy it here and set --init_from=./{init_from}.")
 
 
-def say_the_hub_comes_first(repo):
-    """Unless HF_HUB_OFFLINE=1, the hub is asked about repo's files even when they are cached:
-    with no network, it is retried for about 30 s before the error, which the user should not
-    have to sit through to learn the fix."""
-    import huggingface_hub  # comes with transformers
-    if not huggingface_hub.constants.HF_HUB_OFFLINE:
-        log.info(f"loading {repo} through Hugging Face's hub and its cache; without network, "
-                 f"set HF_HUB_OFFLINE=1 to read the cache alone at once (else the hub is "
-                 f"retried for about 30 s)")
-
-
 def _fetch(load, init_from):
     """load(), with what goes wrong finding, downloading or reading the files as a UserError:
     transformers raises OSError for a missing file, other errors for a damaged one."""
@@ -286,8 +275,14 @@ def load(init_from):
     model_type = "gpt2" if init_from in NAMES else check_folder(init_from)
     transformers = _transformers()
     repo = repo_of(init_from)
-    if init_from in NAMES:
-        say_the_hub_comes_first(repo)
+    import huggingface_hub  # comes with transformers
+    # unless HF_HUB_OFFLINE=1, the hub is asked about repo's files even when they are cached:
+    # with no network, it is retried for about 30 s before the error, which the user should not
+    # have to sit through to learn the fix
+    if init_from in NAMES and not huggingface_hub.constants.HF_HUB_OFFLINE:
+        log.info(f"loading {repo} through Hugging Face's hub and its cache; without network, "
+                 f"set HF_HUB_OFFLINE=1 to read the cache alone at once (else the hub is "
+                 f"retried for about 30 s)")
     config_name, model_name, args_of, from_state, what = {
         "gpt2": ("GPT2Config", "GPT2LMHeadModel", model_args_of, from_hf_state, "GPT-2"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", qwen3_args_of, from_qwen3_state,

@@ -4,7 +4,7 @@ a launched process lives through and the library does not know of:
   the process group   joined in a store of each torchrun restart's own (peers.py), left at
                       the end (finish)
   start-up errors     every rank checks its start-up before any collective; the ranks agree,
-                      and rank 0 says each problem once (start, agree)
+                      and rank 0 says each problem once (start)
   stop signals        train.py's: recorded from the start, agreed on at a step (signals.py)
   the hang watchdog   train.py's (watchdog.py)
   the locks           rank 0 holds one on each folder the run writes (lock.py)
@@ -71,13 +71,21 @@ def session(script, device, backend="", timeout_s=600, *, locks=(), watch=None, 
 
 def start(s, start_up):
     """start_up()'s result once every rank has run it; where a rank met a UserError, every
-    rank stops (StartUpFailed), rank 0 having said each problem once. start_up runs no
-    collective after a rank could meet its UserError, so that every rank gets to agree."""
+    rank stops together (StartUpFailed), rank 0 having said each distinct problem once, and no
+    rank is left waiting in a later collective. start_up runs no collective after a rank could
+    meet its UserError, so that every rank gets to agree."""
     try:
         found, error = start_up(), None
     except UserError as e:
         found, error = None, str(e)
-    if not agree(error, s.ranks, s.script):
+    problems = {}
+    for r, e in enumerate(gather(error, s.ranks.world_size)):
+        if e is not None:
+            problems.setdefault(e, []).append(r)
+    if problems and s.ranks.master:
+        for message, where in problems.items():
+            say(line(s.script, message, where if s.ranks.world_size > 1 else ()))
+    if problems:
         raise StartUpFailed
     return found
 
@@ -140,20 +148,6 @@ def finish(world_size, status=0):
         return
     dist.destroy_process_group()
     exit_now(status)
-
-
-def agree(error, ranks, script):
-    """Share each rank's start-up error (or None) so that all ranks stop together and rank 0
-    reports every distinct problem once; no rank is left waiting in a later collective.
-    True when no rank had one."""
-    problems = {}
-    for r, e in enumerate(gather(error, ranks.world_size)):
-        if e is not None:
-            problems.setdefault(e, []).append(r)
-    if problems and ranks.master:
-        for message, where in problems.items():
-            say(line(script, message, where if ranks.world_size > 1 else ()))
-    return not problems
 
 
 def gather(value, world_size):

@@ -51,22 +51,18 @@ def this_restarts_store(rank, world_size, timeout):
                          name="restart-store").start()
     else:
         store.delete_key(ATTEMPT_KEY)
-        attempt = read_attempt(store)
+        # A TCPStore's get() waits for the key, then reads it: two requests, and another rank's
+        # delete_key can fall between them; the read then gives b"" (its answer for a missing
+        # key), which would leave this rank alone in a group of its own, waiting in
+        # init_process_group until the timeout. It waits for rank 0's next write instead.
+        published = b""
+        while not published:
+            published = store.get(ATTEMPT_KEY)
+        attempt = published.decode()
     try:
         yield dist.PrefixStore(f"ddpgpt/{attempt}", store)
     finally:
         joined.set()
-
-
-def read_attempt(store):
-    """The attempt rank 0 publishes. A TCPStore's get() waits for the key, then reads it: two
-    requests, and another rank's delete_key can fall between them; the read then gives b""
-    (its answer for a missing key), which would leave this rank alone in a group of its own,
-    waiting in init_process_group until the timeout. It waits for rank 0's next write instead."""
-    attempt = b""
-    while not attempt:
-        attempt = store.get(ATTEMPT_KEY)
-    return attempt.decode()
 
 
 def publish(store, attempt, joined):

@@ -200,16 +200,7 @@ class TrainConfig:
                 f"{self.cooldown_frac} of max_iters={self.max_iters}), so the learning rate "
                 f"would still be rising where it should decay: set warmup_iters to at most "
                 f"{cooldown}, or raise max_iters.")
-        self.check_recipe()
-        # the keys that only fsdp reads (what it cannot train in, float16, is parallel.check's:
-        # the device says what dtype='auto' is)
-        for name in ("reshard_after_forward", "reduce_every_micro_step"):
-            check_only_for(self, name, "parallel", "fsdp")
-        check_only_for(self, "tensorboard_dir", "tensorboard_log", True)
-        profiling.window(self.profile_steps, self.max_iters)
-
-    def check_recipe(self):
-        """The combinations of arch and optimizer that cannot work."""
+        # the combinations of arch and optimizer that cannot work
         check_bias(self.arch, self.bias)
         if self.init_from == "scratch" or self.init_from in NAMES:  # else the weights' arch
             check_only_for(self, "rope_theta", "arch", "modern")
@@ -225,6 +216,12 @@ class TrainConfig:
                             "follows the schedule of learning_rate in proportion (muon_lr at "
                             "its peak), which a peak of 0 leaves undefined. Set learning_rate "
                             "(the AdamW part's) above 0.")
+        # the keys that only fsdp reads (what it cannot train in, float16, is parallel.check's:
+        # the device says what dtype='auto' is)
+        for name in ("reshard_after_forward", "reduce_every_micro_step"):
+            check_only_for(self, name, "parallel", "fsdp")
+        check_only_for(self, "tensorboard_dir", "tensorboard_log", True)
+        profiling.window(self.profile_steps, self.max_iters)
 
     @property
     def from_weights(self):
