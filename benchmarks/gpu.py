@@ -48,6 +48,7 @@ RECIPE = ["--arch=modern", "--optimizer=muon"]  # the same FLOPs per token as GP
 SELECTIVE = ["--activation_checkpointing=selective", "--loss_chunks=4"]  # the loss in chunks too
 FSDP_KEYS = ["--reshard_after_forward=False", "--reduce_every_micro_step=True"]  # not defaults
 EVERY_OTHER_STEP = 2  # the 1-rank check's evaluations and saves
+PROFILE = ["--profile_steps=2-3", "--profile_memory=True"]  # the 1-rank check's profile
 HELLASWAG_EXAMPLES = 40
 # What each mode runs: train.py's arguments for GPT-2 124M ("main") and for the 2-rank run
 # (a small model, as gloo carries every gradient through host memory); the steps, the
@@ -408,6 +409,8 @@ def two_ranks(s, parallel="ddp", name="2 ranks", folder="ranks", extra=()):
     first, after, breaks = compile_events(finished.output)
     show(name, compile_lines(finished.output))
     ms = float(np.median([r["ms"] for r in steps[1:]])) if len(steps) > 1 else None
+    network = next((line[line.index("network: "):] for line in finished.output.splitlines()
+                    if "network: bus bandwidth" in line), "no network check's line")
     passed = "world size 2," in finished.output and len(steps) == spec["rank_steps"] and \
         all(math.isfinite(r["loss"]) for r in steps) and after == 0 and breaks == 0
     if parallel == "fsdp":
@@ -419,8 +422,8 @@ def two_ranks(s, parallel="ddp", name="2 ranks", folder="ranks", extra=()):
                      f"{len(steps)} steps, {report.FORMAT.format('{:,.1f}', ms)} ms/step after "
                      f"the first; {first} recompile(s) by the first step, {after} after "
                      f"(an evaluation of uneven batches midway), "
-                     f"{breaks} graph break(s)", ms_per_step=ms, recompiles_after=after,
-                     graph_breaks=breaks)
+                     f"{breaks} graph break(s); {network}", ms_per_step=ms,
+                     recompiles_after=after, graph_breaks=breaks, network=network)
 
 
 def fsdp_resumed(s):
@@ -477,7 +480,7 @@ def one_rank(s):
     grow from the second evaluation on, across two more."""
     name, spec, out = ONE_RANK, s.spec, s.out("one-rank")
     args = [*train_args(spec["one_rank"], s.bytes, out, spec["one_rank_steps"],
-                        EVERY_OTHER_STEP), "--sampling=documents"]
+                        EVERY_OTHER_STEP), "--sampling=documents", *PROFILE]
     finished = launch(s, name, [*common.torchrun(1), "train.py", *args], spec["caps"]["ranks"])
     if not succeeded(finished):
         return failed_row(name, finished)
@@ -487,14 +490,17 @@ def one_rank(s):
     # the peak after the second evaluation (the first steps allocate the optimizer's state)
     peaks = [r["rank_mem_mib"][0] for r in steps if len(evals) > 1 and r["iter"] >= evals[1]]
     growth = peaks[-1] / peaks[0] - 1 if peaks else None
+    profile = sorted(os.listdir(os.path.join(out, "profile")))  # a trace; a snapshot on CUDA
     passed = "world size 1," in finished.output and len(steps) == spec["one_rank_steps"] and \
         all(math.isfinite(r["loss"]) for r in steps) and len(evals) >= 4 and \
-        growth <= MEMORY_GROWTH
+        growth <= MEMORY_GROWTH and profile[-1] == "rank0_iters2-3.pt.trace.json" and \
+        (spec["device"] == "cpu" or profile[0] == "rank0_iters2-3.memory.pickle")
     return check_row(name, passed, f"no process group (one rank), {cfg.dtype}, sampling "
                      f"{cfg.sampling}: {len(steps)} steps, {len(evals)} evaluations (at "
                      f"{', '.join(map(str, evals))}); peak memory "
                      f"{report.FORMAT.format('{:+.1%}', growth)} from the second evaluation to "
-                     f"the end", evaluations=len(evals), memory_growth=growth)
+                     f"the end; profiled iters 2-3: {', '.join(profile)}",
+                     evaluations=len(evals), memory_growth=growth, profile=profile)
 
 
 def eval_hellaswag(s):
@@ -620,7 +626,8 @@ def settings(mode, spec, cfg):
     recipe = train_args([*spec["main"], *RECIPE], "<data>", "<modern>", spec["steps"],
                         spec["steps"])
     one_rank = [*train_args(spec["one_rank"], "<byte data>", "<one-rank>",
-                            spec["one_rank_steps"], EVERY_OTHER_STEP), "--sampling=documents"]
+                            spec["one_rank_steps"], EVERY_OTHER_STEP), "--sampling=documents",
+                *PROFILE]
     commands = [f"torchrun --standalone --nproc_per_node=1 -m benchmarks.nccl_rank "
                 f"{' '.join(spec['collectives'])}",
                 f"TORCH_LOGS={TORCH_LOGS} python train.py {' '.join(main)}",

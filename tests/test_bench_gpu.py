@@ -48,6 +48,9 @@ def test_gpu_dry_run(env, tmp_path):
     one_rank = checks[gpu.ONE_RANK]
     assert one_rank["evaluations"] == 4 and one_rank["memory_growth"] <= gpu.MEMORY_GROWTH
     assert "no process group (one rank), float32, sampling documents" in one_rank["measured"]
+    assert one_rank["profile"] == ["rank0_iters2-3.pt.trace.json"]  # no CUDA: no snapshot
+    # the network check's line, as the 2-rank runs log it (one host: within a node alone)
+    assert checks["2 ranks"]["network"].startswith("network: bus bandwidth within a node ")
     # the one-rank group's backend as the process group says, not as the settings do
     collectives = checks["collectives, 1-rank group"]
     assert collectives["backend"] == "gloo" and "process group backend gloo (read from it), 1 " \
