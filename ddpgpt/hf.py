@@ -193,11 +193,8 @@ def from_qwen3_state(state):
     block = {v: k for k, v in QWEN3_BLOCK.items()}
     out = {}
     for k, v in state.items():
-        if k in theirs:
-            out[theirs[k]] = v
-        else:
-            layer, rest = k.removeprefix("model.layers.").split(".", 1)
-            out[f"transformer.h.{layer}.{block[rest]}"] = v
+        layer, rest = k.removeprefix("model.layers.").split(".", 1)
+        out[theirs[k] if k in theirs else f"transformer.h.{layer}.{block[rest]}"] = v
     return out
 
 
