@@ -93,14 +93,9 @@ def val_split(cfg, trained, loaded):
         raise UserError(f"the checkpoint trained on {where}, which cannot be read here: {e} "
                         f"Give --data_dir=<the same data's folder here>, or --val_loss=False "
                         f"for HellaSwag alone.") from e
-    check_same_val(val, loaded, where)
-    return val, f"{where}, the checkpoint's{'' if mix else ' data_dir'}"
-
-
-def check_same_val(val, loaded, where):
-    """The checkpoint's own data, prepared again since (other documents in val, perhaps ones
-    it trained on), would give a val loss that is not the one train.py logged: refused, as
-    train.py refuses to resume on other data."""
+    # the checkpoint's own data, prepared again since (other documents in val, perhaps ones it
+    # trained on), would give a val loss that is not the one train.py logged: refused, as
+    # train.py refuses to resume on other data
     before = (Saved.of(loaded.state).data_identity or {}).get("val")
     now = sources.identity(val)["val"]
     if before is not None and before != now:
@@ -109,6 +104,7 @@ def check_same_val(val, loaded, where):
                         f"{before}, so it was prepared again since and this val loss would not be "
                         f"the run's. Point it at the data the run trained on, or give "
                         f"--data_dir=<a folder> to evaluate on that folder as it is now.")
+    return val, f"{where}, the checkpoint's{'' if mix else ' data_dir'}"
 
 
 def make_evaluation(cfg, given, val, loaded):

@@ -193,11 +193,8 @@ def from_qwen3_state(state):
     block = {v: k for k, v in QWEN3_BLOCK.items()}
     out = {}
     for k, v in state.items():
-        if k in theirs:
-            out[theirs[k]] = v
-        else:
-            layer, rest = k.removeprefix("model.layers.").split(".", 1)
-            out[f"transformer.h.{layer}.{block[rest]}"] = v
+        layer, rest = k.removeprefix("model.layers.").split(".", 1)
+        out[theirs[k] if k in theirs else f"transformer.h.{layer}.{block[rest]}"] = v
     return out
 
 
@@ -223,10 +220,10 @@ def check_folder(folder):
 
 def check_init_from(init_from, keywords):
     """A UserError unless init_from is one of keywords, a name in NAMES or an existing folder."""
-    if init_from in keywords or init_from in NAMES or os.path.isdir(init_from):
-        return
-    raise UserError(f"init_from={init_from!r} is none of {', '.join(keywords)}, GPT-2's weights by "
-                    f"name ({', '.join(NAMES)}) or an existing folder; {FOLDER_HINT}.")
+    if not (init_from in keywords or init_from in NAMES or os.path.isdir(init_from)):
+        raise UserError(f"init_from={init_from!r} is none of {', '.join(keywords)}, GPT-2's "
+                        f"weights by name ({', '.join(NAMES)}) or an existing folder; "
+                        f"{FOLDER_HINT}.")
 
 
 def shape(init_from):
@@ -300,14 +297,10 @@ def load(init_from):
 def save(weights, args, tokenizer, folder):
     """Write model.py's weights as an HF GPT-2 (a Qwen3 for arch='modern') for tokenizer's ids
     into folder: config.json, generation_config.json and model.safetensors."""
-    transformers = _transformers()
-    if args.get("arch", "gpt2") == "modern":
-        model = transformers.Qwen3ForCausalLM(
-            qwen3_config_of(args, tokenizer.vocab_size, tokenizer.eot))
-        model.load_state_dict(to_qwen3_state(weights, tokenizer.vocab_size))
-    else:
-        model = transformers.GPT2LMHeadModel(config_of(args, tokenizer.vocab_size, tokenizer.eot))
-        model.load_state_dict(to_hf_state(weights, tokenizer.vocab_size))
+    model_name, config, state = ("Qwen3ForCausalLM", qwen3_config_of, to_qwen3_state) \
+        if args.get("arch", "gpt2") == "modern" else ("GPT2LMHeadModel", config_of, to_hf_state)
+    model = getattr(_transformers(), model_name)(config(args, tokenizer.vocab_size, tokenizer.eot))
+    model.load_state_dict(state(weights, tokenizer.vocab_size))
     model.save_pretrained(folder)
 
 

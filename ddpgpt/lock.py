@@ -83,21 +83,18 @@ def acquire(path, script):
         if locked_now and not same_file(fd, path):
             os.close(fd)  # its holder removed it between our open and our lock: a new one
             continue
-        if locked_now and not holder:
-            write_holder(fd, script)
-            return fd
-        if holder and gone(holder):
+        if not (gone(holder) if holder else locked_now):  # neither free nor its holder ended
+            os.close(fd)
+            raise UserError(refusal(path, holder))
+        if holder:
             log.info(f"{script}: taking over the lock on {os.path.dirname(path)}: "
                      f"{describe_holder(holder)} held it and is no longer running")
-            if locked_now:
-                write_holder(fd, script)
-                return fd
-            # its flock is still held (by its children, or for a crashed host by the file
-            # server, until its lease ends): a new lock file replaces the old one
-            release(path, fd)
-            continue
-        os.close(fd)
-        raise UserError(refusal(path, holder))
+        if locked_now:
+            write_holder(fd, script)
+            return fd
+        # its flock is still held (by its children, or for a crashed host by the file
+        # server, until its lease ends): a new lock file replaces the old one
+        release(path, fd)
 
 
 def slurm_run():

@@ -199,15 +199,13 @@ def shard_like(optimizer_state, optimizer):
     holds it, or {part: such} of optim.MuonAdamW) sharded as the optimizer's parameters are, for its
     load_state_dict: each rank keeps its shard of each tensor shaped like its parameter."""
     ours = parts(optimizer)
-    return joined({part: shard_part(saved, ours[part])
-                   for part, saved in state_parts(optimizer_state).items()})
-
-
-def shard_part(optimizer_state, optimizer):
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = {i: {name: distribute_tensor(t.to(params[i].device), params[i].device_mesh,
-                                         params[i].placements, src_data_rank=None)
-                 if isinstance(t, torch.Tensor) and t.shape == params[i].shape else t
-                 for name, t in entry.items()}
-             for i, entry in optimizer_state["state"].items()}
-    return {"state": state, "param_groups": optimizer_state["param_groups"]}
+    out = {}
+    for part, saved in state_parts(optimizer_state).items():
+        params = [p for group in ours[part].param_groups for p in group["params"]]
+        state = {i: {name: distribute_tensor(t.to(params[i].device), params[i].device_mesh,
+                                             params[i].placements, src_data_rank=None)
+                     if isinstance(t, torch.Tensor) and t.shape == params[i].shape else t
+                     for name, t in entry.items()}
+                 for i, entry in saved["state"].items()}
+        out[part] = {"state": state, "param_groups": saved["param_groups"]}
+    return joined(out)

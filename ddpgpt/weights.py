@@ -125,7 +125,17 @@ def pretrained(cfg, given, args, meta):
     but a smaller block_size crops the position table (the first positions are the same)."""
     weights, weights_args = hf.load(cfg.init_from)
     source, positions = f"the weights of {cfg.init_from}", weights_args["block_size"]
-    check_pretrained_data(cfg, meta, weights_args, source)
+    # the data must be in the weights' tokens. OpenAI's read GPT-2's, and so does a folder of
+    # GPT-2's vocabulary size or more (a folder names no tokenizer; sample.py and eval.py read
+    # such weights with GPT-2's); a smaller folder's must at least have an embedding for every
+    # token id of the data, which opening the data checks (sources.check_fits)
+    tokens = (meta or {}).get("tokenizer")
+    if (cfg.init_from in NAMES or weights_args["vocab_size"] >= GPT2_VOCAB_SIZE) and \
+            tokens not in (None, *GPT2_NAMES):
+        ids = f"{weights_args['vocab_size']} token ids, GPT-2's"
+        raise UserError(f"{cfg.data_dir} holds {tokens!r} tokens ({meta['vocab_size']} ids), which "
+                        f"{source} ({ids}) cannot read: prepare the data with the tokenizer those "
+                        f"weights were trained with (--tokenizer=gpt2 for OpenAI's GPT-2).")
     if "block_size" in given and cfg.block_size > positions:
         raise UserError(f"block_size={cfg.block_size} is more than the {positions} positions "
                         f"of {source}: use block_size <= {positions} (a smaller one crops them).")
@@ -134,20 +144,6 @@ def pretrained(cfg, given, args, meta):
         if "transformer.wpe.weight" in weights:  # rotary embeddings (modern) have no table
             weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"][:cfg.block_size]
     return take_architecture(cfg, given, args, weights_args, source), weights
-
-
-def check_pretrained_data(cfg, meta, weights_args, source):
-    """The data must be in the weights' tokens. OpenAI's read GPT-2's, and so does a folder of
-    GPT-2's vocabulary size or more (a folder names no tokenizer; sample.py and eval.py read
-    such weights with GPT-2's); a smaller folder's must at least have an embedding for every
-    token id of the data, which opening the data checks (sources.check_fits)."""
-    tokens = (meta or {}).get("tokenizer")
-    if (cfg.init_from in NAMES or weights_args["vocab_size"] >= GPT2_VOCAB_SIZE) and \
-            tokens not in (None, *GPT2_NAMES):
-        ids = f"{weights_args['vocab_size']} token ids, GPT-2's"
-        raise UserError(f"{cfg.data_dir} holds {tokens!r} tokens ({meta['vocab_size']} ids), which "
-                        f"{source} ({ids}) cannot read: prepare the data with the tokenizer those "
-                        f"weights were trained with (--tokenizer=gpt2 for OpenAI's GPT-2).")
 
 
 # ---- a resume against this run's data ----
