@@ -48,7 +48,6 @@ RECIPE = ["--arch=modern", "--optimizer=muon"]  # the same FLOPs per token as GP
 SELECTIVE = ["--activation_checkpointing=selective", "--loss_chunks=4"]  # the loss in chunks too
 FSDP_KEYS = ["--reshard_after_forward=False", "--reduce_every_micro_step=True"]  # not defaults
 EVERY_OTHER_STEP = 2  # the 1-rank check's evaluations and saves
-PROFILE = ["--profile_steps=2-3", "--profile_memory=True"]  # the 1-rank check's profile
 HELLASWAG_EXAMPLES = 40
 # What each mode runs: train.py's arguments for GPT-2 124M ("main") and for the 2-rank run
 # (a small model, as gloo carries every gradient through host memory); the steps, the
@@ -437,7 +436,7 @@ def fsdp_resumed(s):
     folder = checkpoint.path_for(fsdp, middle, folder=True)
     shutil.copytree(folder, os.path.join(out, os.path.basename(folder)))
     args = [*train_args(spec["ranks"], s.bytes, out, spec["rank_steps"], middle),
-            "--parallel=fsdp", *UNEVEN_EVALUATION, "--init_from=resume"]
+            "--parallel=fsdp", *UNEVEN_EVALUATION, "--init_from=resume", *profiled(spec)]
     finished = launch(s, "fsdp resumed, 2 ranks", agents(args, free_port()),
                       spec["caps"]["ranks"])
     if not succeeded(finished):
@@ -446,12 +445,25 @@ def fsdp_resumed(s):
     if not after or after[0]["iter"] != middle:
         return check_row("fsdp resumed, 2 ranks", False, f"the resumed run's steps are "
                          f"{[r['iter'] for r in after]}, not from {middle} on")
+    # its last two iters profiled: a trace per rank, and on CUDA a memory snapshot per rank
+    profile = sorted(os.listdir(os.path.join(out, "profile")))
+    window = profiled(spec)[0].split("=")[1]
+    expected = [f"rank{r}_iters{window}.{kind}" for r in (0, 1) for kind in
+                ["pt.trace.json", *["memory.pickle"] * (spec["device"] == "cuda")]]
     return check_row(
-        "fsdp resumed, 2 ranks", same_batches and loss_rdiff <= LOSS_RTOL,
+        "fsdp resumed, 2 ranks", same_batches and loss_rdiff <= LOSS_RTOL and
+        profile == sorted(expected),
         f"from the folder of iter {middle} (saved in the background), steps {after[0]['iter']} "
         f"to {after[-1]['iter']}: {'the same' if same_batches else '**other**'} batches, "
-        f"losses within {loss_rdiff:.2e} (relative)", same_batches=same_batches,
-        loss_rdiff=loss_rdiff, steps_compared=len(after))
+        f"losses within {loss_rdiff:.2e} (relative); iters {window} profiled: "
+        f"{', '.join(profile)}", same_batches=same_batches, loss_rdiff=loss_rdiff,
+        steps_compared=len(after), profile=profile)
+
+
+def profiled(spec):
+    """The fsdp resumed run's profile: its last two iters, with the memory snapshot on CUDA."""
+    return [f"--profile_steps={spec['rank_steps'] - 2}-{spec['rank_steps'] - 1}",
+            "--profile_memory=True"]
 
 
 def ddp_vs_fsdp(s):
@@ -480,7 +492,7 @@ def one_rank(s):
     grow from the second evaluation on, across two more."""
     name, spec, out = ONE_RANK, s.spec, s.out("one-rank")
     args = [*train_args(spec["one_rank"], s.bytes, out, spec["one_rank_steps"],
-                        EVERY_OTHER_STEP), "--sampling=documents", *PROFILE]
+                        EVERY_OTHER_STEP), "--sampling=documents"]
     finished = launch(s, name, [*common.torchrun(1), "train.py", *args], spec["caps"]["ranks"])
     if not succeeded(finished):
         return failed_row(name, finished)
@@ -490,17 +502,14 @@ def one_rank(s):
     # the peak after the second evaluation (the first steps allocate the optimizer's state)
     peaks = [r["rank_mem_mib"][0] for r in steps if len(evals) > 1 and r["iter"] >= evals[1]]
     growth = peaks[-1] / peaks[0] - 1 if peaks else None
-    profile = sorted(os.listdir(os.path.join(out, "profile")))  # a trace; a snapshot on CUDA
     passed = "world size 1," in finished.output and len(steps) == spec["one_rank_steps"] and \
         all(math.isfinite(r["loss"]) for r in steps) and len(evals) >= 4 and \
-        growth <= MEMORY_GROWTH and profile[-1] == "rank0_iters2-3.pt.trace.json" and \
-        (spec["device"] == "cpu" or profile[0] == "rank0_iters2-3.memory.pickle")
+        growth <= MEMORY_GROWTH
     return check_row(name, passed, f"no process group (one rank), {cfg.dtype}, sampling "
                      f"{cfg.sampling}: {len(steps)} steps, {len(evals)} evaluations (at "
                      f"{', '.join(map(str, evals))}); peak memory "
                      f"{report.FORMAT.format('{:+.1%}', growth)} from the second evaluation to "
-                     f"the end; profiled iters 2-3: {', '.join(profile)}",
-                     evaluations=len(evals), memory_growth=growth, profile=profile)
+                     f"the end", evaluations=len(evals), memory_growth=growth)
 
 
 def eval_hellaswag(s):
@@ -626,8 +635,7 @@ def settings(mode, spec, cfg):
     recipe = train_args([*spec["main"], *RECIPE], "<data>", "<modern>", spec["steps"],
                         spec["steps"])
     one_rank = [*train_args(spec["one_rank"], "<byte data>", "<one-rank>",
-                            spec["one_rank_steps"], EVERY_OTHER_STEP), "--sampling=documents",
-                *PROFILE]
+                            spec["one_rank_steps"], EVERY_OTHER_STEP), "--sampling=documents"]
     commands = [f"torchrun --standalone --nproc_per_node=1 -m benchmarks.nccl_rank "
                 f"{' '.join(spec['collectives'])}",
                 f"TORCH_LOGS={TORCH_LOGS} python train.py {' '.join(main)}",
@@ -640,7 +648,7 @@ def settings(mode, spec, cfg):
                   f"{' '.join(ranks)}{' &' if n else ''}" for n in (1, 0)),
                 "   # and the same two with --parallel=fsdp --out_dir=<fsdp>; again from a copy "
                 f"of its folder of iter {spec['rank_steps'] // 2} in <fsdp-resumed> with "
-                f"--init_from=resume; and with --parallel=fsdp "
+                f"--init_from=resume {' '.join(profiled(spec))}; and with --parallel=fsdp "
                 f"{' '.join([*RECIPE, *SELECTIVE, *FSDP_KEYS])} --out_dir=<fsdp-muon>",
                 f"torchrun --standalone --nproc_per_node=1 train.py {' '.join(one_rank)}",
                 f"python sample.py --out_dir=<ranks> --device={spec['device']} --num_samples=2 "
