@@ -14,12 +14,13 @@ import dataclasses
 import json
 import sys
 
-from ddpgpt import configurator, errors
+from ddpgpt import configurator, errors, logs
 from ddpgpt.settings import PlanConfig, parse_memory
 
 
 def main(argv):
     cfg = configurator.parse(PlanConfig, argv, "plan.py")  # before torch's import (seconds)
+    logs.setup(stream=sys.stderr)  # each plan's progress line; stdout is the plan's
     import torch
 
     from ddpgpt import arch, memplan, parallel
@@ -28,56 +29,49 @@ def main(argv):
         gpu_memory = torch.cuda.get_device_properties(0).total_memory  # this machine's first GPU
     # dtype='auto' on the planned device: bfloat16 on a GPU (the GPUs worth planning for have
     # it), float32 on a CPU
-    gpu = cfg.device != "cpu" and bool(gpu_memory)
-    dtype = cfg.dtype if cfg.dtype != "auto" else "bfloat16" if gpu else "float32"
+    dtype = cfg.dtype if cfg.dtype != "auto" else \
+        "bfloat16" if cfg.device != "cpu" and gpu_memory else "float32"
     parallel.check(cfg, dtype)
     train_cfg = dataclasses.replace(cfg, dtype=dtype)  # still a PlanConfig: plan() reads only
     model_args = arch.model_args(train_cfg, None)   # train.py's keys
     planned = memplan.plan(train_cfg, model_args, cfg.world_size, dtype)
     fit = memplan.fit(train_cfg, model_args, cfg.world_size, dtype, gpu_memory, planned) \
         if gpu_memory else None
-    if cfg.json:
-        print(json.dumps({"plan": {**planned._asdict(), "total": planned.total},
-                          "dtype": dtype, "gpu_memory": gpu_memory,
-                          "fit": fit._asdict() if fit else None}))
-    else:
-        print(describe(cfg, model_args, dtype, planned, gpu_memory, fit))
+    print(json.dumps({"plan": {**planned._asdict(), "total": planned.total}, "dtype": dtype,
+                      "gpu_memory": gpu_memory, "fit": fit._asdict() if fit else None})
+          if cfg.json else describe(cfg, model_args, dtype, planned, gpu_memory, fit))
     return 0
 
 
 def describe(cfg, model_args, dtype, planned, gpu_memory, fit):
     from ddpgpt.memplan import GPU_HEADROOM, size
-    ranks = f"{cfg.world_size} rank{'s' * (cfg.world_size > 1)}"
     lines = [f"memory plan: {cfg.arch} {model_args['n_layer']} layers x {model_args['n_embd']}, "
-             f"parallel={cfg.parallel} on {ranks}, {cfg.optimizer}, {dtype}, micro-batch "
-             f"{cfg.batch_size} x {cfg.block_size} tokens",
+             f"parallel={cfg.parallel} on {cfg.world_size} rank{'s' * (cfg.world_size > 1)}, "
+             f"{cfg.optimizer}, {dtype}, micro-batch {cfg.batch_size} x {cfg.block_size} tokens",
              "per rank, at the peak of the first two steps (torch's memory tracker, fake "
              "tensors):"]
-    for name in ("weights", "gradients", "optimizer", "activations", "peak"):
-        label = "optimizer state" if name == "optimizer" else name
-        lines.append(f"  {label:<16}{size(getattr(planned, name)):>12}")
+    lines += [f"  {'optimizer state' if name == 'optimizer' else name:<16}"
+              f"{size(getattr(planned, name)):>12}"
+              for name in ("weights", "gradients", "optimizer", "activations", "peak")]
     if planned.ddp_buckets:
         lines.append(f"  + ddp's gradient buckets {size(planned.ddp_buckets)}: "
                      f"{size(planned.total)}")
     if fit is None:
-        lines.append("no GPU memory to compare with: give --gpu_memory=80GiB, say")
-        return "\n".join(lines)
-    verdict = "fits" if fit.fits else "does not fit"
-    lines.append(f"on a GPU of {size(gpu_memory)} ({size(fit.room)} usable, "
-                 f"{GPU_HEADROOM:.0%}): {verdict}; the largest batch_size that fits: "
+        return "\n".join([*lines, "no GPU memory to compare with: give --gpu_memory=80GiB, say"])
+    lines.append(f"on a GPU of {size(gpu_memory)} ({size(fit.room)} usable, {GPU_HEADROOM:.0%}):"
+                 f" {'fits' if fit.fits else 'does not fit'}; the largest batch_size that fits: "
                  f"{largest(fit)}")
     lines += [f"  would fit: {keys} ({why})" for keys, why in fit.fixes]
-    if not fit.fits and not fit.fixes:
-        lines.append("  nothing planned here fits: more ranks with parallel=fsdp, or a "
-                     "smaller model")
+    if not fit.fits and not fit.fixes:  # fsdp trains in float32 or bfloat16 (parallel.check)
+        lines.append(f"  nothing planned here fits: more ranks with parallel=fsdp"
+                     f"{' in float32 or bfloat16' * (dtype == 'float16')}, or a smaller model")
     return "\n".join(lines)
 
 
 def largest(fit):
     """The largest batch_size that fits, or what the plans found of it."""
-    if fit.over_batch == fit.largest_batch + 1:
-        return str(fit.largest_batch or "none")
-    return f"{fit.largest_batch} or more" + (f", under {fit.over_batch}" * bool(fit.over_batch))
+    return str(fit.largest_batch or "none") if fit.over_batch == fit.largest_batch + 1 else \
+        f"{fit.largest_batch} or more" + f", under {fit.over_batch}" * bool(fit.over_batch)
 
 
 if __name__ == "__main__":

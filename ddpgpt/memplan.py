@@ -8,15 +8,15 @@ parallel.wrap (the same code a run uses, so whatever it applies the plan sees), 
 of optim.make, then per step its micro-steps' forward and backward in the run's precision, the
 gradient norm clipped, the optimizer step and zero_grad. Two steps, so the second's backward
 meets the optimizer state the first made; two micro-steps at most, the second meeting the
-gradients the first accumulated (more add nothing).
+gradients the first accumulated (more add nothing). Every block runs: a plan's time grows with
+n_layer (the peak is not affine in n_layer where layers move it elsewhere in the steps).
 
 What the tracker cannot see, and so the plan leaves out:
 - fsdp's ranks are simulated: a process group of the 'fake' backend (torch's, as torchtitan's
   memory estimator uses) gives this process rank 0 of world_size; its collectives move nothing;
 - ddp on several ranks is planned as one rank: DistributedDataParallel's all-reduce hook does
-  not run on the fake backend. What DDP adds, its gradient buckets (a copy of the gradients:
-  gradient_as_bucket_view=False, DDP's default, "the saved memory size will be equal to the
-  total gradients size", torch's docs) is reported on a line of its own beside the peak;
+  not run on the fake backend. Its gradient buckets, a copy of the gradients (DDP's default
+  gradient_as_bucket_view=False, torch's docs), are reported on a line of their own;
 - compile=True is planned eagerly (torch.compile's fused kernels keep fewer activations);
 - the breakdown is the tracker's at the peak: a gradient on its way to fsdp's reduce-scatter may
   count as a temporary, under activations;
@@ -25,8 +25,10 @@ What the tracker cannot see, and so the plan leaves out:
 """
 import contextlib
 import dataclasses
+import logging
 import math
 import shlex
+import time
 from typing import NamedTuple
 
 import torch
@@ -35,6 +37,8 @@ import torch.distributed as dist
 from ddpgpt import configurator, optim, parallel, runtime
 from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig
+
+log = logging.getLogger(__name__)
 
 # the share of a GPU's memory a plan may fill: the CUDA context, NCCL's buffers, kernels'
 # workspaces and the caching allocator's fragmentation take the rest
@@ -48,10 +52,11 @@ STEPS, MICRO_STEPS = 2, 2
 # largest_batch's plans at most, and the largest micro-batch it plans: 2**20 sequences are
 # more than any GPU holds, and a batch unbounded overflowed torch.randint's size (1e290GiB)
 PLANS, MAX_BATCH = 8, 2**20
-# settings that take less memory at the same batch, each planned when a run does not fit
-LEANER = ({"parallel": "fsdp"}, {"parallel": "fsdp", "reduce_every_micro_step": True},
-          {"activation_checkpointing": "selective"}, {"activation_checkpointing": "full"},
-          {"activation_checkpointing": "full", "loss_chunks": 8})
+# settings that take less memory at the same batch, planned when a run does not fit (fixes)
+SHARDING = ({"parallel": "fsdp"}, {"parallel": "fsdp", "reduce_every_micro_step": True})
+RECOMPUTING = ({"activation_checkpointing": "selective"}, {"activation_checkpointing": "full"},
+               {"activation_checkpointing": "full", "loss_chunks": 8})
+PROGRESS_S = 10  # after which a plan (a deep model's) says when each micro-step ended
 
 
 class Plan(NamedTuple):
@@ -75,10 +80,13 @@ def plan(cfg, model_args, world_size, dtype):
     sharded = parallel.sharded(cfg, runtime.Ranks(0, 0, world_size, world_size))
     ranks = runtime.Ranks(0, 0, world_size, world_size) if sharded else runtime.Ranks(0, 0, 1, 1)
     cfg = dataclasses.replace(cfg, compile=False, dtype=dtype)
+    log.info(f"planning {model_args['n_layer']} layers, " + keys({key: getattr(cfg, key) for key in
+             ("batch_size", "parallel", "reduce_every_micro_step", "activation_checkpointing",
+              "loss_chunks")}))
     from torch._subclasses.fake_tensor import FakeTensorMode
     # small real tensors (DDP's bucket settling batch, the mesh's ranks) become fake as used
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_ranks(ranks.world_size):
+    with fake_ranks(world_size) if sharded else contextlib.nullcontext():
         with fake, torch.device("cpu"):
             model = GPT(GPTConfig(**model_args))
         # outside the fake mode: a device mesh reads its ranks' values; the weights, fake,
@@ -94,10 +102,7 @@ def plan(cfg, model_args, world_size, dtype):
 @contextlib.contextmanager
 def fake_ranks(world_size):
     """This process as rank 0 of world_size in a process group of torch's 'fake' backend,
-    whose collectives move nothing; no group for one rank."""
-    if world_size == 1:
-        yield
-        return
+    whose collectives move nothing."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
@@ -112,8 +117,7 @@ def tracked_steps(cfg, model, train_model, ranks, device, vocab_size):
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     optimizer = optim.make(cfg, model, device)
-    parts = list(optimizer.parts.values()) if isinstance(optimizer, optim.MuonAdamW) \
-        else [optimizer]
+    parts = [*optimizer.parts.values()] if isinstance(optimizer, optim.MuonAdamW) else [optimizer]
     if parallel.sharded(cfg, ranks):
         # it follows one optimizer's state (the other's counts as activations), and Muon's
         # momentum is the larger under muon
@@ -121,10 +125,17 @@ def tracked_steps(cfg, model, train_model, ranks, device, vocab_size):
     else:
         tracker = MemTracker()
         tracker.track_external(model, *parts)
+
+    def update_peak(_):  # torch's _update_peak_stats but for its visit of every module's stats
+        for device, now in tracker._curr_mem_snap.items():  # at every op: n_layer squared
+            if now["Total"] > tracker._peak_mem.get(device, 0):
+                tracker._peak_mem[device], tracker._peak_mem_snap[device] = now["Total"], dict(now)
+    tracker._update_peak_stats = update_peak
     precision = runtime.precision(cfg.dtype, device)
     micro_steps = min(MICRO_STEPS, cfg.micro_steps(ranks.world_size))
+    started = time.monotonic()
     with tracker:
-        for _ in range(STEPS):
+        for step in range(STEPS):
             for micro_step in range(micro_steps):
                 parallel.sync_gradients(train_model, micro_step == micro_steps - 1 or
                                         cfg.reduce_every_micro_step)
@@ -133,6 +144,8 @@ def tracked_steps(cfg, model, train_model, ranks, device, vocab_size):
                 with precision.autocast:
                     _, loss = train_model(x, x)
                 (loss / micro_steps).backward()
+                if (took := time.monotonic() - started) > PROGRESS_S:
+                    log.info(f"  step {step + 1}, micro-step {micro_step + 1}: {took:.0f} s")
             parallel.clip_grad_norm(model, cfg.grad_clip or math.inf)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -174,65 +187,58 @@ def largest_batch(cfg, model_args, world_size, dtype, room):
     activations do, but not always in proportion from the first sequences on (4 KiB a
     sequence from 1 to 2, then far more, was extrapolated below zero): each next batch is
     where the line through the last two plans reaches room, kept between the two bounds."""
-    def total(batch):
-        return plan(dataclasses.replace(cfg, batch_size=batch), model_args, world_size, dtype).total
     fits, over, planned, batch = 0, 0, [], 1
     for _ in range(PLANS):
-        planned.append((batch, total(batch)))
+        planned.append((batch, plan(dataclasses.replace(cfg, batch_size=batch), model_args,
+                                    world_size, dtype).total))
         fits, over = (batch, over) if planned[-1][1] <= room else (fits, batch)
         top = over - 1 if over else MAX_BATCH
         if fits == top:
             break
-        batch = min(max(fits + 1, line_reaches(planned[-2:], room, fits)), top)
+        (a, at), (b, bt) = planned[-2:] if len(planned) > 1 else planned * 2
+        # where the line through the last two plans reaches room; twice fits without a rising one
+        line = b + (room - bt) * (b - a) // (bt - at) if (bt - at) * (b - a) > 0 else 2 * fits
+        batch = min(max(fits + 1, line), top)
     return fits, over
 
 
-def line_reaches(planned, room, fits):
-    """The batch at which the line through the last two (batch, total) plans reaches room;
-    twice fits where there are not two or the line does not rise."""
-    if len(planned) == 2:
-        (a, at), (b, bt) = planned
-        if (bt - at) * (b - a) > 0:
-            return b + (room - bt) * (b - a) // (bt - at)
-    return 2 * fits
-
-
 def fixes(cfg, model_args, world_size, dtype, room, largest):
-    """What would fit, each a (settings, why) pair: each of LEANER that fits at the same
-    batch and that train.py takes in this dtype; a smaller micro-batch with more micro-steps,
-    for the same global batch."""
-    found = []
-    for changes in LEANER:
+    """What would fit, each a (settings, why) pair, of what train.py takes in this dtype: each of
+    SHARDING and RECOMPUTING alone at the same batch, or the same global batch in smaller
+    micro-batches; else each sharding with each recomputation, then the leanest in smaller ones."""
+    def taken(changes):  # not what was planned, nor fsdp on one rank (the same), nor refused
         leaner = dataclasses.replace(cfg, **changes)
-        if leaner == cfg or changes.get("parallel") == "fsdp" and world_size == 1 or \
-                refused(leaner, dtype):
-            continue  # what was planned, the same on one rank, or what train.py refuses
-        total = plan(leaner, model_args, world_size, dtype).total
-        if total <= room:
-            found.append((" ".join(f"--{key}={value}" for key, value in changes.items()),
-                          f"peak {size(total)} per rank"))
-    if batch := same_global_batch(cfg, world_size, largest):
-        found.append((f"--batch_size={batch} --gradient_accumulation_steps="
-                      f"{cfg.global_batch // batch}", "the same global batch"))
-    return found
+        with contextlib.suppress(UserError):  # parallel.check: train.py refuses it (None)
+            parallel.check(leaner, dtype)
+            return leaner != cfg and not (changes.get("parallel") == "fsdp" and world_size == 1)
+
+    def fitting(group):
+        totals = [(changes, plan(dataclasses.replace(cfg, **changes), model_args, world_size,
+                                 dtype).total) for changes in group if taken(changes)]
+        return [(keys(changes), f"peak {size(total)} per rank") for changes, total in totals
+                if total <= room]
+    found = fitting(SHARDING + RECOMPUTING) + smaller_batch(cfg, {}, world_size, largest) or \
+        fitting([{**s, **r} for s in SHARDING for r in RECOMPUTING if taken(s) and taken(r)])
+    leanest = {**SHARDING[-1], **RECOMPUTING[-1]} if taken(SHARDING[-1]) else RECOMPUTING[-1]
+    if found or not taken(leanest):
+        return found
+    lean = dataclasses.replace(cfg, **leanest)
+    return smaller_batch(lean, leanest, world_size,
+                         largest_batch(lean, model_args, world_size, dtype, room)[0])
 
 
-def refused(cfg, dtype):
-    """Does train.py refuse cfg in dtype (parallel.check: fsdp in float16)?"""
-    try:
-        parallel.check(cfg, dtype)
-    except UserError:
-        return True
-    return False
+def keys(changes):
+    return " ".join(f"--{key}={value}" for key, value in changes.items())
 
 
-def same_global_batch(cfg, world_size, largest):
-    """The largest batch_size up to largest that keeps the global batch whole over the ranks'
-    micro-steps (0: none)."""
+def smaller_batch(cfg, changes, world_size, largest):
+    """[the fix of cfg (changes made) in the largest micro-batch up to largest, under its own,
+    that keeps the global batch whole over the ranks' micro-steps], or [] where none does."""
     for batch in range(min(largest, cfg.batch_size - 1), 0, -1):
-        if cfg.global_batch % batch == 0 and (cfg.global_batch // batch) % world_size == 0:
-            return batch
-    return 0
+        if cfg.global_batch % batch == 0 and (micro := cfg.global_batch // batch) % world_size == 0:
+            return [(keys({**changes, "batch_size": batch, "gradient_accumulation_steps": micro}),
+                     "the same global batch")]
+    return []
 
 
 def out_of_memory(cfg, world_size, gpu_memory, error):

@@ -174,3 +174,84 @@ def test_out_of_memory_before_the_first_step_is_explained_on_any_rank_count(npro
     assert f"train.py: error{rank}: out of memory in the first steps (torch: CUDA out of memory. " \
            "Tried to allocate 2.00 GiB." in p.stderr and "--gpu_memory=81920MiB" in p.stderr, \
         p.stderr
+
+
+@pytest.mark.parametrize("dtype, advised", [("bfloat16", True), ("float16", False)])
+def test_what_no_one_change_makes_fit_is_sought_in_combinations(dtype, advised, monkeypatch):
+    """A 4-layer model at 67 MiB on 2 ranks was told 'nothing planned here fits' while
+    --parallel=fsdp --activation_checkpointing=full together fit; in float16 fsdp is refused."""
+    memplan = planned_as(monkeypatch, lambda cfg: 2**20 if cfg.parallel == "fsdp" and
+                         cfg.activation_checkpointing == "full" else 2**40)
+    fixes = [keys for keys, _ in memplan.fixes(small_config(f"--dtype={dtype}"), {}, 2, dtype,
+                                               2**30, 0)]
+    assert ("--parallel=fsdp --activation_checkpointing=full" in fixes) == advised, fixes
+    assert all("fsdp" not in keys for keys in fixes) or advised, fixes
+
+
+def test_what_fits_only_in_smaller_micro_batches_with_the_leanest_settings_is_said(monkeypatch):
+    """Nothing alone nor any pair at the same batch: the leanest settings in the largest
+    micro-batch that fits and keeps the global batch (16 = 4 x 4 over 2 ranks)."""
+    memplan = planned_as(monkeypatch, lambda cfg: 2**20 * cfg.batch_size if cfg.parallel ==
+                         "fsdp" and cfg.loss_chunks == 8 else 2**40)
+    fixes = memplan.fixes(small_config(), {}, 2, "float32", 3 * 2**20, 0)
+    assert fixes == [("--parallel=fsdp --reduce_every_micro_step=True --activation_checkpointing="
+                      "full --loss_chunks=8 --batch_size=2 --gradient_accumulation_steps=8",
+                      "the same global batch")]
+
+
+def test_nothing_fits_advises_fsdp_only_in_a_dtype_it_trains_in():
+    import plan
+    from ddpgpt import configurator, memplan
+    from ddpgpt.settings import PlanConfig
+    cfg = configurator.parse(PlanConfig, [*SMALL, "--dtype=float16", "--world_size=2"], "plan.py")
+    said = plan.describe(cfg, {"n_layer": 2, "n_embd": 64}, "float16", memplan.Plan(
+        0, 0, 0, 2**40, 2**40, 0), 2**30, memplan.Fit(2**29, False, 0, 1, []))
+    assert said.endswith("nothing planned here fits: more ranks with parallel=fsdp in float32 "
+                         "or bfloat16, or a smaller model"), said
+
+
+LAYERS = [2, 12, 22]
+
+
+@pytest.fixture(scope="module")
+def deep_plans(session_env):
+    """{n_layer: (plan.py's run, the CPU seconds it took)} of a small model at LAYERS."""
+    import resource
+    found = {}
+    for n in LAYERS:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        p = python("plan.py", *SMALL, f"--n_layer={n}", "--json", env=session_env)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        found[n] = p, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return found
+
+
+@pytest.mark.slow
+def test_a_plans_time_grows_with_n_layer_not_its_square(deep_plans):
+    """It grew with the square: torch's tracker visited every module's statistics at each op
+    (GPT-2 XL's shape: 546 s). 10 more layers must take about what the 10 before did."""
+    took = [deep_plans[n][1] for n in LAYERS]
+    assert took[2] - took[1] < 1.6 * (took[1] - took[0]), took
+
+
+@pytest.mark.slow
+def test_each_plan_says_on_stderr_what_it_plans(deep_plans):
+    p = deep_plans[2][0]
+    assert p.stderr.splitlines() == ["planning 2 layers, --batch_size=4 --parallel=ddp "
+                                     "--reduce_every_micro_step=False --activation_checkpointing="
+                                     "none --loss_chunks=1"], p.stderr
+    assert json.loads(p.stdout)["plan"]["total"] > 0
+
+
+def test_a_slow_plan_says_when_each_micro_step_ended(monkeypatch, caplog):
+    """A deep model's plan (n_layer=10000) printed nothing for minutes."""
+    import logging
+
+    from ddpgpt import arch, memplan
+    monkeypatch.setattr(memplan, "PROGRESS_S", -1)
+    cfg = small_config()
+    with caplog.at_level(logging.INFO, logger="ddpgpt"):
+        memplan.plan(cfg, arch.model_args(cfg, None), 1, "float32")
+    steps = [m.split(":")[0] for m in caplog.messages if m.startswith("  step")]
+    assert steps == ["  step 1, micro-step 1", "  step 1, micro-step 2", "  step 2, micro-step 1",
+                     "  step 2, micro-step 2"], caplog.messages
