@@ -103,7 +103,8 @@ def main(argv):
         found = launch.start(s, lambda: start_up(cfg, given, s.ranks, s.device))
         if cfg.network_check != "off" and s.ranks.world_size > 1:
             launch.start(s, lambda: network.check(s.ranks, s.device, cfg.network_min_gbps,
-                                                  stop=cfg.network_check == "stop"))
+                                                  cfg.network_check == "stop",
+                                                  cfg.network_check != "auto"))
         try:  # the first forward and backward may be DDP's bucket pass or the first evaluation
             run = make_run(s, found)
             first = run.state.iter_num

@@ -42,7 +42,8 @@ OUT_OF_TIME = "not run: too little of the part's time budget was left"
 TORCH_LOGS = "recompiles,graph_breaks"
 CPU = ["--device=cpu", "--dtype=float32", "--compile=False"]
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4"]
-TWO_RANKS = ["--backend=gloo", "--gradient_accumulation_steps=4"]  # 2 micro-steps per rank
+# 2 micro-steps per rank; the network check on the one node (it is off there by default)
+TWO_RANKS = ["--backend=gloo", "--gradient_accumulation_steps=4", "--network_check=on"]
 UNEVEN_EVALUATION = ["--eval_iters=3"]  # for 2 ranks: one has a batch fewer
 RECIPE = ["--arch=modern", "--optimizer=muon"]  # the same FLOPs per token as GPT-2's
 SELECTIVE = ["--activation_checkpointing=selective", "--loss_chunks=4"]  # the loss in chunks too

@@ -117,8 +117,9 @@ def run(small, device, workdir):
         if spec.get("gpu") and device != "cuda":
             rows.append({**row, "status": NO_GPU})
             continue
-        # the folder's name is the run's name in plot.py's legend
-        out_dir = os.path.join(workdir, f"{spec['name']}, {spec['ranks']} rank(s)")
+        # the folder's name is the run's name in plot.py's legend (no comma: plot.py's
+        # --out_dir separates runs by commas)
+        out_dir = os.path.join(workdir, f"{spec['name']} on {spec['ranks']} rank(s)")
         rows.append({**row, **measure(spec, workdir, out_dir)})
         if spec["name"] == "quick-start":
             curves.append(out_dir)

@@ -67,11 +67,14 @@ def measure(rank, device, members):
     return within, between, pairs
 
 
-def check(ranks, device, min_gbps, stop):
+def check(ranks, device, min_gbps, stop, one_node_too):
     """Time the network and log its bus bandwidths; where it is slow, a paragraph that says
-    where as a warning, or with stop as a UserError, on every rank alike."""
+    where as a warning, or with stop as a UserError, on every rank alike. Ranks on one node
+    are timed only with one_node_too."""
     began, hosts = time.perf_counter(), [peer.host for peer in peers.GROUP["peers"]]
     nodes = list(dict.fromkeys(hosts))
+    if len(nodes) == 1 and not one_node_too:
+        return
     members = [[r for r, h in enumerate(hosts) if h == node] for node in nodes]
     every = [None] * ranks.world_size
     dist.all_gather_object(every, (*measure(ranks.rank, device, members), {

@@ -154,9 +154,10 @@ class TrainConfig:
                               at_most=YEAR_S)
     startup_timeout_s: int = key(1800, "the same limit until the first step completes; 0: off",
                                  at_least=0, at_most=YEAR_S)
-    network_check: Literal["on", "off", "stop"] = key(
-        "on", "on: with 2+ ranks, time the network before the first step and say where it is "
-              "slow (docs/performance.md); stop: and end the run there when it is; off")
+    network_check: Literal["auto", "on", "off", "stop"] = key(
+        "auto", "auto: with ranks on 2+ nodes, time the network before the first step and say "
+                "where it is slow (docs/performance.md); on: on one node's 2+ ranks too; stop: "
+                "as on, and end the run there when it is slow; off")
     network_min_gbps: float = key(0.0, "the least between-node bus bandwidth (GB/s) to take "
                                        "as fast; 0: the least of the fabric that NCCL's "
                                        "variables name", at_least=0)

@@ -140,7 +140,7 @@ def train_error(env, *args, nproc=1):
     (["--device=cuda"], "torch 2.13.0+cpu sees no CUDA device (built for CUDA none"),
     (["--device=tpu:3"], "device='tpu:3' is not a device: use auto, cpu, cuda"),
     (["--network_min_gbps=-1"], "network_min_gbps=-1.0 must be at least 0"),
-    (["--network_check=maybe"], "network_check='maybe' is not one of 'on', 'off', 'stop'"),
+    (["--network_check=maybe"], "network_check='maybe' is not one of 'auto', 'on', 'off', 'stop'"),
 ])
 def test_configuration_errors_name_the_key(env, args, message):
     assert message in train_error(env, *args)
