@@ -14,9 +14,11 @@ n_layer (the peak is not affine in n_layer where layers move it elsewhere in the
 What the tracker cannot see, and so the plan leaves out:
 - fsdp's ranks are simulated: a process group of the 'fake' backend (torch's, as torchtitan's
   memory estimator uses) gives this process rank 0 of world_size; its collectives move nothing;
-- ddp on several ranks is planned as one rank: DistributedDataParallel's all-reduce hook does
-  not run on the fake backend. Its gradient buckets, a copy of the gradients (DDP's default
-  gradient_as_bucket_view=False, torch's docs), are reported on a line of their own;
+- ddp on several ranks is planned as one rank (with Muon, rank 0 of world_size in the fake
+  group, so that its step's owned updates and gather buffer are counted):
+  DistributedDataParallel's all-reduce hook does not run on the fake backend. Its gradient
+  buckets, a copy of the gradients (DDP's default gradient_as_bucket_view=False, torch's
+  docs), are reported on a line of their own;
 - compile=True is planned eagerly (torch.compile's fused kernels keep fewer activations);
 - the breakdown is the tracker's at the peak: a gradient on its way to fsdp's reduce-scatter may
   count as a temporary, under activations;
@@ -79,6 +81,9 @@ def plan(cfg, model_args, world_size, dtype):
     it needs: the process must not be in another."""
     sharded = parallel.sharded(cfg, runtime.Ranks(0, 0, world_size, world_size))
     ranks = runtime.Ranks(0, 0, world_size, world_size) if sharded else runtime.Ranks(0, 0, 1, 1)
+    # Muon under ddp builds its owned updates and gathers every rank's at the step (muon.py):
+    # rank 0 of world_size in the fake group, its model unwrapped
+    grouped = sharded or (cfg.optimizer == "muon" and world_size > 1)
     cfg = dataclasses.replace(cfg, compile=False, dtype=dtype)
     log.info(f"planning {model_args['n_layer']} layers, " + keys({key: getattr(cfg, key) for key in
              ("batch_size", "parallel", "reduce_every_micro_step", "activation_checkpointing",
@@ -86,7 +91,7 @@ def plan(cfg, model_args, world_size, dtype):
     from torch._subclasses.fake_tensor import FakeTensorMode
     # small real tensors (DDP's bucket settling batch, the mesh's ranks) become fake as used
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_ranks(world_size) if sharded else contextlib.nullcontext():
+    with fake_ranks(world_size) if grouped else contextlib.nullcontext():
         with fake, torch.device("cpu"):
             model = GPT(GPTConfig(**model_args))
         # outside the fake mode: a device mesh reads its ranks' values; the weights, fake,

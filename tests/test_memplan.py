@@ -15,12 +15,17 @@ from conftest import fails, python, ranks_command, run, train_args
 SMALL = ["--n_layer=2", "--n_head=4", "--n_embd=64", "--block_size=64", "--batch_size=4",
          "--vocab_size=512", "--gradient_accumulation_steps=4", "--device=cpu",
          "--dtype=float32"]
-# (parallel, ranks, optimizer, arch, activation_checkpointing[+loss_chunks=N])
-RUNS = [("ddp", 1, "adamw", "gpt2", "none"), ("ddp", 2, "muon", "modern", "none"),
+# a model whose peak is at Muon's step under ddp (its weights and optimizer state outweigh its
+# activations), where each rank builds its owned updates and gathers every rank's: the plan
+# counts those as rank 0 of 2 does, to the byte (planned as one rank they were 5% over)
+STEP_BOUND = "n_embd=256+block_size=16+batch_size=1+vocab_size=64"
+# (parallel, ranks, optimizer, arch, activation_checkpointing[+key=value...])
+RUNS = [("ddp", 1, "adamw", "gpt2", "none"), ("ddp", 2, "muon", "modern", "none+" + STEP_BOUND),
         ("fsdp", 2, "adamw", "gpt2", "full"), ("fsdp", 2, "muon", "modern", "none"),
         ("ddp", 1, "adamw", "modern", "selective"),
         ("ddp", 1, "adamw", "gpt2", "full+loss_chunks=4")]
 RTOL = 0.10  # the plan's peak against the measured one
+RTOL_STEP = 0.01  # the same of STEP_BOUND: no activations to estimate
 
 
 def settings(kind, optimizer, arch, recompute="none"):
@@ -46,13 +51,15 @@ def measured(tmp_path_factory, session_env):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", RUNS, ids=["-".join(map(str, r)) for r in RUNS])
+@pytest.mark.parametrize("run", RUNS, ids=["-".join(map(str, r[:4])) + "-" +
+                                           r[4].replace(STEP_BOUND, "step") for r in RUNS])
 def test_the_plans_peak_is_the_measured_one(run, measured, env):
     kind, n, optimizer, arch, recompute = run
     p = python("plan.py", *settings(kind, optimizer, arch, recompute), f"--world_size={n}",
                "--json", env=env)
     planned = json.loads(p.stdout)["plan"]
-    assert planned["total"] == pytest.approx(measured[run]["peak"], rel=RTOL)
+    assert planned["total"] == pytest.approx(measured[run]["peak"],
+                                             rel=RTOL_STEP if STEP_BOUND in recompute else RTOL)
     assert planned["weights"] > 0 and planned["optimizer"] > 0 and planned["activations"] > 0
 
 
