@@ -465,7 +465,8 @@ def report_step(run, step, dt, first):
                data_wait=step.data_wait_s / dt)
     if run.peak:
         row["mfu"] = run.flops_per_step / dt / (run.peak * run.ranks.world_size)
-    if runtime.device_type(run.device) == "cuda":  # the allocator's count: no synchronising
+    cuda = runtime.device_type(run.device) == "cuda"
+    if cuda:  # the allocator's count: no synchronising
         row["peak_mem"] = torch.cuda.max_memory_allocated(run.device)
     if row["iter"] % cfg.log_interval == 0:
         row.update(metrics.rank_telemetry(step.alone.seconds(), step.data_wait_s, run.device,
@@ -474,6 +475,8 @@ def report_step(run, step, dt, first):
         if not first:
             metrics.log_straggler(row, run.metrics.slowest)
     metrics.record(run.metrics, row)
+    if cuda:  # each row's peak is its own step's (and any evaluation's since the last row),
+        torch.cuda.reset_peak_memory_stats(run.device)  # so that a later step holding more shows
 
 
 if __name__ == "__main__":

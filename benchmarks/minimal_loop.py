@@ -1,7 +1,8 @@
 """The ceiling for train.py's speed: nanoGPT's training loop at its barest, on the model, batch,
 device, dtype and compile setting that train.py's own arguments give, with no data path (random
 batches made on the device once), no evaluation, no checkpoints and no logging. Each step is
-timed between torch.cuda.synchronize() calls. Prints one JSON line: ms per step, peak memory.
+timed between torch.cuda.synchronize() calls. Prints one JSON line: ms per step, peak memory,
+each step's loss (its last micro-step's: the same batches every step, so it falls).
 
   python -m benchmarks.minimal_loop config/owt.py --device=cuda --data_dir=<data> --max_iters=20
 """
@@ -34,7 +35,7 @@ def main(argv):
     batches = [(torch.randint(model.config.vocab_size, shape, device=device),
                 torch.randint(model.config.vocab_size, shape, device=device))
                for _ in range(micro_steps)]
-    ms = []
+    ms, losses = [], []
     for _ in range(cfg.max_iters):
         sync()
         t0 = time.perf_counter()
@@ -47,8 +48,9 @@ def main(argv):
         optimizer.zero_grad(set_to_none=True)
         sync()
         ms.append((time.perf_counter() - t0) * 1000)
+        losses.append(loss.item())  # after the clock: the step has ended
     peak = torch.cuda.max_memory_allocated(device) if device_type == "cuda" else None
-    print(json.dumps({"ms": ms, "peak_mem": peak, "loss": loss.item()}))
+    print(json.dumps({"ms": ms, "peak_mem": peak, "losses": losses}))
     return 0
 
 

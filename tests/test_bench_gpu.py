@@ -4,7 +4,10 @@ counting of torch.compile's recompiles and graph breaks in TORCH_LOGS's own line
 part in its small mode."""
 import json
 import os
+import re
 import sys
+import time
+import types
 
 import pytest
 import torch
@@ -42,6 +45,7 @@ def test_gpu_dry_run(env, tmp_path):
     assert not compiles["compiled"]
     assert [compiles[f"{run}_{key}"] for run in ("fresh", "resumed")
             for key in ("recompiles_first_step", "recompiles_after", "graph_breaks")] == [0] * 6
+    assert re.search(r"^6 steps, loss [\d.]+ -> [\d.]+; ", checks["minimal loop"]["measured"])
     assert checks["sample.py"]["samples"] == 2
     assert "world size 2 on cpu, gloo" in checks["2 ranks"]["measured"]
     assert checks["modern + muon"]["recompiles_after"] == 0
@@ -64,11 +68,27 @@ def test_gpu_dry_run(env, tmp_path):
                                        "rank1_iters1-2.pt.trace.json"]
     assert fsdp_resumed["steps_compared"] == result["settings"]["rank_steps"] - \
         result["settings"]["rank_steps"] // 2
+    # both with Muon in float32 (gpu.PARITY), as on the GPU
     assert parity["same_batches"] and parity["loss_rdiff"] < 1e-5 and \
         parity["grad_norm_rdiff"] < 1e-5
+    assert "--optimizer=muon" in checks["fsdp, 2 ranks"]["measured"]
     assert [r["loop"] for r in result["speed"]] == list(gpu.LOOPS)
     assert "A dry run" in page and "python sample.py --out_dir=<ranks> --device=cpu" in page
     assert "python eval.py --out_dir=<ranks> --device=cpu" in page
+
+
+def test_a_command_the_budget_cuts_short_is_not_run_not_failed(monkeypatch):
+    # 3 s of budget left, a command of 30: cut by the budget, so "not run", as one not started
+    monkeypatch.setattr(gpu, "MIN_START_S", 1)
+    s = types.SimpleNamespace(deadline=time.monotonic() + 3, env=dict(os.environ))
+    finished = gpu.launch(s, "sleeper", [sys.executable, "-c", "import time; time.sleep(30)"],
+                          cap=60)
+    assert finished is None and gpu.failed_row("sleeper", finished)["status"] == gpu.OUT_OF_TIME
+    # its own cap (2 s, within the budget's 10) is its own fault: failed
+    s.deadline = time.monotonic() + 10
+    finished = gpu.launch(s, "sleeper", [sys.executable, "-c", "import time; time.sleep(30)"],
+                          cap=2)
+    assert gpu.failed_row("sleeper", finished)["result"] == "**fail**"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it would run the checks")
