@@ -120,10 +120,11 @@ class DistributedMuon(torch.optim.Muon):
         updates = [nesterov(grad, buf, group, sharded or o == rank)
                    for (group, _, grad, buf), o in zip(matrices, owner)]
         if sharded:
-            ortho = orthogonalised_shards(updates, shapes, groups, owner, world, self.ns_dtype)
+            ortho = orthogonalised_shards(updates, shapes, groups, owner, rank, world,
+                                          self.ns_dtype)
         else:
-            ortho = orthogonalised_whole(updates, shapes, groups, owner, world, self.ns_dtype,
-                                         matrices[0][1].device)
+            ortho = orthogonalised_whole(updates, shapes, groups, owner, rank, world,
+                                         self.ns_dtype, matrices[0][1].device)
         for (group, p, _, _), o in zip(matrices, ortho):
             lr = group["lr"]
             weight = local(p)
@@ -177,11 +178,10 @@ def newton_schulz(update, group, dtype):
     return x.T if tall else x
 
 
-def orthogonalised_whole(updates, shapes, groups, owner, world, dtype, device):
+def orthogonalised_whole(updates, shapes, groups, owner, rank, world, dtype, device):
     """ddp: each update orthogonalised by its owner (updates: None where another rank owns it)
     into its rank's row of a (world, bucket) tensor in dtype, which one all_gather_single
     fills: the list form would have NCCL gather into a hidden flat buffer and copy out of it."""
-    rank = dist.get_rank() if world > 1 else 0
     sizes = [sum(s.numel() for s, o in zip(shapes, owner) if o == r) for r in range(world)]
     mine = torch.zeros(max(sizes), dtype=dtype, device=device)
     at = 0
@@ -202,11 +202,10 @@ def orthogonalised_whole(updates, shapes, groups, owner, world, dtype, device):
     return out
 
 
-def orthogonalised_shards(updates, shapes, groups, owner, world, dtype):
+def orthogonalised_shards(updates, shapes, groups, owner, rank, world, dtype):
     """fsdp: each rank's rows of each update orthogonalised as a whole matrix by its owner:
     the rows gathered to the owner by one all_to_all_single, the results' rows sent back by
     another. updates: this rank's rows; shapes: the whole matrices'."""
-    rank = dist.get_rank()
     rows = [[shard_rows(shape[0], r, world) for r in range(world)] for shape in shapes]
     for u, shape, r in zip(updates, shapes, rows):
         if u.shape != (r[rank], shape[1]):

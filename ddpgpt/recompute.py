@@ -1,25 +1,14 @@
 """Activation checkpointing (the activation_checkpointing key): what each transformer block
-keeps from its forward for its backward, and what its backward computes again instead.
+keeps from its forward for its backward, and what its backward computes again instead: none
+keeps everything, full its input alone (its forward runs again), selective the outputs of its
+matmuls and fused attention (the rest is computed again). docs/fsdp.md gives each mode's
+memory and cost, and why selective is op-level and not torchtitan's policy.
 
-  none       everything the backward needs is kept: the fastest, the most memory.
-  full       each block keeps its input alone, and its backward runs its forward again:
-             about one forward more per step (a third more compute), and the blocks'
-             activations shrink to one (batch, block_size, n_embd) tensor a block.
-  selective  each block keeps the outputs of all its matmuls, and of its attention where that
-             is one fused kernel (a GPU's; the CPU's without dropout), and computes the rest
-             again (norms, GELU or SwiGLU, rotations, dropout; the CPU's attention with
-             dropout, op by op), for a memory between the two.
-
-selective is op-level (torch's create_selective_checkpoint_contexts), as torchtitan's 'op'
-option, but not its policy, which recomputes every second matmul too. Op-level, not "every k-th
-block in full": no second key, spread evenly over the blocks (so over fsdp's per-block gathers),
-and only what costs little recomputed, where k-th-block checkpointing's memory steps with k.
-
-Both use torch.utils.checkpoint (non-reentrant), which restores the random number generators'
-state before a recompute: dropout draws the same masks twice, and the losses are none's bit for
-bit. Applied in place to each block's forward, inside fsdp's per-block unit and beneath
+Applied in place to each block's forward, inside fsdp's per-block unit and beneath
 torch.compile (parallel.wrap), so the weights keep their names: checkpoints are the same
-whatever the mode, and a run resumes under another."""
+whatever the mode, and a run resumes under another. torch.utils.checkpoint (non-reentrant)
+restores the random number generators' state before a recompute: dropout draws the same masks
+twice, and the losses are none's bit for bit."""
 import functools
 
 import torch
