@@ -1,21 +1,19 @@
-"""HellaSwag (Zellers et al., 2019), scored as llm.c and build-nanogpt score it, on all ranks.
+"""HellaSwag (Zellers et al., 2019), scored as llm.c and build-nanogpt score it, on all ranks;
+docs/evaluation.md has acc and acc_norm, where the file comes from, and the numbers to compare.
 
-The validation set is 10,042 examples, one JSON object a line: "ctx" (a context), "endings"
-(4 texts) and "label" (the index of the right ending). An ending's row is the context's tokens
-followed by the tokens of " " + ending; the model scores the ending's tokens, each predicted
-from the tokens before it. `acc` picks the ending with the lowest summed loss, `acc_norm` the
-one with the lowest mean loss per token (llm.c's number; a tie goes to the first). OpenAI's
-GPT-2 124M scores acc_norm 2967/10042 = 0.2955 this way (llm.c's dev/data/hellaswag.py).
-
-A row longer than the model's block_size + 1 tokens is cut from the left, losing the start of
-the context (and of the ending too, if the ending alone is longer than block_size); an ending
-token is scored when a token precedes it in the row. llm.c instead stops on such an example;
-at GPT-2's 1024 positions none is cut, and the number of examples cut is reported.
+The validation set is one JSON object a line: "ctx" (a context), "endings" (4 texts) and
+"label" (the index of the right ending). An ending's row is the context's tokens followed by
+the tokens of " " + ending; the model scores the ending's tokens, each predicted from the tokens
+before it. A row longer than the model's block_size + 1 tokens is cut from the left, losing the
+start of the context (and of the ending too, if the ending alone is longer than block_size); an
+ending token is scored when a token precedes it in the row. llm.c instead stops on such an
+example.
 
 Examples are packed into batches of whole examples, shortest first, of at most `budget` input
 tokens each (the four rows padded to the longest, the padding's targets -1, which the model
 does not score). The batches are dealt out to the ranks in turn, and the counts summed: each
-example is scored in the same batch on any world size, so the counts are the same to the bit."""
+example is scored in the same batch on any world size, so the counts are the same to the bit.
+"""
 import fcntl
 import http.client
 import json

@@ -3,27 +3,14 @@ first two optimizer steps on fake tensors (torch's FakeTensorMode: shapes, no me
 counting with torch's own tracker (torch.distributed._tools.mem_tracker.MemTracker, and its
 FSDPMemTracker for fully_shard), not with a formula of ours.
 
-The steps are train.py's: the model built from the settings (model.py), shared out by
-parallel.wrap (the same code a run uses, so whatever it applies the plan sees), the optimizer
-of optim.make, then per step its micro-steps' forward and backward in the run's precision, the
-gradient norm clipped, the optimizer step and zero_grad. Two steps, so the second's backward
-meets the optimizer state the first made; two micro-steps at most, the second meeting the
-gradients the first accumulated (more add nothing). Every block runs: a plan's time grows with
-n_layer (the peak is not affine in n_layer where layers move it elsewhere in the steps).
-
-What the tracker cannot see, and so the plan leaves out:
-- fsdp's ranks are simulated: a process group of the 'fake' backend (torch's, as torchtitan's
-  memory estimator uses) gives this process rank 0 of world_size; its collectives move nothing;
-- ddp on several ranks is planned as one rank (with Muon, rank 0 of world_size in the fake
-  group, so that its step's owned updates and gather buffer are counted):
-  DistributedDataParallel's all-reduce hook does not run on the fake backend. Its gradient
-  buckets, a copy of the gradients (DDP's default gradient_as_bucket_view=False, torch's
-  docs), are reported on a line of their own;
-- compile=True is planned eagerly (torch.compile's fused kernels keep fewer activations);
-- the breakdown is the tracker's at the peak: a gradient on its way to fsdp's reduce-scatter may
-  count as a temporary, under activations;
-- the fake tensors are CPU tensors, in CPU autocast: the matmuls' dtype is the run's, a kernel's
-  workspace and the CUDA context are not counted (GPU_HEADROOM leaves room for them).
+The steps are train.py's: the model shared out by parallel.wrap and the optimizer of
+optim.make (the code a run uses, so whatever it applies the plan sees), in the run's precision.
+Two steps, so the second's backward meets the optimizer state the first made; two micro-steps
+at most, the second meeting the gradients the first accumulated (more add nothing). Every block
+runs (the peak is not affine in n_layer). What the tracker cannot see, and so the plan leaves
+out, is in docs/fsdp.md: fsdp's ranks are simulated by torch's 'fake' backend, ddp on several
+ranks is planned as one rank (DDP's buckets reported on a line of their own), compile=True is
+planned eagerly, and a kernel's workspace and the CUDA context are not counted (GPU_HEADROOM).
 """
 import contextlib
 import dataclasses

@@ -1,17 +1,11 @@
 """Data parallel training: the model as the training steps call it, shared out over the ranks in
-one of two ways (the `parallel` key):
+one of two ways (the `parallel` key; docs/fsdp.md says what each costs):
 
-  ddp   every rank holds all the weights, gradients and optimizer state (16 bytes a parameter
-        with AdamW), and DistributedDataParallel all-reduces the gradients in the backward of
-        the last micro-step, so that every rank applies the same update to the same weights.
-  fsdp  FSDP2 (torch.distributed.fsdp.fully_shard) on each transformer block and on the root:
-        each rank holds 1/N of the weights, gradients and optimizer state. A block's forward
-        and backward all-gather its weights from the other ranks, and the backward of the last
-        micro-step (of each, with reduce_every_micro_step) reduce-scatters the gradients, so
-        that each rank has the sum of its shard of them and updates its shard of the weights.
-        In bfloat16 (on a GPU) the weights are gathered and multiplied in bfloat16, the
-        residual stream is bfloat16, and the gradients are summed and the weights kept and
-        updated in float32.
+  ddp   every rank holds all the weights, gradients and optimizer state, and
+        DistributedDataParallel all-reduces the gradients in the last micro-step's backward.
+  fsdp  FSDP2 (fully_shard) on each transformer block and on the root: each rank holds 1/N of
+        the weights, gradients and optimizer state; a block's forward and backward all-gather
+        its weights, and the backward reduce-scatters its gradients (shard() has the dtypes).
 
 One rank trains the model itself, either way. What the training step does differently under
 each is here: which micro-step reduces the gradients (sync_gradients), the gradient norm

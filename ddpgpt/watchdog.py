@@ -1,25 +1,17 @@
 """The hang watchdog: a run that stops making progress says where each rank is, then ends.
+docs/hangs.md shows what it prints, how to read it, and what it cannot do.
 
-train.py starts it first thing and beats it at each completed step, after each evaluation and before
-each checkpoint save. When no beat comes within the limit, every rank whose Python can still run
-writes the stacks of all its threads to its log (stderr), headed with its rank and iter, and a
-one-line report to out_dir/hang/rank<r>.txt; rank 0 gathers the reports, prints where the ranks are,
-grouped, and which did not report, and writes that to out_dir/hang/summary.txt. Where the flight
-recorder is on (launch/srun.sh turns it on), each rank also writes its record of the last
-collectives, as torch would have on the collective timeout that the watchdog comes before. Then each
-rank exits with EXIT_CODE, so that torchrun or SLURM ends the run (and can restart it) instead of
-leaving it hung until a collective times out.
+train.py starts it first thing and beats it at each completed step, after each evaluation and
+before each checkpoint save. When no beat comes within the limit (startup_timeout_s until the
+first step completes, then max(hang_timeout_s, 10 x the median step time after warm-up)), each
+rank writes the stacks of its threads to its log and a one-line report to
+out_dir/hang/rank<r>.txt, rank 0 gathers the reports into out_dir/hang/summary.txt, and every
+rank exits with EXIT_CODE, so that torchrun or SLURM ends the run (and can restart it).
 
-  the limit   until the first step completes: startup_timeout_s (rendezvous, data checks,
-              compiling, the first evaluation and step); then max(hang_timeout_s, 10 x the
-              median step time after warm-up). 0 turns either off.
-
-The ranks cannot share their reports through collectives, which are what hang, so they share
-them through files: on several nodes that needs out_dir on a file system that all of them see.
-Each rank decides on its own clock; the step's all-reduce keeps the ranks within a step of each
-other, so they fire within a second or two of each other. A rank stuck where Python cannot run
-(a C call that holds the GIL) is caught by faulthandler's own thread instead, a little later:
-it dumps that rank's stacks and exits 1."""
+The reports go through files, not collectives, which are what hang. Each rank decides on its
+own clock; the step's all-reduce keeps the ranks within a step of each other, so they fire
+within a second or two of each other. A rank stuck where Python cannot run (a C call that holds
+the GIL) is caught by faulthandler's own thread instead, a little later: it exits 1."""
 import faulthandler
 import json
 import linecache
