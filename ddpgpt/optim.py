@@ -3,15 +3,11 @@
 optimizer='adamw': AdamW as nanoGPT sets it up: weight decay on the matrices (matmul weights,
 embeddings) only, and the fused kernel on CUDA.
 
-optimizer='muon': Muon for the matrices that muon_params names (by default every matrix in
-the blocks: attention and MLP), and AdamW as above for everything else: the embeddings, the
-head, norms and biases, which Muon is not made for. Muon's update is its Nesterov momentum made
-orthogonal (five Newton-Schulz iterations, in muon_ns_dtype: bfloat16 as torch's, or float32
-where the device would emulate bfloat16) and scaled by sqrt(max(1, rows / columns)) (torch's
-adjust_lr_fn='original', Keller Jordan's): torch.optim.Muon's, computed once per matrix over
-the ranks, by its owner, under ddp and fsdp alike (muon.py); gradient accumulation and
-clipping are the same as for AdamW. The two optimizers are stepped as one (MuonAdamW), so
-that train.py, float16's GradScaler and a checkpoint see one.
+optimizer='muon': Muon (muon.py: torch.optim.Muon's update, computed once per matrix over the
+ranks) for the matrices that muon_params names (by default every matrix in the blocks:
+attention and MLP), and AdamW as above for everything else: the embeddings, the head, norms and
+biases, which Muon is not made for (docs/training.md has its settings). The two optimizers are
+stepped as one (MuonAdamW), so that train.py, float16's GradScaler and a checkpoint see one.
 
 The schedule (schedule.py) is learning_rate's (AdamW's); Muon's follows it in proportion, from
 muon_lr at the peak (set_lr)."""
@@ -22,7 +18,7 @@ import itertools
 
 import torch
 
-from ddpgpt import schedule
+from ddpgpt import checkpoint, schedule
 from ddpgpt.errors import UserError
 from ddpgpt.muon import DistributedMuon, ns_dtype
 
@@ -62,7 +58,7 @@ def muon_parameters(model, patterns):
     model's order. Each pattern must match one at least (a typo would leave Muon out
     silently), and each must be a matrix: Muon orthogonalises 2-D updates only."""
     named = dict(model.named_parameters())  # a tied matrix once, by its first name
-    tied = tied_names(model)
+    tied = checkpoint.aliases(model)  # {a tied matrix's other name: its name in named}
     chosen = set()
     for pattern in filter(None, (p.strip() for p in patterns.split(","))):
         found = {name for name in named if fnmatch.fnmatchcase(name, pattern)}
@@ -91,16 +87,6 @@ def muon_parameters(model, patterns):
             f"orthogonalises 2-D updates only, and norms and biases belong to AdamW. Narrow "
             f"the patterns to the matrices, e.g. the default 'transformer.h.*.c_*.weight'.")
     return [p for name, p in named.items() if name in chosen]
-
-
-def tied_names(model):
-    """{a parameter's other name: the name model.named_parameters() gives it} for the
-    matrices that are tied (GPT-2's output layer to its token embedding)."""
-    first = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        first.setdefault(id(p), name)
-    return {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
-            if first[id(p)] != name}
 
 
 class MuonAdamW:
