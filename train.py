@@ -60,8 +60,7 @@ class Run:
     cfg: TrainConfig
     ranks: runtime.Ranks
     device: str
-    # one set of weights, three handles (parallel.Wrapped): `model` owns them, `eval_model`
-    # is what the losses' evaluation calls, `train_model` what the steps call
+    # one set of weights, three handles: parallel.Wrapped's
     model: torch.nn.Module
     eval_model: Callable
     train_model: Callable
