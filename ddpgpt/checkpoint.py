@@ -164,10 +164,8 @@ def publish_folder(tmp, path):
 def replaced(path):
     """The other kind's checkpoint of the same iter, if any, goes: one checkpoint per iter."""
     other = path[:-3] if path.endswith(".pt") else f"{path}.pt"
-    if os.path.isdir(other):
-        shutil.rmtree(other)
-    elif os.path.isfile(other):
-        os.remove(other)
+    if os.path.exists(other):
+        fileio.remove(other)
 
 
 def prune(out_dir, keep, iter_num):
@@ -178,7 +176,7 @@ def prune(out_dir, keep, iter_num):
     ours = [p for p in list_checkpoints(out_dir)
             if (m := _NAME.search(p)) and int(m.group(1)) <= iter_num]
     for old in ours[keep:]:
-        shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+        fileio.remove(old)
 
 
 # ---- reading ----
@@ -330,7 +328,7 @@ class Saver:
         # before the first save: out_dir's lock keeps every other writer out
         if ranks.master:
             for stale in glob.glob(os.path.join(glob.escape(cfg.out_dir), "ckpt_*.tmp")):
-                shutil.rmtree(stale) if os.path.isdir(stale) else os.remove(stale)
+                fileio.remove(stale)
 
     def save(self, state, last=False):
         """Write state (contents()) as the checkpoint of its iter: in the background unless

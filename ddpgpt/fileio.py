@@ -43,9 +43,13 @@ def remove_stale_temporaries(folder, of=None):
              m.group(2) == HOST and not alive(int(m.group(1))) and
              (of is None or name[:m.start()] == of)]
     for name in stale:
-        path = os.path.join(folder, name)
-        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+        remove(os.path.join(folder, name))
     return stale
+
+
+def remove(path):
+    """Remove a file, or a folder and everything in it (a link, even to a folder, is a file)."""
+    shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
 
 
 def remove_own_temporaries(folder):
