@@ -390,7 +390,7 @@ def to_host(state, buffers=None):
     seen = {}
 
     def host(t, key):
-        local = t.to_local() if parallel.is_dtensor(t) else t
+        local = parallel.local(t)
         where = (local.device, local.untyped_storage().data_ptr(), local.storage_offset(),
                  tuple(local.shape), local.stride(), local.dtype)
         if local.numel() and where in seen:

@@ -108,7 +108,8 @@ class DistributedMuon(torch.optim.Muon):
         for group in self.param_groups:
             params, grads, bufs = [], [], []
             self._init_group(group, params, grads, bufs)  # torch's checks and zero momentum
-            matrices += [(group, p, local(g), local(b)) for p, g, b in zip(params, grads, bufs)]
+            matrices += [(group, p, parallel.local(g), parallel.local(b))
+                         for p, g, b in zip(params, grads, bufs)]
         if not matrices:  # no gradients (the same on every rank): nothing to share
             return loss
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -127,7 +128,7 @@ class DistributedMuon(torch.optim.Muon):
                                          self.ns_dtype, matrices[0][1].device)
         for (group, p, _, _), o in zip(matrices, ortho):
             lr = group["lr"]
-            weight = local(p)
+            weight = parallel.local(p)
             weight.mul_(1 - lr * group["weight_decay"])
             weight.add_(o, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
@@ -148,11 +149,6 @@ def check_layout(p):
             f"{p.placements} over a mesh of shape {tuple(p.device_mesh.shape)}. Shard Muon's "
             f"matrices along dim 0 over one mesh dimension of every rank (fully_shard without "
             f"shard_placement_fn, and no HSDP mesh), or give Muon whole matrices (ddp).")
-
-
-def local(t):
-    """This rank's part of t: its local shard of a DTensor, else t."""
-    return t.to_local() if parallel.is_dtensor(t) else t
 
 
 def nesterov(grad, buf, group, needed):

@@ -138,12 +138,15 @@ def all_finite(model):
     """Are all the weights finite? The same answer on every rank: under fsdp each rank holds a
     shard of each weight, and would otherwise answer for its shard alone."""
     params = list(model.parameters())
-    shards = is_dtensor(params[0])
-    finite = torch.stack([(p.to_local() if shards else p).isfinite().all()
-                          for p in params]).all().float()
-    if shards:
+    finite = torch.stack([local(p).isfinite().all() for p in params]).all().float()
+    if is_dtensor(params[0]):
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     return bool(finite)
+
+
+def local(t):
+    """This rank's part of t: its local shard of a DTensor, else t."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def is_dtensor(t):
