@@ -13,15 +13,10 @@ The corpus is read twice: pass 1 counts its non-empty documents, which fixes the
 split up front (document d goes to val iff permutation.permute(d, documents, key(seed)) <
 n_val), and pass 2 tokenizes. Documents stream through a pool of workers in chunks and their
 tokens are appended to each split's file as they come back, so memory does not grow with the
-corpus (OpenWebText is 9B tokens). A shard is published under its final name as soon as it is
-complete, and prepare.progress.json records where the corpus stands after it, so a prepare
-that dies at 90% and is run again with the same arguments goes on after the last complete
-shard, and writes the same bytes as a run that never stopped.
-
-One prepare at a time writes in an out_dir (ddpgpt/lock.py): a second one is refused, naming
-the first. Stopped by SIGINT, SIGTERM or SIGHUP, or by a full disk, it removes its temporary
-files and says what it kept; what it published before stays as it was. Keys as in
-PrepareConfig (ddpgpt/settings.py; `python prepare.py --help`)."""
+corpus (OpenWebText is 9B tokens). docs/data.md says how a prepare that died goes on after its
+last complete shard (prepare.progress.json), and what one that is stopped keeps; one at a time
+writes in an out_dir (ddpgpt/lock.py). Keys as in PrepareConfig (ddpgpt/settings.py; `python
+prepare.py --help`)."""
 import json
 import math
 import os

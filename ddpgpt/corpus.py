@@ -1,17 +1,10 @@
 """Corpora as documents: every corpus prepare.py reads, as a Corpus: a function that yields one
 string per document (None for a file that cannot be decoded), and a function that counts them.
-
-  local files     .txt (a document per file), .jsonl / .json (a document per object),
-                  .parquet (a document per row), the first three also compressed (.gz, .bz2,
-                  .xz, .zst); a file, a folder (recursively) or a glob. What else a folder
-                  holds is skipped, with a line per kind (SKIPPED), or refused with a reason;
-                  a glob that ends with another extension (*.md) reads those files as .txt
-  pystdlib        the .py files of this Python's standard library, no network needed
-  openwebtext     all of OpenWebText: its 21 archives from the hub, or a local copy of them
-  a hub name      another Hugging Face hub dataset's train split (its parquet export), or
-                  with streaming=True its train split streamed, never stored (corpora larger
-                  than the disk; each pass streams it again); local .parquet files stream too
-"""
+docs/data.md lists them: local files (a file, a folder or a glob; what else a folder holds is
+skipped, with a line per kind (SKIPPED), or refused with a reason), pystdlib (the .py files of
+this Python's standard library), all of OpenWebText (its 21 archives from the hub, or a local
+copy) and another hub dataset's train split (its parquet export, or with streaming=True
+streamed, never stored; local .parquet files stream too)."""
 import glob
 import hashlib
 import io
