@@ -14,9 +14,8 @@ checkpoint.py puts these files in a folder with the checkpoint's other values an
 (checkpoint.py's docstring has the layout). A tensor under two names (the tied embedding) is
 stored once, under the first, as torch.save stores it.
 
-Reading runs no code from the files: the tensors load with torch.load(weights_only=True), the
-index with an unpickler that makes nothing but DCP's own records of it, and an index that
-holds pickled objects instead of tensors is refused."""
+Reading runs no code from the files (docs/fsdp.md): the tensors load with
+torch.load(weights_only=True), the index with an unpickler that makes DCP's own records only."""
 import io
 import os
 import pickle
