@@ -302,10 +302,9 @@ def check_room(out_dir, model):
 
 class Saver:
     """Writes a run's checkpoints: the file, on rank 0 (ddp), or the folder, on every rank
-    (fsdp). In the background (background=True): save() returns once the state is copied to
-    host memory, so that the next optimizer step cannot change what is written, and the
-    writing goes on while the run trains; one save at a time, the next waiting for the one
-    before; a failed one is this run's error, raised by the next check() or save()."""
+    (fsdp). In the background (background=True) as docs/checkpoints.md says: save() returns
+    once the state is copied to host memory, where the next optimizer step cannot change it; a
+    failed save is this run's error, raised by the next check() or save()."""
 
     def __init__(self, cfg, ranks, model, background):
         self.out_dir, self.keep, self.master = cfg.out_dir, cfg.keep_checkpoints, ranks.master

@@ -11,9 +11,8 @@ a launched process lives through and the library does not know of:
   a lost peer         a collective that fails because another rank is gone becomes one
                       paragraph: who, where, and how to go on (watched)
 
-A loop of your own uses the library (data, model, parallel, optim, checkpoint, evaluation)
-without any of this; the error line itself is errors.py's, which every script prints through.
-"""
+A loop of your own uses the library without any of this (docs/training.md has the layers); the
+error line itself is errors.py's, which every script prints through."""
 import contextlib
 import os
 from datetime import timedelta
