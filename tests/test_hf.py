@@ -286,11 +286,11 @@ def test_a_checkpoint_scores_and_samples_as_its_export(byte_exports, corpus, env
                                "--eval_iters=4", "--batch_size=4", "--device=cpu",
                                env=env).stdout)["val_loss"] for source in sources]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5), losses
-    for top_k in (0, 200):
-        texts = [python("sample.py", source, "--start=def ", "--num_samples=2", "--seed=3",
-                        "--max_new_tokens=40", f"--top_k={top_k}", "--device=cpu",
-                        env=env).stdout for source in sources]
-        assert texts[0] == texts[1], top_k
+    # top_k=0: the whole distribution, where the padding would take its share
+    texts = [python("sample.py", source, "--start=def ", "--num_samples=2", "--seed=3",
+                    "--max_new_tokens=40", "--top_k=0", "--device=cpu", env=env).stdout
+             for source in sources]
+    assert texts[0] == texts[1]
 
 
 @pytest.mark.slow

@@ -60,6 +60,11 @@ def test_the_plans_peak_is_the_measured_one(run, measured, env):
     planned = json.loads(p.stdout)["plan"]
     assert planned["total"] == pytest.approx(measured[run]["peak"],
                                              rel=RTOL_STEP if STEP_BOUND in recompute else RTOL)
+    if run == RUNS[0]:  # each plan says on stderr what it plans (then, past 10 s, its
+        # micro-steps); stdout is the plan alone
+        assert p.stderr.splitlines()[0] == ("planning 2 layers, --batch_size=4 --parallel=ddp "
+                                            "--reduce_every_micro_step=False "
+                                            "--activation_checkpointing=none --loss_chunks=1")
     assert planned["weights"] > 0 and planned["optimizer"] > 0 and planned["activations"] > 0
 
 
@@ -215,39 +220,6 @@ def test_nothing_fits_advises_fsdp_only_in_a_dtype_it_trains_in():
         0, 0, 0, 2**40, 2**40, 0), 2**30, memplan.Fit(2**29, False, 0, 1, []))
     assert said.endswith("nothing planned here fits: more ranks with parallel=fsdp in float32 "
                          "or bfloat16, or a smaller model"), said
-
-
-LAYERS = [2, 12, 22]
-
-
-@pytest.fixture(scope="module")
-def deep_plans(session_env):
-    """{n_layer: (plan.py's run, the CPU seconds it took)} of a small model at LAYERS."""
-    import resource
-    found = {}
-    for n in LAYERS:
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        p = python("plan.py", *SMALL, f"--n_layer={n}", "--json", env=session_env)
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        found[n] = p, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    return found
-
-
-@pytest.mark.slow
-def test_a_plans_time_grows_with_n_layer_not_its_square(deep_plans):
-    """It grew with the square: torch's tracker visited every module's statistics at each op
-    (GPT-2 XL's shape: 546 s). 10 more layers must take about what the 10 before did."""
-    took = [deep_plans[n][1] for n in LAYERS]
-    assert took[2] - took[1] < 1.6 * (took[1] - took[0]), took
-
-
-@pytest.mark.slow
-def test_each_plan_says_on_stderr_what_it_plans(deep_plans):
-    p = deep_plans[2][0]
-    assert p.stderr.splitlines() == ["planning 2 layers, --batch_size=4 --parallel=ddp "
-                                     "--reduce_every_micro_step=False --activation_checkpointing="
-                                     "none --loss_chunks=1"], p.stderr
-    assert json.loads(p.stdout)["plan"]["total"] > 0
 
 
 def test_a_slow_plan_says_when_each_micro_step_ended(monkeypatch, caplog):
