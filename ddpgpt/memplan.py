@@ -68,9 +68,6 @@ def plan(cfg, model_args, world_size, dtype):
     it needs: the process must not be in another."""
     sharded = parallel.sharded(cfg, runtime.Ranks(0, 0, world_size, world_size))
     ranks = runtime.Ranks(0, 0, world_size, world_size) if sharded else runtime.Ranks(0, 0, 1, 1)
-    # Muon under ddp builds its owned updates and gathers every rank's at the step (muon.py):
-    # rank 0 of world_size in the fake group, its model unwrapped
-    grouped = sharded or (cfg.optimizer == "muon" and world_size > 1)
     cfg = dataclasses.replace(cfg, compile=False, dtype=dtype)
     log.info(f"planning {model_args['n_layer']} layers, " + keys({key: getattr(cfg, key) for key in
              ("batch_size", "parallel", "reduce_every_micro_step", "activation_checkpointing",
@@ -78,7 +75,9 @@ def plan(cfg, model_args, world_size, dtype):
     from torch._subclasses.fake_tensor import FakeTensorMode
     # small real tensors (DDP's bucket settling batch, the mesh's ranks) become fake as used
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_ranks(world_size) if grouped else contextlib.nullcontext():
+    # rank 0 of world_size in the fake group, whatever the model's wrapping: what the step
+    # itself exchanges (Muon's owned updates and gather under ddp, muon.py) is then counted
+    with fake_ranks(world_size) if world_size > 1 else contextlib.nullcontext():
         with fake, torch.device("cpu"):
             model = GPT(GPTConfig(**model_args))
         # outside the fake mode: a device mesh reads its ranks' values; the weights, fake,
