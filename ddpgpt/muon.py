@@ -30,6 +30,8 @@ rank applies them to its rows. Gather-to-owner and scatter rather than an all_ga
 fsdp would bring every whole matrix to every rank: N times the bytes, and the memory fsdp is there
 to save. The momentum is a DTensor like the weights, so a checkpoint folder holds it sharded, as
 AdamW's moments (sharded.py), and it resumes at any world size and under ddp."""
+import functools
+
 import torch
 import torch.distributed as dist
 # torch's learning-rate adjustment (private, of the torch that requirements.txt pins), so that
@@ -40,6 +42,17 @@ from ddpgpt import parallel
 from ddpgpt.errors import UserError
 
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# muon_coefficients='polar_express': one (a, b, c) per iteration, from Amsel, Persson, Musco and
+# Gower's Polar Express (arXiv 2505.16932; 5 iterations, safety factor 2e-2, cushion 2), for a
+# spectral norm of at most 1/1.01 at the start: each step's polynomial is the best for the
+# interval of singular values the previous step leaves, so 5 steps bring more of them near 1
+# than 5 of torch's one polynomial
+POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
+                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
+POLAR_MARGIN = 1.01
 
 
 def ns_dtype(setting, device_type):
@@ -86,14 +99,17 @@ def bytes_per_step(shapes, world_size, dtype=torch.bfloat16):
 class DistributedMuon(torch.optim.Muon):
     """torch.optim.Muon whose Newton-Schulz runs once per matrix over the ranks (the module's
     docstring), for parameters that are whole (ddp, one process) or Shard(0) DTensors (fsdp).
-    Its settings, param_groups and state are torch.optim.Muon's, and ns_dtype, the dtype of
-    Newton-Schulz's matmuls, bfloat16 as torch's by default (ns_dtype()), is an attribute, not
-    a group's setting: a checkpoint does not hold it, so a resume takes the run's. A class:
-    torch's optimizer API is one."""
+    Its settings, param_groups and state are torch.optim.Muon's. Three more are attributes, not
+    groups' settings, so that a checkpoint does not hold them and a resume takes the run's:
+    ns_dtype, the dtype of Newton-Schulz's matmuls (bfloat16, torch's, by default: ns_dtype());
+    polar_express, Polar Express's coefficients (POLAR_EXPRESS) rather than the group's
+    ns_coefficients; cautious, weight decay only where the update has the weight's sign
+    (cautious_decay()). A class: torch's optimizer API is one."""
 
-    def __init__(self, params, ns_dtype=torch.bfloat16, **settings):
+    def __init__(self, params, ns_dtype=torch.bfloat16, polar_express=False, cautious=False,
+                 **settings):
         super().__init__(params, **settings)
-        self.ns_dtype = ns_dtype
+        self.ns_dtype, self.polar_express, self.cautious = ns_dtype, polar_express, cautious
         for group in self.param_groups:
             for p in group["params"]:
                 check_layout(p)
@@ -120,18 +136,32 @@ class DistributedMuon(torch.optim.Muon):
         # every rank's momentum moves; under ddp only the owner needs the update it makes
         updates = [nesterov(grad, buf, group, sharded or o == rank)
                    for (group, _, grad, buf), o in zip(matrices, owner)]
+        orthogonalise = functools.partial(newton_schulz, dtype=self.ns_dtype,
+                                          polar_express=self.polar_express)
         if sharded:
             ortho = orthogonalised_shards(updates, shapes, groups, owner, rank, world,
-                                          self.ns_dtype)
+                                          orthogonalise, self.ns_dtype)
         else:
             ortho = orthogonalised_whole(updates, shapes, groups, owner, rank, world,
-                                         self.ns_dtype, matrices[0][1].device)
+                                         orthogonalise, self.ns_dtype, matrices[0][1].device)
         for (group, p, _, _), o in zip(matrices, ortho):
             lr = group["lr"]
             weight = parallel.local(p)
-            weight.mul_(1 - lr * group["weight_decay"])
+            if self.cautious:
+                cautious_decay(weight, o, lr * group["weight_decay"])
+            else:
+                weight.mul_(1 - lr * group["weight_decay"])
             weight.add_(o, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
+
+
+def cautious_decay(weight, update, decay):
+    """Decoupled weight decay (weight -= decay * weight) only where the update, which the step
+    subtracts, has the weight's sign: where both move the weight toward zero (Chen et al.,
+    Cautious Weight Decay, arXiv 2510.12402), so that the decay never works against the
+    gradient's direction. Elementwise: under fsdp on each rank's rows."""
+    if decay:
+        weight.sub_(weight * (update * weight >= 0), alpha=decay)
 
 
 def check_layout(p):
@@ -159,31 +189,35 @@ def nesterov(grad, buf, group, needed):
     return (grad.lerp(buf, momentum) if group["nesterov"] else buf) if needed else None
 
 
-def newton_schulz(update, group, dtype):
+def newton_schulz(update, group, dtype, polar_express=False):
     """update made orthogonal: torch's _zeropower_via_newtonschulz with its dtype a setting
     (torch's is bfloat16 alone), the same operations in the same order, so in bfloat16 it is
-    torch.optim.Muon's bit for bit (tested). The iterations run on the wide orientation, whose
-    Gram matrix is the smaller."""
-    a, b, c = group["ns_coefficients"]
+    torch.optim.Muon's bit for bit (tested); with polar_express, POLAR_EXPRESS's coefficients
+    and its margin. The iterations run on the wide orientation, whose Gram matrix is the
+    smaller."""
+    steps = POLAR_EXPRESS[:group["ns_steps"]] if polar_express \
+        else [group["ns_coefficients"]] * group["ns_steps"]
     tall = update.size(0) > update.size(1)
     x = update.to(dtype).T if tall else update.to(dtype)
-    x = x / x.norm().clamp(min=group["eps"])  # a spectral norm of 1 at most
-    for _ in range(group["ns_steps"]):
+    norm = x.norm() * POLAR_MARGIN if polar_express else x.norm()
+    x = x / norm.clamp(min=group["eps"])  # a spectral norm of 1 at most
+    for a, b, c in steps:
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.T if tall else x
 
 
-def orthogonalised_whole(updates, shapes, groups, owner, rank, world, dtype, device):
-    """ddp: each update orthogonalised by its owner (updates: None where another rank owns it)
-    into its rank's row of a (world, bucket) tensor in dtype, which one all_gather_single
+def orthogonalised_whole(updates, shapes, groups, owner, rank, world, orthogonalise, dtype,
+                         device):
+    """ddp: each update orthogonalised by its owner (updates: None where another rank owns it;
+    orthogonalise(update, group): newton_schulz's result in dtype) into its rank's row of a (world, bucket) tensor in dtype, which one all_gather_single
     fills: the list form would have NCCL gather into a hidden flat buffer and copy out of it."""
     sizes = [sum(s.numel() for s, o in zip(shapes, owner) if o == r) for r in range(world)]
     mine = torch.zeros(max(sizes), dtype=dtype, device=device)
     at = 0
     for u, g, o in zip(updates, groups, owner):
         if o == rank:
-            mine[at:at + u.numel()].copy_(newton_schulz(u, g, dtype).flatten())
+            mine[at:at + u.numel()].copy_(orthogonalise(u, g).flatten())
             at += u.numel()
     # a one-rank group gathers too: bench gpu's check of NCCL on one GPU runs this path
     gathered = torch.empty(world * mine.numel(), dtype=dtype, device=device) \
@@ -198,7 +232,7 @@ def orthogonalised_whole(updates, shapes, groups, owner, rank, world, dtype, dev
     return out
 
 
-def orthogonalised_shards(updates, shapes, groups, owner, rank, world, dtype):
+def orthogonalised_shards(updates, shapes, groups, owner, rank, world, orthogonalise, dtype):
     """fsdp: each rank's rows of each update orthogonalised as a whole matrix by its owner:
     the rows gathered to the owner by one all_to_all_single, the results' rows sent back by
     another. updates: this rank's rows; shapes: the whole matrices'."""
@@ -212,7 +246,7 @@ def orthogonalised_shards(updates, shapes, groups, owner, rank, world, dtype):
                 f"torch splits rows otherwise, so the exchange would send rows to the wrong "
                 f"ranks; shard_rows() must follow it.")
     whole = gathered_to_owners(updates, rows, shapes, owner, rank)
-    ortho = {i: newton_schulz(m, groups[i], dtype) for i, m in whole.items()}
+    ortho = {i: orthogonalise(m, groups[i]) for i, m in whole.items()}
     return scattered_from_owners(ortho, rows, shapes, owner, rank, dtype, updates[0].device)
 
 

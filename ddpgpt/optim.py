@@ -1,7 +1,8 @@
 """The optimizer and its learning-rate schedule, for train.py (and the Lightning example).
 
 optimizer='adamw': AdamW as nanoGPT sets it up: weight decay on the matrices (matmul weights,
-embeddings) only, and the fused kernel on CUDA.
+embeddings) only, and the fused kernel on CUDA. cautious_weight_decay: both optimizers decay a
+weight only where its update has the weight's sign (muon.cautious_decay).
 
 optimizer='muon': Muon (muon.py: torch.optim.Muon's update, computed once per matrix over the
 ranks) for the matrices that muon_params names (by default every matrix in the blocks:
@@ -20,29 +21,33 @@ import torch
 
 from ddpgpt import checkpoint, schedule
 from ddpgpt.errors import UserError
-from ddpgpt.muon import DistributedMuon, ns_dtype
+from ddpgpt.muon import DistributedMuon, cautious_decay, ns_dtype
+from ddpgpt.parallel import local
 
 
 def make(cfg, model, device_type):
     """train.py's optimizer for its settings (cfg: a TrainConfig)."""
-    adamw_settings = (cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
+    adamw_settings = (cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type,
+                      cfg.cautious_weight_decay)
     if cfg.optimizer == "adamw":
         return make_optimizer(model, *adamw_settings)
     matrices = muon_parameters(model, cfg.muon_params)
     muon = DistributedMuon(matrices, lr=cfg.muon_lr, momentum=cfg.muon_momentum,
                            weight_decay=cfg.muon_weight_decay,
-                           ns_dtype=ns_dtype(cfg.muon_ns_dtype, device_type))
+                           ns_dtype=ns_dtype(cfg.muon_ns_dtype, device_type),
+                           polar_express=cfg.muon_coefficients == "polar_express",
+                           cautious=cfg.cautious_weight_decay)
     taken = {id(p) for p in matrices}
     rest = [p for p in model.parameters() if id(p) not in taken]
     return MuonAdamW(muon, adamw(rest, *adamw_settings))
 
 
-def make_optimizer(model, weight_decay, learning_rate, betas, device_type):
+def make_optimizer(model, weight_decay, learning_rate, betas, device_type, cautious=False):
     """AdamW over every parameter of the model."""
-    return adamw(model.parameters(), weight_decay, learning_rate, betas, device_type)
+    return adamw(model.parameters(), weight_decay, learning_rate, betas, device_type, cautious)
 
 
-def adamw(parameters, weight_decay, learning_rate, betas, device_type):
+def adamw(parameters, weight_decay, learning_rate, betas, device_type, cautious=False):
     # decaying biases and LayerNorm gains just pulls them towards a degenerate zero
     params = [p for p in parameters if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
@@ -50,7 +55,37 @@ def adamw(parameters, weight_decay, learning_rate, betas, device_type):
     # the fused kernel is one launch for all parameters instead of several per tensor
     fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
     extra = dict(fused=True) if fused else dict()
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra)
+    kind = CautiousAdamW if cautious else torch.optim.AdamW
+    return kind(groups, lr=learning_rate, betas=betas, **extra)
+
+
+class CautiousAdamW(torch.optim.AdamW):
+    """torch's AdamW with cautious weight decay (muon.cautious_decay): an update has the sign
+    of the new first moment (its denominator and bias corrections are positive), which the
+    step reads before torch's, which then runs without decay. Its state and checkpoints are
+    torch.optim.AdamW's. A class: torch's optimizer API is one."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        decays = [group["weight_decay"] for group in self.param_groups]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    grad, moment = local(p.grad), self.state[p].get("exp_avg")
+                    update = grad if moment is None else local(moment).lerp(
+                        grad, 1 - group["betas"][0])
+                    cautious_decay(local(p), update, group["lr"] * group["weight_decay"])
+            group["weight_decay"] = 0.0
+        try:
+            super().step()
+        finally:
+            for group, decay in zip(self.param_groups, decays):
+                group["weight_decay"] = decay
+        return loss
 
 
 def muon_parameters(model, patterns):

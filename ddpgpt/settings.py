@@ -122,6 +122,13 @@ class TrainConfig:
     muon_params: str = key("transformer.h.*.c_*.weight",
                            "muon: the parameters Muon steps, comma-separated patterns of "
                            "names (fnmatch; each 2-D); by default every matrix in the blocks")
+    muon_coefficients: Literal["torch", "polar_express"] = key(
+        "torch", "muon: torch: Newton-Schulz's one (a, b, c) at each of its 5 steps; "
+                 "polar_express: Polar Express's, one per step, which take more of the "
+                 "singular values near 1")
+    cautious_weight_decay: bool = key(
+        False, "decay a weight (weight_decay, muon_weight_decay) only where its update has "
+               "the weight's sign")
     muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = key(
         "auto", "muon: the dtype of Newton-Schulz's matmuls; auto: bfloat16 where the device "
                 "has it natively (CUDA from Ampere on, CPUs with AVX512-BF16 or AMX), else "
@@ -206,8 +213,13 @@ class TrainConfig:
         if self.init_from == "scratch" or self.init_from in NAMES:  # else the weights' arch
             check_only_for(self, "rope_theta", "arch", "modern")
         for name in ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_params",
-                     "muon_ns_dtype"):
+                     "muon_ns_dtype", "muon_coefficients"):
             check_only_for(self, name, "optimizer", "muon")
+        if self.cautious_weight_decay and not (self.weight_decay or self.muon_weight_decay):
+            raise UserError(
+                "cautious_weight_decay=True with weight_decay=0 and muon_weight_decay=0: there "
+                "is no weight decay to make cautious. Set weight_decay (AdamW's) or, with "
+                "optimizer='muon', muon_weight_decay above 0, or leave cautious_weight_decay out.")
         if self.arch == "modern" and self.init_from in NAMES:
             raise UserError(f"arch='modern' with init_from={self.init_from!r}: OpenAI's GPT-2 "
                             f"weights are arch='gpt2'. Fine-tune them with arch='gpt2' (the "

@@ -111,6 +111,52 @@ def test_newton_schulz_runs_in_the_dtype_of_muon_ns_dtype_and_auto_where_it_is_n
         assert (ortho.double() - exact).abs().max() <= within
 
 
+def test_polar_express_takes_more_singular_values_near_1_than_torchs_coefficients():
+    """An update whose singular values span 0.01 to 1: after the same 5 steps, Polar Express's
+    are within 0.15 of 1, torch's within 0.32 only (measured: 0.14 and 0.32)."""
+    g = torch.Generator().manual_seed(0)
+    left, right = torch.linalg.qr(torch.randn(64, 32, generator=g))[0], \
+        torch.linalg.qr(torch.randn(32, 32, generator=g))[0]
+    update = left @ torch.diag(torch.logspace(-2, 0, 32)) @ right.T
+    group = muon.DistributedMuon([torch.zeros(64, 32)]).param_groups[0]
+    off = [(torch.linalg.svdvals(muon.newton_schulz(update, group, torch.float32, polar)) - 1)
+           .abs().max() for polar in (False, True)]
+    assert off[1] <= 0.15 < 0.3 <= off[0]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_cautious_weight_decay_decays_only_where_the_update_has_the_weights_sign(optimizer):
+    """A step with cautious_weight_decay against the same step without any decay (the same
+    weights, state and batch): the weights differ by lr x weight_decay x the weight exactly
+    where the update (the difference the undecayed step made) has the weight's sign, after
+    two steps so that AdamW's sign is its first moment's, not the gradient's."""
+    muon_only = dict(muon_weight_decay=0.1, muon_ns_dtype="float32") if optimizer == "muon" \
+        else {}
+    cfg = TrainConfig(optimizer=optimizer, cautious_weight_decay=True, **muon_only)
+    model = small_model()
+    opt = optim.make(cfg, model, "cpu")
+    train(model, opt, 2)
+    twin = copy.deepcopy(model)
+    plain = optim.make(cfg, twin, "cpu")
+    plain.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for group in plain.param_groups:
+        group["weight_decay"] = 0.0
+    before = [p.detach().clone() for p in model.parameters()]
+    train(model, opt, 1, start=2)
+    train(twin, plain, 1, start=2)
+    decayed, kept = 0, 0
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    for group, twin_group in zip(opt.param_groups, plain.param_groups):
+        for p, q in zip(group["params"], twin_group["params"]):
+            w = before[index[id(p)]]
+            mask = (w - q) * w >= 0
+            expected = q - group["lr"] * group["weight_decay"] * w * mask
+            assert torch.allclose(p, expected, rtol=0, atol=1e-7)
+            if group["weight_decay"]:
+                decayed, kept = decayed + int(mask.sum()), kept + int((~mask).sum())
+    assert decayed and kept, "some weights are decayed and some are not"
+
+
 def test_matrices_sharded_other_than_by_rows_over_every_rank_are_refused():
     """In one's own loop a model can be sharded otherwise than parallel=fsdp does it (a real
     one-process gloo group here)."""
@@ -130,9 +176,11 @@ def test_matrices_sharded_other_than_by_rows_over_every_rank_are_refused():
         torch.distributed.destroy_process_group()
 
 
+# recipe two's pieces on: Polar Express and cautious weight decay (Muon's and AdamW's)
 ARGS = [*TINY, "--arch=modern", "--optimizer=muon", "--muon_ns_dtype=float32",
         "--gradient_accumulation_steps=4", "--eval_interval=4", "--max_iters=8",
-        "--grad_clip=0.1"]
+        "--grad_clip=0.1", "--muon_coefficients=polar_express", "--cautious_weight_decay=True",
+        "--muon_weight_decay=0.1"]
 
 
 @pytest.fixture(scope="module")
