@@ -26,11 +26,20 @@ from ddpgpt import runtime, tokenfile
 from ddpgpt.arch import model_args
 
 TITLE = "Recipe"
-COMBOS = [("gpt2", "adamw"), ("gpt2", "muon"), ("modern", "adamw"), ("modern", "muon")]
+# (arch, optimizer, piece): the four combinations of the two keys, then recipe two's pieces
+# (PIECES), each alone on modern+muon, and all of them together
+PIECES = {"polar": ["--muon_coefficients=polar_express"],
+          "cautious": ["--cautious_weight_decay=True"]}
+ALL = "+".join(PIECES)
+COMBOS = [("gpt2", "adamw", ""), ("gpt2", "muon", ""), ("modern", "adamw", ""),
+          ("modern", "muon", ""), *(("modern", "muon", piece) for piece in PIECES),
+          ("modern", "muon", ALL)]
 BASELINE = "gpt2+adamw"
 TARGETS = {"modern+muon": 0.4, "gpt2+muon": 0.7}  # at most this share of BASELINE's tokens
-STEP_TARGET, CEILING_TARGET = 0.10, 0.03
-MINIMAL = [("gpt2", "adamw"), ("modern", "muon")]  # the combinations the ceiling is run for
+# recipe two's target for all its pieces, per corpus
+TARGETS_TWO = {"pystdlib-bytes": 0.15, "pystdlib-gpt2": 0.20}
+STEP_TARGET, CEILING_TARGET, STEP_TARGET_TWO = 0.10, 0.03, 0.15
+MINIMAL = [COMBOS[0], COMBOS[3]]  # the combinations the ceiling is run for
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--gradient_accumulation_steps=1", "--learning_rate=3e-3", "--min_lr=3e-4"]
 # the quick start's model and batch, on a shorter run with a schedule of its own; on GPT-2's
@@ -40,13 +49,13 @@ QUICK = ["config/quickstart.py", "--max_iters=200", "--lr_decay_iters=200", "--w
 QUICK_GPT2 = ["config/quickstart.py", "--batch_size=8", "--max_iters=120",
               "--lr_decay_iters=120", "--warmup_iters=12", "--eval_interval=20", "--eval_iters=10"]
 SPECS = {
-    "full": dict(corpora={"pystdlib-bytes": dict(tokenizer="byte", args=QUICK,
+    "full": dict(combos=COMBOS, corpora={"pystdlib-bytes": dict(tokenizer="byte", args=QUICK,
                                                  seeds=(1337, 1338, 1339)),
                           "pystdlib-gpt2": dict(tokenizer="gpt2", args=QUICK_GPT2,
-                                                seeds=(1337,))},
+                                                seeds=(1337, 1338))},
                  speed=dict(args=["config/quickstart.py"], steps=20, warmup=5, rounds=5,
-                            combos=COMBOS)),
-    "small": dict(corpora={"pystdlib-bytes": dict(tokenizer="byte", seeds=(1,), args=[
+                            combos=[*COMBOS[:4], COMBOS[-1]])),
+    "small": dict(combos=[*COMBOS[:4], COMBOS[-1]], corpora={"pystdlib-bytes": dict(tokenizer="byte", seeds=(1,), args=[
                                *TINY, "--max_iters=6", "--lr_decay_iters=6", "--warmup_iters=1",
                                "--eval_interval=2", "--eval_iters=2"]),
                            "pystdlib-gpt2": dict(tokenizer="gpt2", seeds=(1,), args=[
@@ -74,8 +83,12 @@ TABLES = {
     "commands": [("run", "{what}"), ("command", "`{command}`")]}
 
 
-def name(arch, optimizer):
-    return f"{arch}+{optimizer}"
+def name(arch, optimizer, piece=""):
+    return f"{arch}+{optimizer}" + (f"+{piece}" if piece else "")
+
+
+def piece_args(piece):
+    return [a for p in piece.split("+") if p for a in PIECES[p]]
 
 
 # ---- the data ----
@@ -101,8 +114,10 @@ def make_data(small, tokenizer, workdir, env):
 
 # ---- sample efficiency ----
 
-def train_command(args, arch, optimizer, seed, data_dir, out_dir):
-    return ["train.py", *args, f"--arch={arch}", f"--optimizer={optimizer}", f"--seed={seed}",
+def train_command(args, combo, seed, data_dir, out_dir):
+    arch, optimizer, piece = combo
+    return ["train.py", *args, f"--arch={arch}", f"--optimizer={optimizer}", *piece_args(piece),
+            f"--seed={seed}",
             f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--log_interval=1000",
             "--keep_checkpoints=1", "--wandb_log=False"]
 
@@ -114,17 +129,16 @@ def evaluations(out_dir):
 
 def curve_run(job):
     """One train.py run: its val loss at every evaluation, against the tokens trained on."""
-    corpus, spec, (arch, optimizer), seed, data_dir, out_dir, env = job
-    print(f"bench recipe: {corpus}, {name(arch, optimizer)}, seed {seed}", file=sys.stderr,
-          flush=True)
-    command = train_command(spec["args"], arch, optimizer, seed, data_dir, out_dir)
+    corpus, spec, combo, seed, data_dir, out_dir, env = job
+    print(f"bench recipe: {corpus}, {name(*combo)}, seed {seed}", file=sys.stderr, flush=True)
+    command = train_command(spec["args"], combo, seed, data_dir, out_dir)
     common.check(common.run_watched([sys.executable, *command], env, TIME_CAP_S),
-                 f"train.py ({corpus}, {name(arch, optimizer)}, seed {seed})")
+                 f"train.py ({corpus}, {name(*combo)}, seed {seed})")
     cfg = common.train_config(spec["args"])
     tokens = cfg.global_batch * cfg.block_size
     curve = [[row["iter"] * tokens, row["val_loss"]] for row in evaluations(out_dir)]
-    return {"corpus": corpus, "arch": arch, "optimizer": optimizer,
-            "combo": name(arch, optimizer), "seed": seed, "status": "ok",
+    return {"corpus": corpus, "arch": combo[0], "optimizer": combo[1], "piece": combo[2],
+            "combo": name(*combo), "seed": seed, "status": "ok",
             "tokens_per_step": tokens, "steps": cfg.max_iters, "curve": curve,
             "final_val_loss": curve[-1][1]}
 
@@ -145,7 +159,7 @@ def reach(rows):
     out = []
     for corpus in dict.fromkeys(r["corpus"] for r in rows):
         seeds = sorted({r["seed"] for r in rows if r["corpus"] == corpus})
-        for combo in (name(*c) for c in COMBOS):
+        for combo in dict.fromkeys(r["combo"] for r in rows):
             finals, tokens, ratios = [], [], []
             for seed in seeds:
                 base, run = runs[corpus, BASELINE, seed], runs[corpus, combo, seed]
@@ -181,7 +195,7 @@ def speed_train(spec, combo, data_dir, out_dir, env):
     """ms per step of train.py alone on the machine, after the warm-up steps."""
     args = [*spec["args"], f"--max_iters={spec['steps']}", "--eval_iters=1",
             f"--eval_interval={spec['steps']}"]
-    command = train_command(args, *combo, 1337, data_dir, out_dir)
+    command = train_command(args, combo, 1337, data_dir, out_dir)
     common.check(common.run_watched([sys.executable, *command], env, TIME_CAP_S),
                  f"train.py ({name(*combo)})")
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
@@ -192,7 +206,8 @@ def speed_train(spec, combo, data_dir, out_dir, env):
 def speed_minimal(spec, combo, data_dir, env):
     """ms per step of benchmarks/minimal_loop.py on the same configuration."""
     args = ["-m", "benchmarks.minimal_loop", *spec["args"], f"--arch={combo[0]}",
-            f"--optimizer={combo[1]}", f"--data_dir={data_dir}", f"--max_iters={spec['steps']}"]
+            f"--optimizer={combo[1]}", *piece_args(combo[2]), f"--data_dir={data_dir}",
+            f"--max_iters={spec['steps']}"]
     finished = common.check(common.run_watched([sys.executable, *args], env, TIME_CAP_S),
                             f"benchmarks/minimal_loop.py ({name(*combo)})")
     times = next(json.loads(line) for line in reversed(finished.output.splitlines())
@@ -260,7 +275,8 @@ def speed(spec, data_dir, workdir, env):
     base = statistics.median(times["train.py", COMBOS[0]])
     rows = []
     for loop, combo in loops:
-        row = {"loop": loop, "combo": name(*combo), "arch": combo[0], "optimizer": combo[1]}
+        row = {"loop": loop, "combo": name(*combo), "arch": combo[0], "optimizer": combo[1],
+               "piece": combo[2]}
         if not times[loop, combo]:
             rows.append({**row, "status": NO_NANOGPT})
             continue
@@ -278,14 +294,15 @@ def commands(spec_args, speed_args):
     """The runs as a user types them (<data> and <out>: the run's folders)."""
     rows = [{"what": f"{corpus}, each combination and seed",
              "command": " ".join(["OMP_NUM_THREADS=1 python", *train_command(
-                 spec["args"], "<arch>", "<optimizer>", "<seed>", "<data>", "<out>")])}
+                 spec["args"], ("<arch>", "<optimizer>", ""), "<seed>", "<data>", "<out>"),
+                 "<the piece's keys>"])}
             for corpus, spec in spec_args.items()]
     speed_cmd = [*speed_args["args"], f"--max_iters={speed_args['steps']}"]
     return rows + [
         {"what": "speed: train.py", "command": " ".join(
             ["OMP_NUM_THREADS=1 python", *train_command(
                 [*speed_cmd, "--eval_iters=1", f"--eval_interval={speed_args['steps']}"],
-                "<arch>", "<optimizer>", 1337, "<data>", "<out>")])},
+                ("<arch>", "<optimizer>", ""), 1337, "<data>", "<out>")])},
         {"what": "speed: the minimal loop", "command": " ".join(
             ["OMP_NUM_THREADS=1 python -m benchmarks.minimal_loop", *speed_cmd, "--arch=<arch>",
              "--optimizer=<optimizer>", "--data_dir=<data>"])},
@@ -309,7 +326,8 @@ def run(small, device, workdir):
             for corpus, c in spec["corpora"].items()}
     jobs = [(corpus, c, combo, seed, data[corpus],
              os.path.join(workdir, f"out-{corpus}-{name(*combo)}-{seed}"), env)
-            for corpus, c in spec["corpora"].items() for seed in c["seeds"] for combo in COMBOS]
+            for corpus, c in spec["corpora"].items() for seed in c["seeds"]
+            for combo in spec["combos"]]
     # the runs are deterministic, so they may share the cores: one run per core at a time
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         rows = list(pool.map(curve_run, jobs))
@@ -328,7 +346,7 @@ def run(small, device, workdir):
 
 def contributions(reached):
     """What each piece contributes, in words: the share of the baseline's tokens that Muon
-    alone, the modern block alone and both need, per corpus."""
+    alone, the modern block alone, both, and recipe two's pieces need, per corpus."""
     corpora = dict.fromkeys(r["corpus"] for r in reached)
     return "; ".join(f"{corpus}: " + ", ".join(
         f"{r['combo']} {r['ratio_text']}" for r in reached
@@ -359,6 +377,19 @@ def targets(reached, speed_rows):
         "train.py's gpt2+adamw tokens/s no lower than nanoGPT's train.py's (quick-start model "
         "and data, CPU, one thread)", timed["train.py", BASELINE], timed["nanoGPT", BASELINE],
         0.0))
+    every = name(*COMBOS[-1])
+    for corpus, share in TARGETS_TWO.items():
+        if (corpus, every) in rows:
+            ratios = rows[corpus, every]["ratios"]
+            out.append({"target": f"{every} (recipe two) reaches {BASELINE}'s final val loss "
+                                  f"in at most {share}x its tokens on {corpus}, on every seed",
+                        "measured": rows[corpus, every]["ratio_text"],
+                        "met": all(r is not None and r <= share for r in ratios)})
+    if ("train.py", every) in timed:
+        out.append(common.step_time_target(
+            f"{every}'s train.py step within {STEP_TARGET_TWO:.0%} of modern+muon's "
+            f"(quick-start model, CPU, one thread)", timed["train.py", every],
+            timed["train.py", "modern+muon"], STEP_TARGET_TWO))
     return out
 
 
@@ -371,14 +402,15 @@ def plot(result):
     fig = Figure(figsize=(5 * (len(corpora) + 1), 4.5), layout="constrained")
     axes = fig.subplots(1, len(corpora) + 1)
     for ax, corpus in zip(axes, corpora):
-        for i, (arch, optimizer) in enumerate(COMBOS):
+        combos = dict.fromkeys(r["combo"] for r in result["results"] if r["corpus"] == corpus)
+        for i, combo in enumerate(combos):
             runs = [r for r in result["results"]
-                    if r["corpus"] == corpus and r["combo"] == name(arch, optimizer)]
+                    if r["corpus"] == corpus and r["combo"] == combo]
             tokens = [t for t, _ in runs[0]["curve"]]
             losses = [[loss for _, loss in r["curve"]] for r in runs]
             mean = [statistics.fmean(v) for v in zip(*losses)]
             ax.plot([t / 1e6 for t in tokens], mean, color=f"C{i}", marker="o", markersize=3,
-                    label=f"{name(arch, optimizer)} ({len(runs)} seed{'s' * (len(runs) > 1)})")
+                    label=f"{combo} ({len(runs)} seed{'s' * (len(runs) > 1)})")
             if len(runs) > 1:
                 ax.fill_between([t / 1e6 for t in tokens], [min(v) for v in zip(*losses)],
                                 [max(v) for v in zip(*losses)], color=f"C{i}", alpha=0.2)

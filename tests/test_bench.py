@@ -132,7 +132,7 @@ def recipe_verdicts(result):
     (of the same corpus and seed; linear between evaluations) within 0.4x and 0.7x its tokens,
     on every corpus and seed; modern+muon's train.py step within 10% of gpt2+adamw's;
     train.py's within 3% of the minimal loop's; its tokens/s no lower than nanoGPT's (None
-    where nanoGPT did not run)."""
+    where nanoGPT did not run); then recipe two's, where its runs ran."""
     runs = {(r["corpus"], r["combo"], r["seed"]): r for r in result["results"]}
 
     def share(corpus, combo, seed):
@@ -151,11 +151,19 @@ def recipe_verdicts(result):
     speed = {(r["loop"], r["combo"]): r for r in result["speed"]}
     base = speed["train.py", "gpt2+adamw"]["ms_per_step"]
     nanogpt = speed["nanoGPT", "gpt2+adamw"]
+    every = "modern+muon+polar+cautious"  # recipe two's: 0.15x on bytes, 0.20x on GPT-2's
+    two = [all(x is not None and x <= limit for x in (share(c, every, s) for c, s in keys
+                                                       if c == corpus))
+           for corpus, limit in (("pystdlib-bytes", 0.15), ("pystdlib-gpt2", 0.20))
+           if any(k[:2] == (corpus, every) for k in runs)]
+    if ("train.py", every) in speed:  # within 15% of modern+muon's step
+        two.append(speed["train.py", every]["ms_per_step"] <=
+                   1.15 * speed["train.py", "modern+muon"]["ms_per_step"])
     return [all(x is not None and x <= 0.4 for x in shares["modern+muon"]),
             all(x is not None and x <= 0.7 for x in shares["gpt2+muon"]),
             speed["train.py", "modern+muon"]["ms_per_step"] <= 1.10 * base,
             base <= 1.03 * speed["minimal loop", "gpt2+adamw"]["ms_per_step"],
-            base <= nanogpt["ms_per_step"] if nanogpt["status"] == "ok" else None]
+            base <= nanogpt["ms_per_step"] if nanogpt["status"] == "ok" else None, *two]
 
 
 def fsdp_verdicts(result):

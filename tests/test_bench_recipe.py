@@ -11,10 +11,10 @@ def test_recipe(env, tmp_path):
     env.pop("NANOGPT_DIR", None)  # nanoGPT's row: not run, and said so
     result, page = bench_part("recipe", env, tmp_path)
     runs = {(r["corpus"], r["combo"], r["seed"]): r for r in result["results"]}
-    assert set(runs) == {(corpus, f"{arch}+{optimizer}", seed)
-                         for corpus, c in result["settings"]["corpora"].items()
-                         for seed in c["seeds"] for arch in ("gpt2", "modern")
-                         for optimizer in ("adamw", "muon")}
+    combos = {f"{arch}+{optimizer}" for arch in ("gpt2", "modern")
+              for optimizer in ("adamw", "muon")} | {"modern+muon+polar+cautious"}
+    assert set(runs) == {(corpus, combo, seed) for corpus, c in result["settings"]["corpora"].items()
+                         for seed in c["seeds"] for combo in combos}
     for r in runs.values():
         tokens = [t for t, _ in r["curve"]]
         assert tokens[0] == 0 and tokens[-1] == r["steps"] * r["tokens_per_step"]
@@ -22,8 +22,9 @@ def test_recipe(env, tmp_path):
     for corpus in result["settings"]["corpora"]:
         # the same data and the same first batch's loss for the same arch and seed: only the
         # optimizer differs, and it has not stepped yet at iter 0
-        for arch in ("gpt2", "modern"):
-            first = {runs[corpus, f"{arch}+{o}", 1]["curve"][0][1] for o in ("adamw", "muon")}
+        for arch, optimizers in (("gpt2", ("adamw", "muon")),
+                                 ("modern", ("adamw", "muon", "muon+polar+cautious"))):
+            first = {runs[corpus, f"{arch}+{o}", 1]["curve"][0][1] for o in optimizers}
             assert len(first) == 1, first
     reach = {(r["corpus"], r["combo"]): r for r in result["reach"]}
     for (corpus, combo), r in reach.items():
