@@ -228,25 +228,12 @@ def install_tiktoken_file(vocab_file, cache_dir, encoding="r50k_base"):
     shutil.copy(vocab_file, os.path.join(cache_dir, hashlib.sha1(url.encode()).hexdigest()))
 
 
-# ---- Hugging Face tokenizers ----
+# ---- Hugging Face tokenizers: a hub name (owner/name) or a folder ----
 #
-# Hugging Face tokenizers (the third kind): a hub name, `owner/name`, which
-# huggingface_hub downloads once into its cache and reads from there after (HF_HUB_OFFLINE=1
-# too), or a local folder that transformers.AutoTokenizer.from_pretrained reads. Fast tokenizers
-# only (the `tokenizers` library's); a sentencepiece one (tokenizer.model) is converted to one by
-# transformers when sentencepiece is installed.
-#
-# As the others do, a text is encoded as ordinary text: no BOS or EOS added
-# (add_special_tokens=False) and the strings of special tokens encoded as text
-# (encode_special_tokens, transformers' split_special_tokens=True). A document ends with the
-# tokenizer's eos token, else its pad token (the rule of the Lightning prepare script our users
-# came from); prepare.py refuses one with neither, which sample.py and eval.py read with no
-# end-of-text (export.py's of nanoGPT's characters, whose folder is such a tokenizer).
-#
-# meta.json records the name (a folder as its absolute path) and fingerprint_of(): every later
-# script loads the tokenizer by that name and refuses one whose fingerprint differs, so that no
-# script reads the ids with another vocabulary than prepare.py wrote them with.
-#
+# docs/data.md ("A Hugging Face tokenizer") says what they read and how. As the others, a text
+# is encoded as ordinary text; a document ends with the eos token, else the pad token (the rule
+# of the Lightning prepare script our users came from). meta.json records fingerprint_of(), so
+# that no script reads the ids with another vocabulary than prepare.py wrote them with.
 # transformers is imported only when such a tokenizer is asked for: it takes seconds.
 
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte tokens
