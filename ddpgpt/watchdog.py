@@ -1,17 +1,10 @@
 """The hang watchdog: a run that stops making progress says where each rank is, then ends.
-docs/hangs.md shows what it prints, how to read it, and what it cannot do.
+docs/hangs.md says when it fires, what it prints, how to read it and what it cannot do.
 
-train.py starts it first thing and beats it at each completed step, after each evaluation and
-before each checkpoint save. When no beat comes within the limit (startup_timeout_s until the
-first step completes, then max(hang_timeout_s, 10 x the median step time after warm-up)), each
-rank writes the stacks of its threads to its log and a one-line report to
-out_dir/hang/rank<r>.txt, rank 0 gathers the reports into out_dir/hang/summary.txt, and every
-rank exits with EXIT_CODE, so that torchrun or SLURM ends the run (and can restart it).
-
-The reports go through files, not collectives, which are what hang. Each rank decides on its
-own clock; the step's all-reduce keeps the ranks within a step of each other, so they fire
-within a second or two of each other. A rank stuck where Python cannot run (a C call that holds
-the GIL) is caught by faulthandler's own thread instead, a little later: it exits 1."""
+train.py beats it at each completed step, after each evaluation and before each checkpoint
+save. Each rank decides on its own clock (the step's all-reduce keeps the ranks within a step
+of each other) and reports through files, not collectives, which are what hang; a rank stuck
+where Python cannot run is left to faulthandler's own thread (BACKSTOP_S)."""
 import faulthandler
 import json
 import linecache
