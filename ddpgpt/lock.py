@@ -17,24 +17,17 @@ _held = {}  # {path: open descriptor} of the locks this process holds, for relea
 
 @contextlib.contextmanager
 def locked(folder, script, fix=None):
-    """Hold folder's lock while the block runs: made by prepare.py for its out_dir, and for
-    train.py's, so that two runs never write into one folder at once: take it in one process
-    of a run (rank 0). The folder is made if it does not exist. Another holder is a UserError
-    that names it; taking over a dead holder's lock is logged (INFO); a folder that
-    cannot be written in is a UserError that says what it is and then fix, what to do.
+    """Hold folder's lock while the block runs, in one process of a run (rank 0). The folder
+    is made if it does not exist. Another holder is a UserError that names it; taking over a
+    dead holder's lock is logged (INFO); a folder that cannot be written in is a UserError
+    that says what it is and then fix, what to do.
 
     The lock is fcntl.flock on folder/ddpgpt.lock, which holds its holder's host, pid, script,
     start time and SLURM job, and is removed when the block ends. The kernel releases a flock
     when its process dies, however it dies; a lock file left by a holder that is gone is taken
     over with a notice: a process of this host that no longer runs, or an earlier run of this
-    SLURM job (requeued, perhaps onto another node).
-
-    What it protects: writers that take it, on one host, and on a network file system that
-    passes flock on to its server (NFSv4, Lustre with -o flock); where flock stays local to
-    each host (NFS mounted with local_lock=flock or all), a writer on another host is refused
-    only while its lock file is there, so two started at the same moment can both go on. What
-    it does not: programs that do not take it (rm, cp, an older ddpgpt), and readers (a
-    train.py reading the data prepare.py is rewriting)."""
+    SLURM job (requeued, perhaps onto another node). What it protects, across hosts too, and
+    what it does not: docs/bad_inputs.md (prepare.py's section)."""
     path = os.path.join(folder, LOCK_NAME)
     if os.path.isdir(path):
         raise UserError(f"{path} is a folder, where {script} keeps its lock file (one writer "
