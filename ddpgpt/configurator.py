@@ -1,16 +1,10 @@
-"""Settings as nanoGPT takes them: `python train.py config/x.py --key=value ...`.
-
-Every script's keys live in one dataclass (settings.py): its type, its default, its range and
-one line of help, each written once, from which this module parses, checks, describes and
-prints --help. A config file is plain python whose top-level assignments set keys;
-`--key=value` (or `--key value`, and `--flag` for a True bool) sets one key. Both apply in the
-order given. An unknown key, a value of the wrong type, a choice not listed (Literal[...]) or
-a value out of its range is a UserError that names it.
+"""Settings as nanoGPT takes them: `python train.py config/x.py --key=value ...`, applied in
+order (docs/training.md, "Configuration"), into the dataclasses of settings.py; `--key value`,
+and `--flag` for a True bool, too.
 
 The checks run once per value as it is read, so the message can say where it came from, and
 again when the dataclass is made (each settings class calls check() in __post_init__), so a
-configuration built in code is checked the same way.
-"""
+configuration built in code is checked the same way."""
 import ast
 import dataclasses
 import difflib
