@@ -2,17 +2,11 @@
 Qwen3ForCausalLM <-> the modern block (arch='modern'); docs/evaluation.md says what an export
 writes.
 
-nanoGPT took OpenAI's parameter names, so the two GPT-2 state dicts differ only in that HF's
-Conv1D stores the four matmul weights (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj) as (in,
-out), transposed relative to nn.Linear; HF's GPT-2 always has biases (a model trained with
-bias=False exports zeros, which compute the same function); and older HF checkpoints hold
-causal-mask buffers (attn.bias, attn.masked_bias), no weights. Both tie lm_head.weight to
-transformer.wte.weight. HF's activation_function 'gelu_new' is GPT-2's tanh GELU
-(gelu_approximate='tanh'); 'gelu' is the exact form (nanoGPT's and ours by default).
-
-The modern block is Qwen3's: the same nn.Linear layout (no transposes), other names
-(QWEN3_BLOCK), no biases, an untied head, and a config that must say exactly what model.py
-computes (qwen3_args_of).
+nanoGPT took OpenAI's parameter names, so the two GPT-2 state dicts differ only in HF's Conv1D
+layout, (in, out) (TRANSPOSED); HF's biases, which it always has (NO_BIAS: a model trained with
+bias=False exports zeros, which compute the same function); and older HF checkpoints' causal-mask
+buffers. The modern block is Qwen3's: the same nn.Linear layout, other names (QWEN3_BLOCK), no
+biases, an untied head, and a config that must say exactly what model.py computes (qwen3_args_of).
 
 transformers (and so torch) is imported inside the functions that need it: it takes seconds, a
 run from scratch or from a checkpoint never needs it, and the settings read NAMES before torch.
