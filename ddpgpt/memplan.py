@@ -8,9 +8,7 @@ optim.make (the code a run uses, so whatever it applies the plan sees), in the r
 Two steps, so the second's backward meets the optimizer state the first made; two micro-steps
 at most, the second meeting the gradients the first accumulated (more add nothing). Every block
 runs (the peak is not affine in n_layer). What the tracker cannot see, and so the plan leaves
-out, is in docs/fsdp.md: fsdp's ranks are simulated by torch's 'fake' backend, ddp on several
-ranks is planned as one rank (DDP's buckets reported on a line of their own), compile=True is
-planned eagerly, and a kernel's workspace and the CUDA context are not counted (GPU_HEADROOM).
+out, is in docs/fsdp.md ("What it leaves out").
 """
 import contextlib
 import dataclasses
