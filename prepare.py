@@ -188,9 +188,8 @@ class SplitWriter:
             self.file.write(np.array([tokenfile.LLMC_MAGIC, tokenfile.LLMC_VERSION, self.tokens],
                                      dtype="<i4").tobytes())
         self.file.close()
-        old_meta = os.path.join(self.out_dir, tokenfile.META_NAME)
-        if os.path.exists(old_meta):  # it vouches for the files this one may replace
-            os.remove(old_meta)
+        # meta.json vouches for the files this one may replace
+        fileio.remove(os.path.join(self.out_dir, tokenfile.META_NAME))
         fileio.publish(self.file.name, path)
         fingerprint = tokenfile.sampled_fingerprint([path], self.header_bytes)
         self.shards.append({"file": self.name(), "tokens": self.tokens, "documents": self.documents,
@@ -393,8 +392,7 @@ def write_outputs(out_dir, writers, tokenizer, docs, counts, n_val, cfg, setting
         if isinstance(e, Interrupted):
             e.left = what_is_left(out_dir, writers)
         raise
-    if os.path.exists(os.path.join(out_dir, tokenfile.PROGRESS_NAME)):
-        os.remove(os.path.join(out_dir, tokenfile.PROGRESS_NAME))
+    fileio.remove(os.path.join(out_dir, tokenfile.PROGRESS_NAME))
     return splits
 
 

@@ -93,8 +93,7 @@ def save(out_dir, state, keep):
         fileio.publish(tmp, path)
     except (OSError, RuntimeError) as e:  # torch.save reports a short write as RuntimeError
         why = fileio.disk_full(e, out_dir) or str(e).strip()  # before the .tmp's space is freed
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        fileio.remove(tmp)
         raise not_written(path, out_dir, why) from e
     replaced(path)
     prune(out_dir, keep, state["iter_num"])
@@ -162,8 +161,7 @@ def publish_folder(tmp, path):
 def replaced(path):
     """The other kind's checkpoint of the same iter, if any, goes: one checkpoint per iter."""
     other = path[:-3] if path.endswith(".pt") else f"{path}.pt"
-    if os.path.exists(other):
-        fileio.remove(other)
+    fileio.remove(other)
 
 
 def prune(out_dir, keep, iter_num):

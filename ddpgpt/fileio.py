@@ -48,8 +48,13 @@ def remove_stale_temporaries(folder, of=None):
 
 
 def remove(path):
-    """Remove a file, or a folder and everything in it (a link, even to a folder, is a file)."""
-    shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+    """Remove a file, or a folder and everything in it (a link, even to a folder, is a file),
+    where there is one."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def remove_own_temporaries(folder):
@@ -58,8 +63,7 @@ def remove_own_temporaries(folder):
     was created and before its opener returned it."""
     for name in os.listdir(folder):
         if (m := _TMP.search(name)) and m.group(2) == HOST and int(m.group(1)) == os.getpid():
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(folder, name))
+            remove(os.path.join(folder, name))
 
 
 def publish(tmp_path, final_path):
@@ -76,8 +80,7 @@ def discard(file):
     fails, and must not end the clean-up, leaving this file and the caller's others behind."""
     with contextlib.suppress(OSError):
         file.close()
-    with contextlib.suppress(FileNotFoundError):  # published or discarded already
-        os.remove(file.name)
+    remove(file.name)  # unless published or discarded already
 
 
 def write_array(file, array):
@@ -97,8 +100,7 @@ def publishing(path):
         yield tmp
         publish(tmp, path)
     finally:
-        with contextlib.suppress(FileNotFoundError):  # published, or never made
-            os.remove(tmp)
+        remove(tmp)  # unless published, or never made
 
 
 def write_json(path, obj):

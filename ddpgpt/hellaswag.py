@@ -103,16 +103,11 @@ def locate(path):
 
 
 def download(path):
-    tmp = f"{path}.{os.getpid()}.tmp"
     log.info(f"hellaswag: downloading {URL} to {path}")
-    try:
+    with fileio.publishing(path) as tmp:
         with urllib.request.urlopen(URL, timeout=60) as response, open(tmp, "wb") as f:
             shutil.copyfileobj(response, f)
         read(tmp)  # a complete, well-formed file, or none at all
-        fileio.publish(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def read(path):
