@@ -5,13 +5,12 @@
                    through torch.distributed.checkpoint (sharded.py: .metadata, __<rank>_0.distcp),
                    and values.pt, the checkpoint's other values, written last by rank 0
 
-Both hold the same contents (contents()): nanoGPT's key layout (model, optimizer, model_args,
-iter_num, best_val_loss, config) plus the rest of the training state (state.py: scaler,
-samples_consumed, data_meta, data_identity). A folder keeps the optimizer's param_groups (of each of
-its parts: optim.MuonAdamW's) and every non-tensor key in values.pt. Either kind resumes either way,
-on any world size (docs/fsdp.md). A nanoGPT ckpt.pt in out_dir is found too, as the oldest.
-Loading never runs code from a checkpoint (weights_only=True, and sharded.py's reader for a
-folder's index). A run writes through a Saver."""
+Both hold the same contents (contents(): nanoGPT's keys and the training state, state.py's). A
+folder keeps the optimizer's param_groups (of each of its parts: optim.MuonAdamW's) and every
+non-tensor key in values.pt. Either kind resumes either way, on any world size (docs/fsdp.md).
+A nanoGPT ckpt.pt in out_dir is found too, as the oldest. Loading never runs code from a
+checkpoint (weights_only=True, and sharded.py's reader for a folder's index). A run writes
+through a Saver."""
 import dataclasses
 import glob
 import logging

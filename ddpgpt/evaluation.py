@@ -6,10 +6,7 @@ and world size, so that losses are comparable: with the same eval_iters, batch_s
 block_size, eval.py's val loss is the one train.py reported. Beside it, where the val split has
 its document index, val_loss_docs: the loss over as many fixed windows that start where
 sampling='documents' starts them (data.eval_document_offsets), in whatever mode a run trains.
-
-Bits per byte: the summed cross-entropy of every target token scored, in bits, over the bytes of
-text those same tokens stand for (tokenizer.byte_lengths), end-of-text counting as one byte: on
-byte-tokenized data it is the loss / ln 2 exactly, and it compares models whatever their tokenizer.
+Bits per byte count the bytes that tokenizer.byte_lengths gives; docs/evaluation.md says why.
 """
 import logging
 import math

@@ -296,12 +296,8 @@ class GPT(nn.Module):
 
 def chunked_loss(head, x, targets, chunks):
     """The mean cross-entropy of head(x) against targets (-1: not scored), computed in `chunks`
-    slices of the positions, each checkpointed: the forward keeps no logits, and the backward
-    computes one slice's logits again at a time. The vocabulary-sized tensors (the logits,
-    their log-softmax and its gradient: at GPT-2's vocabulary each is 50,304 floats a position,
-    more than a block keeps) then take 1/chunks of the memory; the backward pays the
-    output-layer matmul again and makes the head's weight gradient once per slice, summed. The
-    sum's rounding differs from one piece's in the last bits. Not torch 2.13's chunked
+    slices of the positions, each checkpointed, so that the logits and their gradient take
+    1/chunks of the memory (docs/fsdp.md, "The logits", has the cost). Not torch 2.13's chunked
     F.linear_cross_entropy: it keeps the head's weight gradient from its forward (bench
     recompute's activations 91 -> 225 MiB at GPT-2's), ignores autocast, sums a bfloat16
     loss in bfloat16 (11.5 for 11.757), and has no DTensor rule for fsdp's sharded head."""
