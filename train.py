@@ -468,8 +468,8 @@ def report_step(run, step, dt, first):
     if cuda:  # the allocator's count: no synchronising
         row["peak_mem"] = torch.cuda.max_memory_allocated(run.device)
     if row["iter"] % cfg.log_interval == 0:
-        row.update(metrics.rank_telemetry(step.alone.seconds(), step.data_wait_s, run.device,
-                                          run.ranks.world_size))
+        row.update(metrics.rank_telemetry(step.alone.seconds(), step.data_wait_s,
+                                          row.get("peak_mem"), run.device, run.ranks.world_size))
         metrics.log_step(row, run.peak)
         if not first:
             metrics.log_straggler(row, run.metrics.slowest)

@@ -21,7 +21,7 @@ def rank_batches(mix, *, block_size, batch_size, micro_steps, rank, world_size, 
     The next `prefetch` batches are read in a background thread while the current step runs;
     prefetch=0 reads each batch when it is asked for."""
     mix = data.with_windows(mix, block_size, mode)
-    pin = torch.device(device).type == "cuda"
+    pin = runtime.device_type(device) == "cuda"
     planned = data.rank_windows(mix, block_size, batch_size, micro_steps, rank, world_size,
                                 seed, mode, start_step)
 

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ddpgpt import fileio, runtime
+from ddpgpt import fileio
 from ddpgpt.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -245,12 +245,12 @@ def log_step(row, peak):
 
 # ---- every rank's numbers ----
 
-def rank_telemetry(alone_s, data_wait_s, device, world_size):
+def rank_telemetry(alone_s, data_wait_s, peak_mem, device, world_size):
     """Each rank's seconds alone in the step (before the gradients' all-reduce), seconds
-    waiting for data, and peak memory (CUDA's allocated, else the process's RSS), gathered on
-    every rank: one small collective, on log steps only."""
-    memory = torch.cuda.max_memory_allocated(device) if runtime.device_type(device) == "cuda" \
-        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    waiting for data, and peak memory (peak_mem, CUDA's allocated; None: the process's RSS),
+    gathered on every rank: one small collective, on log steps only."""
+    memory = peak_mem if peak_mem is not None else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     mine = torch.tensor([alone_s * 1000, data_wait_s * 1000, memory / 2**20],
                         dtype=torch.float64, device=device)
     every = [mine]
