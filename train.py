@@ -171,6 +171,8 @@ def start_up(cfg, given, ranks, device):
     # the loss over the tokenizer's ids, or as the resumed checkpoint's was (state.Saved)
     model = GPT(GPTConfig(**start.args), arch.n_tokens(meta) if start.resume is None else
                 Saved.of(start.resume).scored_ids)
+    if cfg.proj_init == "zero":  # a resumed checkpoint's weights replace these
+        model.zero_projections()
     if start.weights is not None:  # GPT-2's: a checkpoint's are resumed with its state
         model.load_state_dict(start.weights)
     if cfg.optimizer == "muon":  # its patterns checked here, before any collective

@@ -29,7 +29,7 @@ TITLE = "Recipe"
 # (arch, optimizer, piece): the four combinations of the two keys, then recipe two's pieces
 # (PIECES), each alone on modern+muon, and all of them together
 PIECES = {"polar": ["--muon_coefficients=polar_express"],
-          "cautious": ["--cautious_weight_decay=True"]}
+          "cautious": ["--cautious_weight_decay=True"], "zero": ["--proj_init=zero"]}
 ALL = "+".join(PIECES)
 COMBOS = [("gpt2", "adamw", ""), ("gpt2", "muon", ""), ("modern", "adamw", ""),
           ("modern", "muon", ""), *(("modern", "muon", piece) for piece in PIECES),

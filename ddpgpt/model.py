@@ -192,6 +192,13 @@ class GPT(nn.Module):
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
+    def zero_projections(self):
+        """The blocks' output projections at zero (proj_init='zero', modded-nanogpt's): each
+        block adds nothing to the residual stream until it has learnt something to add."""
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.zeros_(p)
+
     @staticmethod
     def _init_weights(module):
         if isinstance(module, nn.Linear):

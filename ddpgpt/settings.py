@@ -103,6 +103,10 @@ class TrainConfig:
     vocab_size: int = key(0, "0: the data's vocabulary rounded up to a multiple of 64", at_least=0)
     arch: Arch = key("gpt2", "gpt2: GPT-2 (nanoGPT's); modern: RMSNorm, rotary positions, "
                              "QK-norm, SwiGLU, no biases, untied head (Qwen3's block)")
+    proj_init: Literal["scaled", "zero"] = key(
+        "scaled", "scaled: the blocks' output projections (c_proj) drawn with GPT-2's std of "
+                  "0.02/sqrt(2 n_layer); zero: they start at zero, so each block starts as "
+                  "the identity (a new model's only)")
     rope_theta: float = key(10000.0, "modern: the base of the rotary embeddings' frequencies "
                                      "(computed in float32)", **ROPE_THETA_RANGE)
     # the optimizer and its schedule
@@ -215,6 +219,11 @@ class TrainConfig:
         for name in ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_params",
                      "muon_ns_dtype", "muon_coefficients"):
             check_only_for(self, name, "optimizer", "muon")
+        if self.from_weights and self.proj_init != "scaled":
+            raise UserError(
+                f"proj_init={self.proj_init!r} with init_from={self.init_from!r}: the "
+                f"projections are the weights', and proj_init only says how a new model's "
+                f"start. Leave proj_init out, or train from scratch.")
         if self.cautious_weight_decay and not (self.weight_decay or self.muon_weight_decay):
             raise UserError(
                 "cautious_weight_decay=True with weight_decay=0 and muon_weight_decay=0: there "

@@ -32,6 +32,21 @@ def test_shapes_with_and_without_targets():
     assert torch.allclose(logits[:, 0], model(x, y)[0][:, -1], atol=1e-6)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "modern"])
+def test_zero_projections_make_every_block_the_identity(arch):
+    """proj_init='zero': with the blocks' output projections at zero, the model computes what
+    it computes without its blocks; and only they are zero."""
+    model = tiny(arch=arch, bias=False)
+    model.zero_projections()
+    x, _ = batch()
+    with_blocks = model(x)[0]
+    zeroed = {n for n, p in model.named_parameters() if not p.any()}
+    assert zeroed == {f"transformer.h.{i}.{part}.c_proj.weight" for i in range(2)
+                      for part in ("attn", "mlp")}
+    model.transformer.h = torch.nn.ModuleList()
+    assert torch.equal(with_blocks, model(x)[0])
+
+
 def test_longer_than_block_size_raises():
     with pytest.raises(ValueError):
         tiny()(torch.zeros(1, 17, dtype=torch.long))

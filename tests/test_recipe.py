@@ -247,6 +247,8 @@ def test_eval_sample_and_lightning_with_the_modern_block(modern_run, corpus, tmp
     (["--arch=modern", "--rope_theta=1e300"], "rope_theta=1e+300 must be above 1 and below "
                                               "3.4e+38 (rope_theta: modern: the base of"),
     (["--arch=modern", "--rope_theta=1e-300"], "rope_theta=1e-300 must be above 1 and below"),
+    (["--init_from=gpt2", "--proj_init=zero"],
+     "proj_init='zero' with init_from='gpt2': the projections are the weights'"),
     (["--cautious_weight_decay=True", "--weight_decay=0"],
      "cautious_weight_decay=True with weight_decay=0 and muon_weight_decay=0: there is no "
      "weight decay to make cautious."),
@@ -254,7 +256,7 @@ def test_eval_sample_and_lightning_with_the_modern_block(modern_run, corpus, tmp
         "empty muon_params", "muon without a schedule", "rope_theta with gpt2",
         "muon's keys with adamw",
         "rope_theta overflows float32", "rope_theta vanishes in float32",
-        "cautious without decay"])
+        "zero projections of GPT-2's weights", "cautious without decay"])
 def test_combinations_that_cannot_work(args, message, env, corpus, tmp_path):
     p = fails("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path}", *TINY, *args, env=env)
     assert message in p.stderr.strip().splitlines()[-1], p.stderr
