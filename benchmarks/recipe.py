@@ -28,7 +28,7 @@ from ddpgpt.arch import model_args
 TITLE = "Recipe"
 # (arch, optimizer, piece): the four combinations of the two keys, then recipe two's pieces
 # (PIECES), each alone on modern+muon, and all of them together
-PIECES = {"polar": ["--muon_coefficients=polar_express"],
+PIECES = {"polar": ["--muon_coefficients=polar_express"], "normuon": ["--muon_beta2=0.95"],
           "cautious": ["--cautious_weight_decay=True"], "zero": ["--proj_init=zero"]}
 ALL = "+".join(PIECES)
 COMBOS = [("gpt2", "adamw", ""), ("gpt2", "muon", ""), ("modern", "adamw", ""),

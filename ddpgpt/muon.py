@@ -99,17 +99,19 @@ def bytes_per_step(shapes, world_size, dtype=torch.bfloat16):
 class DistributedMuon(torch.optim.Muon):
     """torch.optim.Muon whose Newton-Schulz runs once per matrix over the ranks (the module's
     docstring), for parameters that are whole (ddp, one process) or Shard(0) DTensors (fsdp).
-    Its settings, param_groups and state are torch.optim.Muon's. Three more are attributes, not
+    Its settings, param_groups and state are torch.optim.Muon's. Four more are attributes, not
     groups' settings, so that a checkpoint does not hold them and a resume takes the run's:
     ns_dtype, the dtype of Newton-Schulz's matmuls (bfloat16, torch's, by default: ns_dtype());
     polar_express, Polar Express's coefficients (POLAR_EXPRESS) rather than the group's
     ns_coefficients; cautious, weight decay only where the update has the weight's sign
-    (cautious_decay()). A class: torch's optimizer API is one."""
+    (cautious_decay()); beta2, NorMuon's (normalised_rows(); 0: off). A class: torch's
+    optimizer API is one."""
 
     def __init__(self, params, ns_dtype=torch.bfloat16, polar_express=False, cautious=False,
-                 **settings):
+                 beta2=0.0, **settings):
         super().__init__(params, **settings)
         self.ns_dtype, self.polar_express, self.cautious = ns_dtype, polar_express, cautious
+        self.beta2 = beta2
         for group in self.param_groups:
             for p in group["params"]:
                 check_layout(p)
@@ -144,6 +146,9 @@ class DistributedMuon(torch.optim.Muon):
         else:
             ortho = orthogonalised_whole(updates, shapes, groups, owner, rank, world,
                                          orthogonalise, self.ns_dtype, matrices[0][1].device)
+        if self.beta2:
+            ortho = normalised_rows(ortho, shapes, [self.state[p] for _, p, _, _ in matrices],
+                                    self.beta2, sharded, rank, world)
         for (group, p, _, _), o in zip(matrices, ortho):
             lr = group["lr"]
             weight = parallel.local(p)
@@ -153,6 +158,38 @@ class DistributedMuon(torch.optim.Muon):
                 weight.mul_(1 - lr * group["weight_decay"])
             weight.add_(o, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
+
+
+def normalised_rows(ortho, shapes, states, beta2, sharded, rank, world):
+    """NorMuon (Li et al., arXiv 2510.05491): each orthogonalised update's rows (a Linear's output
+    neurons) divided by the root of an exponential average (beta2) of their mean square, then
+    the whole scaled back to the update's own Frobenius norm, so that Muon's learning rate
+    keeps its meaning while no neuron's rows take a larger step than the others'. The average,
+    state['second_moment'] (rows,) in float32, is whole and the same on every rank: under ddp
+    each rank has every whole update after the gather; under fsdp each has its rows of each,
+    and one all_reduce of every matrix's per-row sums of squares gives every rank all of them.
+    Whole, it is not sharded in a checkpoint folder (it is not shaped like its parameter), and
+    it resumes at any world size and under either parallel; a checkpoint without it (an
+    earlier run's, torch.optim.Muon's) starts it at zero."""
+    # where this rank's rows of each matrix start (all of its rows under ddp)
+    starts = [sum(shard_rows(s[0], r, world) for r in range(rank)) if sharded else 0
+              for s in shapes]
+    squares = torch.zeros(sum(s[0] for s in shapes), device=ortho[0].device)
+    whole = squares.split([s[0] for s in shapes])
+    for o, start, rows in zip(ortho, starts, whole):
+        rows[start:start + o.size(0)] = o.float().square().sum(1)
+    if sharded:
+        dist.all_reduce(squares)
+    out = []
+    for o, shape, state, start, rows in zip(ortho, shapes, states, starts, whole):
+        second = state.setdefault("second_moment", rows.new_zeros(shape[0]))
+        second.lerp_(rows / shape[1], 1 - beta2)
+        scale = second.clamp(min=1e-10).rsqrt()
+        # the same Frobenius norm as the update's (a zero update, as torch's state
+        # initialisation steps with, stays zero)
+        scale *= (rows.sum() / (rows * scale.square()).sum().clamp(min=1e-30)).sqrt()
+        out.append(o.float() * scale[start:start + o.size(0), None])
+    return out
 
 
 def cautious_decay(weight, update, decay):

@@ -36,7 +36,7 @@ def make(cfg, model, device_type):
                            weight_decay=cfg.muon_weight_decay,
                            ns_dtype=ns_dtype(cfg.muon_ns_dtype, device_type),
                            polar_express=cfg.muon_coefficients == "polar_express",
-                           cautious=cfg.cautious_weight_decay)
+                           cautious=cfg.cautious_weight_decay, beta2=cfg.muon_beta2)
     taken = {id(p) for p in matrices}
     rest = [p for p in model.parameters() if id(p) not in taken]
     return MuonAdamW(muon, adamw(rest, *adamw_settings))

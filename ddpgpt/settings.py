@@ -130,6 +130,9 @@ class TrainConfig:
         "torch", "muon: torch: Newton-Schulz's one (a, b, c) at each of its 5 steps; "
                  "polar_express: Polar Express's, one per step, which take more of the "
                  "singular values near 1")
+    muon_beta2: float = key(0.0, "muon: NorMuon's decay of the average of each row's mean "
+                                 "square of the update, which evens the rows' steps (0: off; "
+                                 "0.95: NorMuon's)", at_least=0, below=1)
     cautious_weight_decay: bool = key(
         False, "decay a weight (weight_decay, muon_weight_decay) only where its update has "
                "the weight's sign")
@@ -217,7 +220,7 @@ class TrainConfig:
         if self.init_from == "scratch" or self.init_from in NAMES:  # else the weights' arch
             check_only_for(self, "rope_theta", "arch", "modern")
         for name in ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_params",
-                     "muon_ns_dtype", "muon_coefficients"):
+                     "muon_ns_dtype", "muon_coefficients", "muon_beta2"):
             check_only_for(self, name, "optimizer", "muon")
         if self.from_weights and self.proj_init != "scaled":
             raise UserError(

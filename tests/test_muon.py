@@ -124,6 +124,37 @@ def test_polar_express_takes_more_singular_values_near_1_than_torchs_coefficient
     assert off[1] <= 0.15 < 0.3 <= off[0]
 
 
+def test_normuon_evens_the_rows_steps_and_keeps_the_updates_norm():
+    """muon_beta2: a step's rows (a gradient whose rows' scales span 0.1 to 3) all move by the
+    same amount, and the whole by the orthogonalised update's norm, as without NorMuon; from
+    torch.optim.Muon's state (an earlier checkpoint's, without the second moment) too."""
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(48, 16, generator=g) * torch.linspace(0.1, 3, 48)[:, None]
+             for _ in range(2)]
+    theirs = torch.optim.Muon([torch.nn.Parameter(torch.zeros(48, 16))], lr=0.1, weight_decay=0)
+    theirs.param_groups[0]["params"][0].grad = grads[0]
+    theirs.step()
+    for state in (None, theirs.state_dict()):
+        w = torch.nn.Parameter(torch.randn(48, 16, generator=g))
+        plain, ours = (muon.DistributedMuon([w], lr=0.1, weight_decay=0, ns_dtype=torch.float32,
+                                            beta2=beta2) for beta2 in (0.0, 0.95))
+        for opt in (plain, ours):
+            if state is not None:
+                opt.load_state_dict(copy.deepcopy(state))
+        moved = []
+        for opt in (plain, ours):
+            before = w.detach().clone()
+            w.grad = grads[1].clone()
+            opt.step()
+            moved.append(before - w.detach())
+            w.data.copy_(before)
+        rows = moved[1].norm(dim=1)
+        assert rows.std() / rows.mean() < 1e-4 < 0.3 < (lambda r: r.std() / r.mean())(
+            moved[0].norm(dim=1))
+        assert torch.allclose(moved[1].norm(), moved[0].norm(), rtol=1e-5)
+        assert set(ours.state[w]) == {"momentum_buffer", "second_moment"}
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_cautious_weight_decay_decays_only_where_the_update_has_the_weights_sign(optimizer):
     """A step with cautious_weight_decay against the same step without any decay (the same
@@ -176,11 +207,12 @@ def test_matrices_sharded_other_than_by_rows_over_every_rank_are_refused():
         torch.distributed.destroy_process_group()
 
 
-# recipe two's pieces on: Polar Express and cautious weight decay (Muon's and AdamW's)
+# recipe two's pieces on: Polar Express, NorMuon and cautious weight decay (Muon's and
+# AdamW's)
 ARGS = [*TINY, "--arch=modern", "--optimizer=muon", "--muon_ns_dtype=float32",
         "--gradient_accumulation_steps=4", "--eval_interval=4", "--max_iters=8",
         "--grad_clip=0.1", "--muon_coefficients=polar_express", "--cautious_weight_decay=True",
-        "--muon_weight_decay=0.1"]
+        "--muon_weight_decay=0.1", "--muon_beta2=0.95"]
 
 
 @pytest.fixture(scope="module")
