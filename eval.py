@@ -15,7 +15,6 @@ stdout gets a summary, then one JSON line of the numbers (`python eval.py ... | 
 import dataclasses
 import json
 import logging
-import os
 import sys
 import time
 
@@ -80,8 +79,7 @@ def val_split(cfg, trained, loaded):
         return {"val": sources.open_for_model(cfg.data_dir, "val", tok, cfg.block_size,
                                               vocab_size)}, cfg.data_dir
     mix = trained.get("data_mix")
-    folder = trained.get("data_dir") or (trained.get("dataset") and
-                                         os.path.join("data", trained["dataset"]))
+    folder = loaded.state and Saved.of(loaded.state).data_dir
     if not (mix or folder):
         return {}, None
     where = f"data_mix={mix!r}" if mix else folder

@@ -6,9 +6,10 @@ checkpoint.resume); a new piece of where-the-run-is is added here alone.
 Its keys in a checkpoint are nanoGPT's (iter_num, best_val_loss, model_args) and ddpgpt's:
 samples_consumed (the data position), data_meta (the data's meta.json, which names the tokenizer),
 data_identity (what the data is, so that a resume on other data is caught) and scored_ids (the
-ids the loss is over: model.GPT's n_tokens). Saved reads a
-checkpoint's from any version, with what an older one (nanoGPT's) that lacks a key implies."""
+ids the loss is over: model.GPT's n_tokens). Saved reads a checkpoint's from any version, with
+what an older one (nanoGPT's) that lacks a key implies."""
 import math
+import os
 from typing import NamedTuple, Optional
 
 
@@ -69,3 +70,9 @@ class Saved(NamedTuple):
     def tokenizer(self):
         """The tokenizer its data was in, or None where it names none."""
         return (self.data_meta or {}).get("tokenizer")
+
+    @property
+    def data_dir(self):
+        """The data folder its settings name: data_dir, or nanoGPT's data/<dataset>."""
+        return self.config.get("data_dir") or (self.config.get("dataset") and
+                                               os.path.join("data", self.config["dataset"]))

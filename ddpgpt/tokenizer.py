@@ -169,11 +169,9 @@ def data_meta(state):
     meta.json (or what nanoGPT's meta.pkl holds) in the checkpoint; older checkpoints have
     none: read their data folder's (data_dir, or as nanoGPT's sample.py data/<dataset>)."""
     saved = Saved.of(state)
-    meta, where, config = saved.data_meta, "the checkpoint's data_meta", saved.config
-    data_dir = config.get("data_dir") or (config.get("dataset") and
-                                          os.path.join("data", config["dataset"]))
-    if meta is None and data_dir:
-        meta, where = tokenfile.read_meta(data_dir), tokenfile.meta_path(data_dir)
+    meta, where = saved.data_meta, "the checkpoint's data_meta"
+    if meta is None and saved.data_dir:
+        meta, where = tokenfile.read_meta(saved.data_dir), tokenfile.meta_path(saved.data_dir)
     return (meta, where) if meta and meta.get("tokenizer") else \
         (None, "nanoGPT's default, as the checkpoint names none")
 
