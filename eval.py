@@ -1,17 +1,13 @@
 """Evaluate a model the way people report it: val loss and bits per byte on a data folder's val
-split, and HellaSwag accuracy, on one process or many:
+split, and HellaSwag accuracy, on one process or many (docs/evaluation.md: what it loads, on
+which data, and what it prints; ddpgpt/evaluation.py: what is measured, and how):
 
-  python eval.py --out_dir=out-quickstart                             # a run's newest checkpoint
-  python eval.py --out_dir=out/ckpt_0002000.pt --hellaswag=False       # one checkpoint file
-  python eval.py --init_from=gpt2                                      # OpenAI's GPT-2 124M
-  torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2-xl --data_dir=data/openwebtext
+  python eval.py --out_dir=out-quickstart  # a run's newest checkpoint
+  python eval.py --init_from=gpt2          # OpenAI's GPT-2 124M
 
-The model is a run's out_dir (its newest checkpoint; nanoGPT's ckpt.pt too), one checkpoint file, or
-GPT-2's weights by name or as a Hugging Face folder (ddpgpt/weights.py). Keys as in EvalConfig
-(ddpgpt/settings.py; `python eval.py --help`). A checkpoint is evaluated by default on the data it
-trained on, with its eval_iters, batch_size and block_size: then the val loss is the one train.py
-logged at its iter (what is measured, and how, is ddpgpt/evaluation.py's). Progress goes to stderr;
-stdout gets a summary, then one JSON line of the numbers (`python eval.py ... | tail -n 1`)."""
+A checkpoint is evaluated by default on the data it trained on, with its eval_iters, batch_size
+and block_size, so that the val loss is the one train.py logged at its iter. Progress goes to
+stderr; stdout gets a summary, then one JSON line of the numbers."""
 import dataclasses
 import json
 import logging

@@ -5,13 +5,10 @@ checkpoint folder as one file (keys: ExportConfig in ddpgpt/settings.py, `export
   python export.py --out_dir=out/ckpt_0000040.pt --to=gpt2-finetuned # a file (nanoGPT's too)
   python export.py --out_dir=out-fsdp/ckpt_0000040 --to=ckpt_0000040.pt  # a folder as one file
 
-The folder computes the same function as the checkpoint (float32 logits within 1e-4), without
-the rows that train.py pads the vocabulary with, and holds the tokenizer files with which
-AutoTokenizer encodes as ddpgpt does (docs/evaluation.md says what is written for each
-tokenizer). A --to that ends in .pt is one checkpoint file with everything the source holds, as
-parallel=ddp writes them, which resumes under ddp or fsdp and which nanoGPT's scripts read.
---to must not exist: it is written under a temporary name and renamed when complete.
-"""
+The folder computes the checkpoint's function, with its tokenizer's files (docs/evaluation.md
+says what is written for each model and tokenizer); a --to that ends in .pt is one checkpoint
+file with everything the source holds, as parallel=ddp writes them (docs/fsdp.md). --to must not
+exist: it is written under a temporary name and renamed when complete."""
 import json
 import os
 import shutil

@@ -1,18 +1,9 @@
-"""The process around the library: the session that train.py and eval.py run in. It owns what
-a launched process lives through and the library does not know of:
-
-  the process group   joined in a store of each torchrun restart's own (peers.py), left at
-                      the end (finish)
-  start-up errors     every rank checks its start-up before any collective; the ranks agree,
-                      and rank 0 says each problem once (start)
-  stop signals        train.py's: recorded from the start, agreed on at a step (signals.py)
-  the hang watchdog   train.py's (watchdog.py)
-  the locks           rank 0 holds one on each folder the run writes (lock.py)
-  a lost peer         a collective that fails because another rank is gone becomes one
-                      paragraph: who, where, and how to go on (watched)
-
-A loop of your own uses the library without any of this (docs/training.md has the layers); the
-error line itself is errors.py's, which every script prints through."""
+"""The process around the library: the session that train.py and eval.py run in, which owns what
+a launched process lives through and the library does not know of: the process group (peers.py),
+the ranks' agreement on start-up errors (start), stop signals (signals.py), the hang watchdog
+(watchdog.py), rank 0's lock on each folder the run writes (lock.py), and a lost peer said as
+one paragraph (watched). A loop of your own uses the library without any of this
+(docs/training.md has the layers); the error line itself is errors.py's."""
 import contextlib
 import os
 from datetime import timedelta

@@ -1,16 +1,9 @@
-"""Data parallel training: the model as the training steps call it, shared out over the ranks in
-one of two ways (the `parallel` key; docs/fsdp.md says what each costs):
-
-  ddp   every rank holds all the weights, gradients and optimizer state, and
-        DistributedDataParallel all-reduces the gradients in the last micro-step's backward.
-  fsdp  FSDP2 (fully_shard) on each transformer block and on the root: each rank holds 1/N of
-        the weights, gradients and optimizer state; a block's forward and backward all-gather
-        its weights, and the backward reduce-scatters its gradients (shard() has the dtypes).
-
-One rank trains the model itself, either way. What the training step does differently under
-each is here: which micro-step reduces the gradients (sync_gradients), the gradient norm
-over sharded gradients (clip_grad_norm), and whether the weights are finite (all_finite).
-"""
+"""Data parallel training: the model as the training steps call it, shared out over the ranks
+by DistributedDataParallel (parallel=ddp) or FSDP2 (parallel=fsdp: fully_shard on each block
+and on the root); docs/fsdp.md says what each holds and costs. One rank trains the model itself,
+either way. What the training step does differently under each is here: which micro-step
+reduces the gradients (sync_gradients), the gradient norm over sharded gradients
+(clip_grad_norm), and whether the weights are finite (all_finite)."""
 import sys
 from typing import Callable, NamedTuple
 
