@@ -47,9 +47,13 @@ TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_
 TWO_RANKS = ["--backend=gloo", "--gradient_accumulation_steps=4", "--network_check=on"]
 UNEVEN_EVALUATION = ["--eval_iters=3"]  # for 2 ranks: one has a batch fewer
 RECIPE = ["--arch=modern", "--optimizer=muon"]  # the same FLOPs per token as GPT-2's
-# the ddp and fsdp 2-rank runs, compared step by step: the recipe's Muon, whose owners gather
-# (ddp) or exchange rows (fsdp), in float32 throughout, where the two differ by rounding alone
-PARITY = ["--dtype=float32", "--muon_ns_dtype=float32", *RECIPE]
+# recipe two's optimizer pieces (docs/training.md), in the 2-rank runs as in nccl_rank.py
+RECIPE_TWO = ["--muon_coefficients=polar_express", "--muon_beta2=0.95",
+              "--cautious_weight_decay=True"]
+# the ddp and fsdp 2-rank runs, compared step by step: the recipe's Muon with recipe two's
+# pieces, whose owners gather (ddp) or exchange rows (fsdp), in float32 throughout, where the
+# two differ by rounding alone
+PARITY = ["--dtype=float32", "--muon_ns_dtype=float32", *RECIPE, *RECIPE_TWO]
 SELECTIVE = ["--activation_checkpointing=selective", "--loss_chunks=4"]  # the loss in chunks too
 FSDP_KEYS = ["--reshard_after_forward=False", "--reduce_every_micro_step=True"]  # not defaults
 EVERY_OTHER_STEP = 2  # the 1-rank check's evaluations and saves
@@ -626,7 +630,7 @@ def run(small, device, workdir):
              ("train.py", fresh_run), ("modern + muon", modern_muon),
              ("fsdp + muon + selective, 2 ranks",
               lambda s: two_ranks(s, "fsdp", "fsdp + muon + selective, 2 ranks", "fsdp-muon",
-                                  [*RECIPE, *SELECTIVE, *FSDP_KEYS])),
+                                  [*RECIPE, *RECIPE_TWO, *SELECTIVE, *FSDP_KEYS])),
              ("fsdp, 2 ranks",
               lambda s: two_ranks(s, "fsdp", "fsdp, 2 ranks", "fsdp", PARITY)),
              (ONE_RANK, one_rank), ("checkpoint and resume", resume),
@@ -671,7 +675,8 @@ def settings(mode, spec, cfg):
                 f"of its folder of iter {spec['rank_steps'] // 2} in <fsdp-resumed> with "
                 f"--init_from=resume {' '.join(profiled(spec))}; and without "
                 f"{' '.join(PARITY[:2])} (so bfloat16) with --parallel=fsdp "
-                f"{' '.join([*RECIPE, *SELECTIVE, *FSDP_KEYS])} --out_dir=<fsdp-muon>",
+                f"{' '.join([*RECIPE, *RECIPE_TWO, *SELECTIVE, *FSDP_KEYS])} "
+                f"--out_dir=<fsdp-muon>",
                 f"torchrun --standalone --nproc_per_node=1 train.py {' '.join(one_rank)}",
                 f"python sample.py --out_dir=<ranks> --device={spec['device']} --num_samples=2 "
                 f"--max_new_tokens={spec['new_tokens']} --start='def '",

@@ -1,8 +1,9 @@
 """bench gpu's collectives check: one process in a one-rank process group over the backend given
 (nccl on the GPU; gloo in a dry run), through which every multi-GPU path of ddpgpt runs its
 collectives once: DDP's all-reduce; fully_shard's all-gather and reduce-scatter; Muon's
-all_gather_single (ddp) and all_to_all_single (fsdp). A one-rank group starts NCCL as eight
-ranks do (device_id, communicator, kernels), on the one GPU a check has.
+all_gather_single (ddp), and its all_to_all_single and NorMuon's all_reduce (fsdp). A one-rank
+group starts NCCL as eight ranks do (device_id, communicator, kernels), on the one GPU a check
+has.
 
   torchrun --standalone --nproc_per_node=1 -m benchmarks.nccl_rank DEVICE BACKEND DTYPE
 
@@ -51,7 +52,10 @@ def losses(cfg, device, dtype):
 def main(device, backend, dtype):
     runtime.use_device(device)
     dist.init_process_group(backend, device_id=torch.device(device) if backend == "nccl" else None)
-    cfg = TrainConfig(optimizer="muon", arch="modern", learning_rate=1e-3, dtype=dtype)
+    # recipe two's pieces on: NorMuon's all_reduce under fsdp, and cautious AdamW's DTensors
+    cfg = TrainConfig(optimizer="muon", arch="modern", learning_rate=1e-3, dtype=dtype,
+                      muon_coefficients="polar_express", muon_beta2=0.95,
+                      cautious_weight_decay=True)
     result = {"backend": dist.get_backend(), "world_size": dist.get_world_size()}
     for kind in ("ddp", "fsdp"):
         result[kind] = losses(TrainConfig(**{**cfg.__dict__, "parallel": kind}), device, dtype)
