@@ -20,6 +20,10 @@ batch_size = 16
 gradient_accumulation_steps = 2  # a multiple of the ranks: 1 or 2 on a 2-core machine
 optimizer = "muon"
 muon_lr = 0.02  # Muon's peak, for the blocks' matrices
+# recipe two's pieces that paid on this corpus (docs/training.md, "The modern recipe"): NorMuon
+# and output projections that start at zero
+muon_beta2 = 0.95
+proj_init = "zero"
 learning_rate = 2e-3  # AdamW's, for the embeddings, the head and the norms
 max_iters = 1000
 lr_decay_iters = 1000
