@@ -118,10 +118,7 @@ class DistributedMuon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         matrices = []  # (group, parameter, gradient, momentum) of those with a gradient
         for group in self.param_groups:
             params, grads, bufs = [], [], []
@@ -199,6 +196,15 @@ def cautious_decay(weight, update, decay):
     gradient's direction. Elementwise: under fsdp on each rank's rows."""
     if decay:
         weight.sub_(weight * (update * weight >= 0), alpha=decay)
+
+
+def closure_loss(closure):
+    """What every torch optimizer's step does first: run the closure (the forward and backward)
+    with gradients on, and return its loss (None without one)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def check_layout(p):

@@ -21,7 +21,7 @@ import torch
 
 from ddpgpt import checkpoint, schedule
 from ddpgpt.errors import UserError
-from ddpgpt.muon import DistributedMuon, cautious_decay, ns_dtype
+from ddpgpt.muon import DistributedMuon, cautious_decay, closure_loss, ns_dtype
 from ddpgpt.parallel import local
 
 
@@ -67,10 +67,7 @@ class CautiousAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         decays = [group["weight_decay"] for group in self.param_groups]
         for group in self.param_groups:
             for p in group["params"]:
