@@ -35,6 +35,8 @@ KEPT = "normuon+zero"  # those that paid, which the modern configs take: the tar
 COMBOS = [("gpt2", "adamw", ""), ("gpt2", "muon", ""), ("modern", "adamw", ""),
           ("modern", "muon", ""), *(("modern", "muon", piece) for piece in PIECES),
           ("modern", "muon", ALL), ("modern", "muon", KEPT)]
+# the combinations the targets compare: the four, and the kept pieces (the last)
+TARGETED = [*COMBOS[:4], COMBOS[-1]]
 BASELINE = "gpt2+adamw"
 TARGETS = {"modern+muon": 0.4, "gpt2+muon": 0.7}  # at most this share of BASELINE's tokens
 # recipe two's targets for its kept pieces, per corpus
@@ -50,18 +52,20 @@ QUICK = ["config/quickstart.py", "--max_iters=200", "--lr_decay_iters=200", "--w
 QUICK_GPT2 = ["config/quickstart.py", "--batch_size=8", "--max_iters=120",
               "--lr_decay_iters=120", "--warmup_iters=12", "--eval_interval=20", "--eval_iters=10"]
 SPECS = {
-    "full": dict(combos=COMBOS, corpora={"pystdlib-bytes": dict(tokenizer="byte", args=QUICK,
+    "full": dict(corpora={"pystdlib-bytes": dict(tokenizer="byte", args=QUICK,
                                                  seeds=(1337, 1338, 1339)),
                           "pystdlib-gpt2": dict(tokenizer="gpt2", args=QUICK_GPT2,
                                                 seeds=(1337, 1338))},
+                 combos=COMBOS,
                  speed=dict(args=["config/quickstart.py"], steps=20, warmup=5, rounds=5,
-                            combos=[*COMBOS[:4], COMBOS[-1]])),
-    "small": dict(combos=[*COMBOS[:4], COMBOS[-1]], corpora={"pystdlib-bytes": dict(tokenizer="byte", seeds=(1,), args=[
+                            combos=TARGETED)),
+    "small": dict(corpora={"pystdlib-bytes": dict(tokenizer="byte", seeds=(1,), args=[
                                *TINY, "--max_iters=6", "--lr_decay_iters=6", "--warmup_iters=1",
                                "--eval_interval=2", "--eval_iters=2"]),
                            "pystdlib-gpt2": dict(tokenizer="gpt2", seeds=(1,), args=[
                                *TINY, "--max_iters=4", "--lr_decay_iters=4", "--warmup_iters=1",
                                "--eval_interval=2", "--eval_iters=2"])},
+                  combos=TARGETED,
                   # train.py timed for the two combinations the targets compare only
                   speed=dict(args=TINY, steps=4, warmup=1, rounds=1, combos=MINIMAL))}
 SMALL_DOCS = ("argparse", "shutil", "textwrap")  # the small mode's corpus: three modules
@@ -378,7 +382,7 @@ def targets(reached, speed_rows):
         "train.py's gpt2+adamw tokens/s no lower than nanoGPT's train.py's (quick-start model "
         "and data, CPU, one thread)", timed["train.py", BASELINE], timed["nanoGPT", BASELINE],
         0.0))
-    every = name(*COMBOS[-1])
+    every = name("modern", "muon", KEPT)
     for corpus, share in TARGETS_TWO.items():
         if (corpus, every) in rows:
             ratios = rows[corpus, every]["ratios"]

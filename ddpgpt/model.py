@@ -188,16 +188,18 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
         # every block adds two residual projections to the stream; scaling them down keeps
         # the stream's variance from growing with depth (GPT-2 paper)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        for p in self.projections():
+            nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def projections(self):
+        """The blocks' output projections: the two weights each adds to the residual stream."""
+        return [p for name, p in self.named_parameters() if name.endswith("c_proj.weight")]
 
     def zero_projections(self):
         """The blocks' output projections at zero (proj_init='zero', modded-nanogpt's): each
         block adds nothing to the residual stream until it has learnt something to add."""
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.zeros_(p)
+        for p in self.projections():
+            nn.init.zeros_(p)
 
     @staticmethod
     def _init_weights(module):

@@ -253,8 +253,9 @@ def newton_schulz(update, group, dtype, polar_express=False):
 def orthogonalised_whole(updates, shapes, groups, owner, rank, world, orthogonalise, dtype,
                          device):
     """ddp: each update orthogonalised by its owner (updates: None where another rank owns it;
-    orthogonalise(update, group): newton_schulz's result in dtype) into its rank's row of a (world, bucket) tensor in dtype, which one all_gather_single
-    fills: the list form would have NCCL gather into a hidden flat buffer and copy out of it."""
+    orthogonalise(update, group): newton_schulz's result in dtype) into its rank's row of a
+    (world, bucket) tensor in dtype, which one all_gather_single fills: the list form would
+    have NCCL gather into a hidden flat buffer and copy out of it."""
     sizes = [sum(s.numel() for s, o in zip(shapes, owner) if o == r) for r in range(world)]
     mine = torch.zeros(max(sizes), dtype=dtype, device=device)
     at = 0

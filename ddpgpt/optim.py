@@ -70,7 +70,7 @@ class CautiousAdamW(torch.optim.AdamW):
         loss = closure_loss(closure)
         decays = [group["weight_decay"] for group in self.param_groups]
         for group in self.param_groups:
-            for p in group["params"]:
+            for p in group["params"] if group["weight_decay"] else []:
                 if p.grad is not None:
                     grad, moment = local(p.grad), self.state[p].get("exp_avg")
                     update = grad if moment is None else local(moment).lerp(
