@@ -289,6 +289,7 @@ def write_tokens(writers, texts, counts, n_val, cfg, tokenizer, on_publish):
                              (tokenizer,)) as results, \
             tqdm(total=counts["documents"], initial=done, desc="tokenizing", unit=" docs") as bar:
         for result in results:
+            signals.raise_if_stopped()
             for split, tokens in result.items():
                 writers[split].write(*tokens, on_publish)
             bar.update(sum(len(lengths) for _, lengths, _ in result.values()))
@@ -367,6 +368,7 @@ def write_outputs(out_dir, writers, tokenizer, docs, counts, n_val, cfg, setting
     try:
         write_tokens(writers, filter(corpus.is_document, docs.documents()), counts, n_val,
                      cfg, tokenizer, lambda: save_progress(out_dir, settings, counts, writers))
+        signals.raise_if_stopped()
         splits = {split: w.finish() for split, w in writers.items()}
         tokenfile.write_meta(
             out_dir, tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size,

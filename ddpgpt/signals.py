@@ -157,12 +157,24 @@ def steps_begin():
         os.close(write_end)  # the watcher reads the end of the pipe, and ends
 
 
+_stopped_by = []  # prepare.py's stop signal, once it has come
+
+
 def raise_on_stop_signals():
     """Raise Interrupted on a stop signal; one that the parent ignores (nohup's SIGHUP, a
     background job's SIGINT) stays ignored."""
     def stop(signum, frame):
         for s in PREPARE_SIGNALS:  # a second signal must not cut the cleanup short
             signal.signal(s, signal.SIG_IGN)
+        _stopped_by.append(signum)
         raise Interrupted(signum)
 
     listen(PREPARE_SIGNALS, stop)
+
+
+def raise_if_stopped():
+    """Raise the stop signal's Interrupted again if it has come: C code that clears whatever
+    error it meets swallows the one the handler raised when the handler runs inside it (numpy's
+    indexing of an array by an int does, numpy#20596), and the run would go on to publish."""
+    if _stopped_by:
+        raise Interrupted(_stopped_by[0])

@@ -18,7 +18,7 @@ import pytest
 
 from ddpgpt import fileio, signals, workers
 from conftest import OUTPUTS, ROOT, decoded, fails, python, read_all
-from ddpgpt.errors import UserError
+from ddpgpt.errors import Interrupted, UserError
 from ddpgpt.tokenizer import get_tokenizer
 
 
@@ -113,6 +113,25 @@ def test_a_stopped_run_publishes_nothing_and_leaves_nothing(stop, start, env, tm
         f"prepare.py: interrupted ({name}); this run's temporary files were removed, and no new "
         f"output was published."), stderr
     assert os.listdir(out) == []
+
+
+def test_a_stop_whose_exception_numpy_swallowed_is_raised_again(monkeypatch):
+    """numpy's indexing clears any error it meets (numpy#20596): a stop handler that runs
+    inside it loses its Interrupted, and a Ctrl-C seen once in 160 stops let the run publish
+    (status 0). prepare.py raises it again at its next result and before it publishes."""
+    monkeypatch.setattr(signals, "_stopped_by", [])
+    handlers = {s: signal.getsignal(s) for s in signals.PREPARE_SIGNALS}  # pytest's
+    try:
+        signals.raise_on_stop_signals()
+        signals.raise_if_stopped()  # nothing has come: nothing raised
+        with contextlib.suppress(Interrupted):  # as numpy's PyErr_Clear() does
+            signal.raise_signal(signal.SIGTERM)
+        with pytest.raises(Interrupted) as raised:
+            signals.raise_if_stopped()
+        assert raised.value.signum == signal.SIGTERM
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
 
 
 def test_under_nohup_a_closed_terminal_does_not_stop_it(env, tmp_path):
