@@ -10,13 +10,10 @@ about that many tokens each, in ddpgpt's raw format or llm.c's (--format=llmc).
         --streaming --shard_tokens=100000000 --format=llmc  # 10B tokens, never stored raw
 
 The corpus is read twice: pass 1 counts its non-empty documents, which fixes the train/val
-split up front (document d goes to val iff permutation.permute(d, documents, key(seed)) <
-n_val), and pass 2 tokenizes. Documents stream through a pool of workers in chunks and their
-tokens are appended to each split's file as they come back, so memory does not grow with the
-corpus (OpenWebText is 9B tokens). docs/data.md says how a prepare that died goes on after its
-last complete shard (prepare.progress.json), and what one that is stopped keeps; one at a time
-writes in an out_dir (ddpgpt/lock.py). Keys as in PrepareConfig (ddpgpt/settings.py; `python
-prepare.py --help`)."""
+split up front (meta.json's val_selection), and pass 2 tokenizes in a pool of workers, appending
+each split's tokens to its file as they come back, so memory does not grow with the corpus.
+docs/data.md says how a stopped prepare resumes (prepare.progress.json) and that one at a time
+writes in an out_dir. Keys as in PrepareConfig (`python prepare.py --help`)."""
 import json
 import math
 import os
@@ -112,10 +109,9 @@ def encode_chunk(task):
         map(_tokenizer.encode, texts)
     for tokens, split, index in zip(encoded, splits, indices):
         ids, lengths, where = out[split]
-        before = len(ids)
         ids.extend(tokens)
         ids.append(_tokenizer.eot)
-        lengths.append(len(ids) - before)
+        lengths.append(len(tokens) + 1)
         where.append(index)
     dtype = tokenfile.token_dtype(_tokenizer.vocab_size)
     return {split: (np.array(ids, dtype=dtype), lengths, where)
@@ -242,9 +238,9 @@ def read_progress(out_dir, settings):
     except (OSError, ValueError):  # a progress file is written whole, so this is not ours
         progress = {"settings": None, "splits": {}, "header_bytes": 0}
     shards = [s for split in progress["splits"].values() for s in split]
-    intact = all(os.path.isfile(os.path.join(out_dir, s["file"])) and s["fingerprint"] ==
-                 tokenfile.sampled_fingerprint([os.path.join(out_dir, s["file"])],
-                                               progress["header_bytes"]) for s in shards)
+    files = [os.path.join(out_dir, s["file"]) for s in shards]
+    intact = all(os.path.isfile(file) and s["fingerprint"] == tokenfile.sampled_fingerprint(
+        [file], progress["header_bytes"]) for s, file in zip(shards, files))
     if progress["settings"] == settings and intact:
         print(f"prepare.py: resuming an interrupted run in {out_dir}: "
               f"{len(shards)} complete shard(s) kept")
@@ -252,9 +248,8 @@ def read_progress(out_dir, settings):
     why = differences(progress["settings"], settings) if intact else \
         "whose shards are missing or changed"
     print(f"prepare.py: {out_dir} holds an interrupted run {why}: starting over")
-    for s in shards:
-        if os.path.isfile(os.path.join(out_dir, s["file"])):
-            os.remove(os.path.join(out_dir, s["file"]))
+    for file in filter(os.path.isfile, files):
+        os.remove(file)
     os.remove(path)
     return None
 
