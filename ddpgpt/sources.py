@@ -109,20 +109,16 @@ def open_split(folder, split, block_size, mode="epoch"):
     """One source's split (tokenfile.open_split), with its document index as open_splits says:
     the one place that decides which splits open theirs."""
     token_split = tokenfile.open_split(folder, split, block_size)
-    if split == "train" and mode == "documents":
-        return with_index(token_split, folder, split)
-    if split != "val":
+    if split != "val" and not (split == "train" and mode == "documents"):
         return token_split
     try:
-        return with_index(token_split, folder, split)
+        return token_split._replace(docs=docindex.open_doc_index(token_split, folder, split))
     except UserError as e:
+        if split != "val":  # 'documents' mode cannot go without it
+            raise
         log.info(f"note: the evaluations leave the document-aligned val loss (val_loss_docs) "
                  f"out: {e}")
         return token_split
-
-
-def with_index(token_split, folder, split):
-    return token_split._replace(docs=docindex.open_doc_index(token_split, folder, split))
 
 
 def open_for_model(data_dir, split, tok, block_size, vocab_size):
