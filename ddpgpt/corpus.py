@@ -98,15 +98,13 @@ def text_field(record, column, where):
 def json_documents(path, column, kind):
     """The documents of a .jsonl, or of a .json: a list of objects, or JSON lines too."""
     lines = enumerate(utf8_lines(path), 1)
-    first = next(((n, line) for n, line in lines if line.strip()), None)
-    if first is None:
-        return
+    first = next(((n, line) for n, line in lines if line.strip()), (0, ""))
     if kind == ".json" and first[1].lstrip().startswith("["):
         text = first[1] + "".join(line for _, line in lines)
         for i, record in enumerate(parse_json(text, path)):
             yield text_field(record, column, f"{path}[{i}]")
         return
-    for lineno, line in itertools.chain([first], lines):
+    for lineno, line in itertools.chain([first], lines):  # (0, '') for a blank file: skipped
         if line.strip():
             where = f"{path}:{lineno}"
             yield text_field(parse_json(line, where), column, where)
@@ -504,14 +502,10 @@ def tally(texts, names=None):
     n = {"documents": 0, "empty": 0, "undecodable": 0}
     undecodable = []
     for i, text in enumerate(texts):
-        if text is None:
-            n["undecodable"] += 1
-            if names is not None and len(undecodable) <= NAMED:
-                undecodable.append(names[i])
-        elif is_document(text):
-            n["documents"] += 1
-        else:
-            n["empty"] += 1
+        kind = "undecodable" if text is None else "documents" if is_document(text) else "empty"
+        n[kind] += 1
+        if kind == "undecodable" and names is not None and len(undecodable) <= NAMED:
+            undecodable.append(names[i])
     return {**n, "undecodable_files": undecodable} if undecodable else n
 
 
