@@ -63,9 +63,8 @@ def validation_size(cfg, n_docs, description):
 # ---- pass 2: tokenizing in a pool of workers, in corpus order ----
 
 def chunks(texts, n_docs, n_val, key, next_doc):
-    """(texts, the split of each, the index of each) about CHUNK_CHARS characters at a time.
-    Non-empty documents are counted from 0 in corpus order; those a resumed run has written
-    already (index < next_doc[split]) are left out, untokenized."""
+    """(texts, the split of each, the index of each) about CHUNK_CHARS characters at a time,
+    without the documents (from 0, in corpus order) a resumed run has written already."""
     batch, size, first = [], 0, 0
     for text in texts:
         batch.append(text)
@@ -121,13 +120,10 @@ def encode_chunk(task):
 # ---- output: each file written under a temporary name and renamed when complete ----
 
 class SplitWriter:
-    """One split's token files and document index. Documents' tokens are appended to a
-    temporary file of this process's own (fileio.tmp_path) that is renamed to its final name
-    when complete: at the end, or for shards as soon as the shard holds shard_tokens tokens, at
-    the end of a document (a shard holds whole documents, so it can be resumed from a document
-    index). llm.c's header is written last, with the token count. The documents' first tokens
-    go to the index as they are written (docindex.Writer), which is sorted and published at the
-    end; a resumed run finds those of the shards it keeps by a scan of them."""
+    """One split's token files and document index. Tokens are appended to a temporary file
+    (fileio.tmp_path) renamed when complete: at the end, or for shards at the end of the document
+    that fills it (whole documents, so a run can resume from a document index). The documents'
+    first tokens go to the index as written; a resumed run scans the shards it keeps for theirs."""
 
     def __init__(self, out_dir, split, *, shard_tokens, llmc_name, published, tokenizer):
         """shard_tokens: 0 for one file; llmc_name: llm.c's <name> of its shards, or None for
@@ -215,9 +211,8 @@ class SplitWriter:
 # ---- resuming: prepare.progress.json, rewritten after each published shard ----
 
 def output_settings(cfg, llmc_name, docs, tokenizer):
-    """What decides the bytes of the output: a run resumes only with the same, corpus
-    included (the same files, of the same sizes and times: corpus.files_identity), and the
-    same tokenizer (a Hugging Face one's files may change under the same name)."""
+    """What decides the bytes of the output: a run resumes only with the same, corpus files
+    (corpus.files_identity) and tokenizer files (a Hugging Face one's may change) included."""
     return {"corpus": docs.identity, "dataset": cfg.dataset, "hub_config": cfg.hub_config or None,
             "text_column": cfg.text_column, "tokenizer": tokenizer.name,
             **tokenizer_fingerprint(tokenizer),
@@ -368,11 +363,10 @@ def write_outputs(out_dir, writers, tokenizer, docs, counts, n_val, cfg, setting
         tokenfile.write_meta(
             out_dir, tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size,
             eot_token=tokenizer.eot, **tokenizer_fingerprint(tokenizer), splits=splits,
-            source=cfg.dataset,
-            source_detail=docs.description, text_column=cfg.text_column, seed=cfg.seed,
-            val_selection=f"non-empty document d (from 0, in corpus order) is in val iff "
-                          f"permutation.permute(d, {counts['documents']}, "
-                          f"permutation.hash_key({cfg.seed})) < {n_val}",
+            source=cfg.dataset, source_detail=docs.description, text_column=cfg.text_column,
+            seed=cfg.seed, val_selection=f"non-empty document d (from 0, in corpus order) is in "
+                                         f"val iff permutation.permute(d, {counts['documents']}, "
+                                         f"permutation.hash_key({cfg.seed})) < {n_val}",
             skipped_empty_documents=counts["empty"], prepared_with=settings,
             skipped_undecodable_files=counts["undecodable"],
             **({"format": "llmc"} if cfg.format == "llmc" else {}),
