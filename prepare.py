@@ -12,8 +12,8 @@ about that many tokens each, in ddpgpt's raw format or llm.c's (--format=llmc).
 The corpus is read twice: pass 1 counts its non-empty documents, which fixes the train/val
 split up front (meta.json's val_selection), and pass 2 tokenizes in a pool of workers, appending
 each split's tokens to its file as they come back, so memory does not grow with the corpus.
-docs/data.md says how a stopped prepare resumes (prepare.progress.json) and that one at a time
-writes in an out_dir. Keys as in PrepareConfig (`python prepare.py --help`)."""
+docs/data.md says how a stopped prepare resumes (prepare.progress.json). Keys as in
+PrepareConfig (`python prepare.py --help`)."""
 import json
 import math
 import os
@@ -30,16 +30,6 @@ from ddpgpt.settings import PrepareConfig
 from ddpgpt.tokenizer import GPT2_NAMES, get_tokenizer, torch_hidden
 
 CHUNK_CHARS = 1 << 20  # text sent to a worker at a time: big enough to amortise the pickling
-
-
-def check_validation_keys(cfg, given):
-    """The keys that choose the validation documents, checked before the corpus is read."""
-    if {"val_docs", "val_fraction"} <= given.keys():
-        raise UserError("--val_docs and --val_fraction both choose the validation documents: "
-                        "give one of them.")
-    if "val_docs" in given and cfg.val_docs == 0:  # the default's 0 is 'unset'; a given one, none
-        raise UserError("--val_docs=0 leaves no val split: give --val_docs=1 or more, or "
-                        "leave it out and use --val_fraction.")
 
 
 def validation_size(cfg, n_docs, description):
@@ -286,9 +276,7 @@ def write_tokens(writers, texts, counts, n_val, cfg, tokenizer, on_publish):
 
 
 def complete_output(out_dir, settings):
-    """Does out_dir hold this very output, complete (the same settings, the same corpus)? A
-    sharded run publishes each shard as it completes, over the shard of that name, so it must
-    not start over another complete output: stopped midway, it would leave neither."""
+    """Does out_dir hold this very output, complete (the same settings, the same corpus)?"""
     meta_path = os.path.join(out_dir, tokenfile.META_NAME)
     if not os.path.exists(meta_path):
         return False
@@ -410,7 +398,13 @@ def main(argv):
     signals.raise_on_stop_signals()
     cfg, given = configurator.parse_given(PrepareConfig, argv, "prepare.py")
     logs.setup()  # the package's lines (the lock's notices), to stdout
-    check_validation_keys(cfg, given)
+    # the keys that choose the validation documents, checked before the corpus is read
+    if {"val_docs", "val_fraction"} <= given.keys():
+        raise UserError("--val_docs and --val_fraction both choose the validation documents: "
+                        "give one of them.")
+    if "val_docs" in given and cfg.val_docs == 0:  # the default's 0 is 'unset'; a given one, none
+        raise UserError("--val_docs=0 leaves no val split: give --val_docs=1 or more, or "
+                        "leave it out and use --val_fraction.")
     t0 = time.time()
     try:
         out_dir, splits, counts = prepare(cfg)

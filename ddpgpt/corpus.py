@@ -197,9 +197,8 @@ def walk(folder, skipped, seen):
     seen.add(identity(os.stat(folder)))
     found = []
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-        if skip(entry.path, entry.name, skipped, seen, by_name=True):
-            continue
-        found += walk(entry.path, skipped, seen) if os.path.isdir(entry.path) else [entry.path]
+        if not skip(entry.path, entry.name, skipped, seen, by_name=True):
+            found += walk(entry.path, skipped, seen) if os.path.isdir(entry.path) else [entry.path]
     return found
 
 
@@ -323,8 +322,7 @@ def download_openwebtext():
 
 
 def local_archives(dataset):
-    """The archives of a copy of OpenWebText: urlsf_subset*.tar in <dataset>/subsets (where
-    `hf download --local-dir` puts them) or in <dataset> itself; [] for anything else."""
+    """The archives of a copy of OpenWebText, in <dataset>/subsets or <dataset>; else []."""
     for folder in (os.path.join(dataset, "subsets"), dataset):
         if archives := sorted(glob.glob(os.path.join(glob.escape(folder), OWT_GLOB))):
             return archives

@@ -102,9 +102,8 @@ def check_fits(folder, meta, vocab_size):
 
 
 def open_split(folder, split, block_size, mode="epoch"):
-    """One source's split (tokenfile.open_split), with its document index where it is used:
-    train's in 'documents' mode, which needs it; val's where there is one, for the
-    document-aligned val loss. The one place that decides which splits open theirs."""
+    """One source's split (tokenfile.open_split), with its document index: train's in
+    'documents' mode, which needs it; val's where there is one, for val_loss_docs."""
     token_split = tokenfile.open_split(folder, split, block_size)
     if split != "val" and not (split == "train" and mode == "documents"):
         return token_split
@@ -161,9 +160,8 @@ def check_same_on_all_ranks(identities, data_dir):
 
 
 def log_train(mix, samples):
-    """For a mixture, each source's share of the samples (not of the tokens on disk); for a
-    mixture or in 'documents' mode, how many epochs of each source max_iters reads (of its
-    document starts, in that mode). mix is ready to sample (data.with_windows)."""
+    """For a mixture, each source's share of the samples; for a mixture or in 'documents' mode,
+    how many epochs of each source max_iters reads. mix is ready to sample (data.with_windows)."""
     w = mix.windows
     if len(mix.splits) == 1 and w.mode != "documents":
         return
