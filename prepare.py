@@ -10,13 +10,10 @@ about that many tokens each, in ddpgpt's raw format or llm.c's (--format=llmc).
         --streaming --shard_tokens=100000000 --format=llmc  # 10B tokens, never stored raw
 
 The corpus is read twice: pass 1 counts its non-empty documents, which fixes the train/val
-split up front (document d goes to val iff permutation.permute(d, documents, key(seed)) <
-n_val), and pass 2 tokenizes. Documents stream through a pool of workers in chunks and their
-tokens are appended to each split's file as they come back, so memory does not grow with the
-corpus (OpenWebText is 9B tokens). docs/data.md says how a prepare that died goes on after its
-last complete shard (prepare.progress.json), and what one that is stopped keeps; one at a time
-writes in an out_dir (ddpgpt/lock.py). Keys as in PrepareConfig (ddpgpt/settings.py; `python
-prepare.py --help`)."""
+split up front (meta.json's val_selection), and pass 2 tokenizes in a pool of workers, appending
+each split's tokens to its file as they come back, so memory does not grow with the corpus.
+docs/data.md says how a stopped prepare resumes (prepare.progress.json). Keys as in
+PrepareConfig (`python prepare.py --help`)."""
 import json
 import math
 import os
@@ -33,16 +30,6 @@ from ddpgpt.settings import PrepareConfig
 from ddpgpt.tokenizer import GPT2_NAMES, get_tokenizer, torch_hidden
 
 CHUNK_CHARS = 1 << 20  # text sent to a worker at a time: big enough to amortise the pickling
-
-
-def check_validation_keys(cfg, given):
-    """The keys that choose the validation documents, checked before the corpus is read."""
-    if {"val_docs", "val_fraction"} <= given.keys():
-        raise UserError("--val_docs and --val_fraction both choose the validation documents: "
-                        "give one of them.")
-    if "val_docs" in given and cfg.val_docs == 0:  # the default's 0 is 'unset'; a given one, none
-        raise UserError("--val_docs=0 leaves no val split: give --val_docs=1 or more, or "
-                        "leave it out and use --val_fraction.")
 
 
 def validation_size(cfg, n_docs, description):
@@ -66,9 +53,8 @@ def validation_size(cfg, n_docs, description):
 # ---- pass 2: tokenizing in a pool of workers, in corpus order ----
 
 def chunks(texts, n_docs, n_val, key, next_doc):
-    """(texts, the split of each, the index of each) about CHUNK_CHARS characters at a time.
-    Non-empty documents are counted from 0 in corpus order; those a resumed run has written
-    already (index < next_doc[split]) are left out, untokenized."""
+    """(texts, the split of each, the index of each) about CHUNK_CHARS characters at a time,
+    without the documents (from 0, in corpus order) a resumed run has written already."""
     batch, size, first = [], 0, 0
     for text in texts:
         batch.append(text)
@@ -112,10 +98,9 @@ def encode_chunk(task):
         map(_tokenizer.encode, texts)
     for tokens, split, index in zip(encoded, splits, indices):
         ids, lengths, where = out[split]
-        before = len(ids)
         ids.extend(tokens)
         ids.append(_tokenizer.eot)
-        lengths.append(len(ids) - before)
+        lengths.append(len(tokens) + 1)
         where.append(index)
     dtype = tokenfile.token_dtype(_tokenizer.vocab_size)
     return {split: (np.array(ids, dtype=dtype), lengths, where)
@@ -125,13 +110,10 @@ def encode_chunk(task):
 # ---- output: each file written under a temporary name and renamed when complete ----
 
 class SplitWriter:
-    """One split's token files and document index. Documents' tokens are appended to a
-    temporary file of this process's own (fileio.tmp_path) that is renamed to its final name
-    when complete: at the end, or for shards as soon as the shard holds shard_tokens tokens, at
-    the end of a document (a shard holds whole documents, so it can be resumed from a document
-    index). llm.c's header is written last, with the token count. The documents' first tokens
-    go to the index as they are written (docindex.Writer), which is sorted and published at the
-    end; a resumed run finds those of the shards it keeps by a scan of them."""
+    """One split's token files and document index. Tokens are appended to a temporary file
+    (fileio.tmp_path) renamed when complete: at the end, or for shards at the end of the document
+    that fills it (whole documents, so a run can resume from a document index). The documents'
+    first tokens go to the index as written; a resumed run scans the shards it keeps for theirs."""
 
     def __init__(self, out_dir, split, *, shard_tokens, llmc_name, published, tokenizer):
         """shard_tokens: 0 for one file; llmc_name: llm.c's <name> of its shards, or None for
@@ -219,9 +201,8 @@ class SplitWriter:
 # ---- resuming: prepare.progress.json, rewritten after each published shard ----
 
 def output_settings(cfg, llmc_name, docs, tokenizer):
-    """What decides the bytes of the output: a run resumes only with the same, corpus
-    included (the same files, of the same sizes and times: corpus.files_identity), and the
-    same tokenizer (a Hugging Face one's files may change under the same name)."""
+    """What decides the bytes of the output: a run resumes only with the same, corpus files
+    (corpus.files_identity) and tokenizer files (a Hugging Face one's may change) included."""
     return {"corpus": docs.identity, "dataset": cfg.dataset, "hub_config": cfg.hub_config or None,
             "text_column": cfg.text_column, "tokenizer": tokenizer.name,
             **tokenizer_fingerprint(tokenizer),
@@ -242,9 +223,9 @@ def read_progress(out_dir, settings):
     except (OSError, ValueError):  # a progress file is written whole, so this is not ours
         progress = {"settings": None, "splits": {}, "header_bytes": 0}
     shards = [s for split in progress["splits"].values() for s in split]
-    intact = all(os.path.isfile(os.path.join(out_dir, s["file"])) and s["fingerprint"] ==
-                 tokenfile.sampled_fingerprint([os.path.join(out_dir, s["file"])],
-                                               progress["header_bytes"]) for s in shards)
+    files = [os.path.join(out_dir, s["file"]) for s in shards]
+    intact = all(os.path.isfile(file) and s["fingerprint"] == tokenfile.sampled_fingerprint(
+        [file], progress["header_bytes"]) for s, file in zip(shards, files))
     if progress["settings"] == settings and intact:
         print(f"prepare.py: resuming an interrupted run in {out_dir}: "
               f"{len(shards)} complete shard(s) kept")
@@ -252,9 +233,8 @@ def read_progress(out_dir, settings):
     why = differences(progress["settings"], settings) if intact else \
         "whose shards are missing or changed"
     print(f"prepare.py: {out_dir} holds an interrupted run {why}: starting over")
-    for s in shards:
-        if os.path.isfile(os.path.join(out_dir, s["file"])):
-            os.remove(os.path.join(out_dir, s["file"]))
+    for file in filter(os.path.isfile, files):
+        os.remove(file)
     os.remove(path)
     return None
 
@@ -296,9 +276,7 @@ def write_tokens(writers, texts, counts, n_val, cfg, tokenizer, on_publish):
 
 
 def complete_output(out_dir, settings):
-    """Does out_dir hold this very output, complete (the same settings, the same corpus)? A
-    sharded run publishes each shard as it completes, over the shard of that name, so it must
-    not start over another complete output: stopped midway, it would leave neither."""
+    """Does out_dir hold this very output, complete (the same settings, the same corpus)?"""
     meta_path = os.path.join(out_dir, tokenfile.META_NAME)
     if not os.path.exists(meta_path):
         return False
@@ -373,11 +351,10 @@ def write_outputs(out_dir, writers, tokenizer, docs, counts, n_val, cfg, setting
         tokenfile.write_meta(
             out_dir, tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size,
             eot_token=tokenizer.eot, **tokenizer_fingerprint(tokenizer), splits=splits,
-            source=cfg.dataset,
-            source_detail=docs.description, text_column=cfg.text_column, seed=cfg.seed,
-            val_selection=f"non-empty document d (from 0, in corpus order) is in val iff "
-                          f"permutation.permute(d, {counts['documents']}, "
-                          f"permutation.hash_key({cfg.seed})) < {n_val}",
+            source=cfg.dataset, source_detail=docs.description, text_column=cfg.text_column,
+            seed=cfg.seed, val_selection=f"non-empty document d (from 0, in corpus order) is in "
+                                         f"val iff permutation.permute(d, {counts['documents']}, "
+                                         f"permutation.hash_key({cfg.seed})) < {n_val}",
             skipped_empty_documents=counts["empty"], prepared_with=settings,
             skipped_undecodable_files=counts["undecodable"],
             **({"format": "llmc"} if cfg.format == "llmc" else {}),
@@ -421,7 +398,13 @@ def main(argv):
     signals.raise_on_stop_signals()
     cfg, given = configurator.parse_given(PrepareConfig, argv, "prepare.py")
     logs.setup()  # the package's lines (the lock's notices), to stdout
-    check_validation_keys(cfg, given)
+    # the keys that choose the validation documents, checked before the corpus is read
+    if {"val_docs", "val_fraction"} <= given.keys():
+        raise UserError("--val_docs and --val_fraction both choose the validation documents: "
+                        "give one of them.")
+    if "val_docs" in given and cfg.val_docs == 0:  # the default's 0 is 'unset'; a given one, none
+        raise UserError("--val_docs=0 leaves no val split: give --val_docs=1 or more, or "
+                        "leave it out and use --val_fraction.")
     t0 = time.time()
     try:
         out_dir, splits, counts = prepare(cfg)

@@ -1,10 +1,7 @@
 """Corpora as documents: every corpus prepare.py reads, as a Corpus: a function that yields one
 string per document (None for a file that cannot be decoded), and a function that counts them.
-docs/data.md lists them: local files (a file, a folder or a glob; what else a folder holds is
-skipped, with a line per kind (SKIPPED), or refused with a reason), pystdlib (the .py files of
-this Python's standard library), all of OpenWebText (its 21 archives from the hub, or a local
-copy) and another hub dataset's train split (its parquet export, or with streaming=True
-streamed, never stored; local .parquet files stream too)."""
+docs/data.md lists them: local files (a file, a folder or a glob), pystdlib, OpenWebText, and
+another hub dataset's train split (its parquet export, or streamed)."""
 import glob
 import hashlib
 import io
@@ -98,15 +95,13 @@ def text_field(record, column, where):
 def json_documents(path, column, kind):
     """The documents of a .jsonl, or of a .json: a list of objects, or JSON lines too."""
     lines = enumerate(utf8_lines(path), 1)
-    first = next(((n, line) for n, line in lines if line.strip()), None)
-    if first is None:
-        return
+    first = next(((n, line) for n, line in lines if line.strip()), (0, ""))
     if kind == ".json" and first[1].lstrip().startswith("["):
         text = first[1] + "".join(line for _, line in lines)
         for i, record in enumerate(parse_json(text, path)):
             yield text_field(record, column, f"{path}[{i}]")
         return
-    for lineno, line in itertools.chain([first], lines):
+    for lineno, line in itertools.chain([first], lines):  # (0, '') for a blank file: skipped
         if line.strip():
             where = f"{path}:{lineno}"
             yield text_field(parse_json(line, where), column, where)
@@ -150,8 +145,7 @@ def python_source(path):
         return None
 
 
-# What a corpus folder can hold besides its documents, and what prepare.py does with each: it
-# skips them, with a line per kind. It refuses a --dataset that is itself prepare.py's output.
+# What a corpus folder can hold besides its documents: prepare.py skips them, a line per kind.
 SKIPPED = {
     "hidden": "hidden files and folders (names that start with '.': .git, .DS_Store, editor "
               "swap files .*.swp, ...)",
@@ -203,9 +197,8 @@ def walk(folder, skipped, seen):
     seen.add(identity(os.stat(folder)))
     found = []
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-        if skip(entry.path, entry.name, skipped, seen, by_name=True):
-            continue
-        found += walk(entry.path, skipped, seen) if os.path.isdir(entry.path) else [entry.path]
+        if not skip(entry.path, entry.name, skipped, seen, by_name=True):
+            found += walk(entry.path, skipped, seen) if os.path.isdir(entry.path) else [entry.path]
     return found
 
 
@@ -310,8 +303,7 @@ OWT_DOCUMENTS = 8_013_769  # .txt files in the 21 archives, as the hub's loading
 
 
 def download_openwebtext():
-    """The 21 archives in the Hugging Face cache, downloaded the first time (about 13 GB,
-    resumable); with HF_HUB_OFFLINE=1 the cache only."""
+    """The 21 archives in the Hugging Face cache, downloaded the first time (about 13 GB)."""
     import huggingface_hub  # only this source needs it
     paths = []
     for filename in tqdm(OWT_ARCHIVES, desc="OpenWebText archives", unit=" archives"):
@@ -330,8 +322,7 @@ def download_openwebtext():
 
 
 def local_archives(dataset):
-    """The archives of a copy of OpenWebText: urlsf_subset*.tar in <dataset>/subsets (where
-    `hf download --local-dir` puts them) or in <dataset> itself; [] for anything else."""
+    """The archives of a copy of OpenWebText, in <dataset>/subsets or <dataset>; else []."""
     for folder in (os.path.join(dataset, "subsets"), dataset):
         if archives := sorted(glob.glob(os.path.join(glob.escape(folder), OWT_GLOB))):
             return archives
@@ -340,8 +331,7 @@ def local_archives(dataset):
 
 def tar_members(tar, suffix):
     """(name, file) of a streamed tar's files named *suffix, skipping what the hub's loading
-    script skipped (through datasets' iter_archive): anything but regular files, and hidden
-    ones (.* and __*)."""
+    script skipped: anything but regular files, and hidden ones (.* and __*)."""
     for member in tar:
         base = os.path.basename(member.name)
         if member.isreg() and base.endswith(suffix) and not base.startswith((".", "__")):
@@ -349,9 +339,8 @@ def tar_members(tar, suffix):
 
 
 def check_tar_end(tar, path):
-    """tarfile ends a streamed archive quietly at a damaged header, or where the file is cut
-    off: only an end-of-archive (zero) block where it stopped (tar.offset) shows that nothing
-    was lost."""
+    """tarfile ends a streamed archive quietly at a damaged header or a cut-off end: only a
+    zero block where it stopped (tar.offset) shows that nothing was lost."""
     with open(path, "rb") as f:
         f.seek(tar.offset)
         if f.read(tarfile.BLOCKSIZE) != bytes(tarfile.BLOCKSIZE):
@@ -400,14 +389,12 @@ class Corpus(NamedTuple):
     description: str  # what it is, for the log and meta.json
     documents: Callable  # () -> an iterator of the documents, in corpus order
     count: Callable  # () -> {"documents": non-empty ones, "empty": ..., "undecodable": ...}
-    identity: str = ""  # what it is now (files_identity), so that a resume sees a change; ''
-    # where that cannot be told without reading it all (a streamed hub dataset)
+    identity: str = ""  # files_identity, for a resume to see a change; '' for a streamed one
 
 
 def files_identity(paths):
     """A corpus of files as a resumed prepare compares it: each file's path, size and
-    modification time (reading them would cost a whole pass). A file added, removed,
-    replaced or edited changes it."""
+    modification time (reading them would cost a whole pass)."""
     h = hashlib.blake2b(digest_size=16)
     for path in paths:
         info = os.stat(path)
@@ -461,8 +448,7 @@ def text_corpus(dataset, column):
 
 def streamed_corpus(dataset, hub_config, column):
     """A hub dataset's train split, or local .parquet files, streamed by the datasets library:
-    rows are read as they arrive and nothing is stored, so a corpus larger than the disk's free
-    space can be tokenized (each of prepare.py's two passes streams it once)."""
+    nothing is stored, so a corpus larger than the free disk space can be tokenized."""
     import datasets  # slow to import, and only needed here
     local = os.path.exists(dataset) or glob.has_magic(dataset)
     try:
@@ -504,14 +490,10 @@ def tally(texts, names=None):
     n = {"documents": 0, "empty": 0, "undecodable": 0}
     undecodable = []
     for i, text in enumerate(texts):
-        if text is None:
-            n["undecodable"] += 1
-            if names is not None and len(undecodable) <= NAMED:
-                undecodable.append(names[i])
-        elif is_document(text):
-            n["documents"] += 1
-        else:
-            n["empty"] += 1
+        kind = "undecodable" if text is None else "documents" if is_document(text) else "empty"
+        n[kind] += 1
+        if kind == "undecodable" and names is not None and len(undecodable) <= NAMED:
+            undecodable.append(names[i])
     return {**n, "undecodable_files": undecodable} if undecodable else n
 
 

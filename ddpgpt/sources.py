@@ -23,10 +23,9 @@ class Source(NamedTuple):
 
 
 def of(cfg, given):
-    """(the settings, the Sources of a run): data_mix's, else data_dir alone. Each replaces the
-    other, so where both are set the later counts, as config files and arguments apply in
-    order (config/owt.py's data_dir, then --data_mix), with a note; set in one place (both
-    arguments, or one config file), they are an error."""
+    """(the settings, the Sources of a run): data_mix's, else data_dir alone. Where both are
+    set the later counts (config/owt.py's data_dir, then --data_mix), with a note; set in one
+    place (both arguments, or one config file), they are an error (docs/bad_inputs.md)."""
     if "data_dir" in given and cfg.data_mix:
         later, earlier = sorted(("data_dir", "data_mix"), key=list(given).index, reverse=True)
         if given[later].startswith("argument") and given[earlier].startswith("argument") or \
@@ -82,9 +81,7 @@ def read_meta(sources):
 
 def open_splits(sources, block_size, vocab_size, splits=tokenfile.SPLITS, mode="epoch"):
     """{split: the Mixture of the sources' token files}; one source is the plain case. Train's
-    is made ready to sample in `mode` (data.with_windows), with each source's document index
-    in 'documents' mode, which needs it; val's has each source's index where there is one, for
-    the document-aligned val loss."""
+    is made ready to sample in `mode` (data.with_windows)."""
     for s in sources:
         check_fits(s.folder, tokenfile.read_meta(s.folder), vocab_size)
     out = {}
@@ -96,8 +93,7 @@ def open_splits(sources, block_size, vocab_size, splits=tokenfile.SPLITS, mode="
 
 
 def check_fits(folder, meta, vocab_size):
-    """The ids of folder's data (meta: its meta.json, or None) must fit a model of vocab_size:
-    checked once per source, before its splits open."""
+    """The ids of folder's data (meta: its meta.json, or None) must fit a model of vocab_size."""
     if meta is not None:
         check_ids_fit(meta["vocab_size"], f"{folder} ({meta.get('tokenizer')!r} tokens)",
                       vocab_size, "the model", f"use a model with vocab_size >= "
@@ -106,23 +102,19 @@ def check_fits(folder, meta, vocab_size):
 
 
 def open_split(folder, split, block_size, mode="epoch"):
-    """One source's split (tokenfile.open_split), with its document index as open_splits says:
-    the one place that decides which splits open theirs."""
+    """One source's split (tokenfile.open_split), with its document index: train's in
+    'documents' mode, which needs it; val's where there is one, for val_loss_docs."""
     token_split = tokenfile.open_split(folder, split, block_size)
-    if split == "train" and mode == "documents":
-        return with_index(token_split, folder, split)
-    if split != "val":
+    if split != "val" and not (split == "train" and mode == "documents"):
         return token_split
     try:
-        return with_index(token_split, folder, split)
+        return token_split._replace(docs=docindex.open_doc_index(token_split, folder, split))
     except UserError as e:
+        if split != "val":  # 'documents' mode cannot go without it
+            raise
         log.info(f"note: the evaluations leave the document-aligned val loss (val_loss_docs) "
                  f"out: {e}")
         return token_split
-
-
-def with_index(token_split, folder, split):
-    return token_split._replace(docs=docindex.open_doc_index(token_split, folder, split))
 
 
 def open_for_model(data_dir, split, tok, block_size, vocab_size):
@@ -145,9 +137,8 @@ def identity(splits):
 
 def check_same_data(what, before, now, checkpoint, allow):
     """Resuming "at the exact data position" of other data would be a silent lie: refuse it,
-    unless the user says the change is meant (allow). before, now: identity() of the data the
-    checkpoint (as the message names it) was trained on, and of this run's; what: the key
-    that names this run's data."""
+    unless the user says the change is meant (allow). before, now: identity() of the data
+    checkpoint was trained on, and of this run's; what: the key that names this run's data."""
     if before is None or before == now:
         return
     if not allow:
@@ -169,9 +160,8 @@ def check_same_on_all_ranks(identities, data_dir):
 
 
 def log_train(mix, samples):
-    """For a mixture, each source's share of the samples (not of the tokens on disk); for a
-    mixture or in 'documents' mode, how many epochs of each source max_iters reads (of its
-    document starts, in that mode). mix is ready to sample (data.with_windows)."""
+    """For a mixture, each source's share of the samples; for a mixture or in 'documents' mode,
+    how many epochs of each source max_iters reads. mix is ready to sample (data.with_windows)."""
     w = mix.windows
     if len(mix.splits) == 1 and w.mode != "documents":
         return
