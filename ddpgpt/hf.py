@@ -40,19 +40,14 @@ NO_BIAS = ("wte.weight", "wpe.weight", "lm_head.weight")  # every other weight h
 TO_APPROXIMATE = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 TO_ACTIVATION = {"none": "gelu", "tanh": "gelu_new"}
 MODEL_TYPES = ("gpt2", "qwen3")  # config.json's model_type: GPT-2, or the modern block
-# the modern block's names -> Qwen3ForCausalLM's, in each block (h.N <-> model.layers.N) and
-# outside them
-QWEN3_BLOCK = {"ln_1.weight": "input_layernorm.weight",
-               "attn.c_q.weight": "self_attn.q_proj.weight",
-               "attn.c_k.weight": "self_attn.k_proj.weight",
-               "attn.c_v.weight": "self_attn.v_proj.weight",
-               "attn.q_norm.weight": "self_attn.q_norm.weight",
-               "attn.k_norm.weight": "self_attn.k_norm.weight",
-               "attn.c_proj.weight": "self_attn.o_proj.weight",
-               "ln_2.weight": "post_attention_layernorm.weight",
-               "mlp.c_gate.weight": "mlp.gate_proj.weight",
-               "mlp.c_fc.weight": "mlp.up_proj.weight",
-               "mlp.c_proj.weight": "mlp.down_proj.weight"}
+# the modern block's names -> Qwen3ForCausalLM's, each then ".weight", in each block
+# (h.N <-> model.layers.N) and outside them
+QWEN3_BLOCK = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
+               "attn.c_q": "self_attn.q_proj", "attn.c_k": "self_attn.k_proj",
+               "attn.c_v": "self_attn.v_proj", "attn.c_proj": "self_attn.o_proj",
+               "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm",
+               "mlp.c_gate": "mlp.gate_proj", "mlp.c_fc": "mlp.up_proj",
+               "mlp.c_proj": "mlp.down_proj"}
 QWEN3_TOP = {"transformer.wte.weight": "model.embed_tokens.weight",
              "transformer.ln_f.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
 
@@ -129,18 +124,16 @@ def qwen3_args_of(config):
     not compute is a UserError, as for GPT-2."""
     heads, width = config.num_attention_heads, config.hidden_size
     rope = dict(config.rope_parameters or {})
-    unsupported = [f"{key}={value!r}" for key, value, ok in (
-        ("num_key_value_heads", config.num_key_value_heads,
-         config.num_key_value_heads in (None, heads)),
-        ("head_dim", config.head_dim, config.head_dim * heads == width),
-        ("intermediate_size", config.intermediate_size,
-         config.intermediate_size == swiglu_hidden(width)),
-        ("hidden_act", config.hidden_act, config.hidden_act == "silu"),
-        ("rms_norm_eps", config.rms_norm_eps, config.rms_norm_eps == RMS_EPS),
-        ("attention_bias", config.attention_bias, not config.attention_bias),
-        ("tie_word_embeddings", config.tie_word_embeddings, not config.tie_word_embeddings),
-        ("use_sliding_window", config.use_sliding_window, not config.use_sliding_window),
-        ("rope_parameters", rope, rope.get("rope_type", "default") == "default")) if not ok]
+    unsupported = [f"{key}={getattr(config, key)!r}" for key, ok in (
+        ("num_key_value_heads", config.num_key_value_heads in (None, heads)),
+        ("head_dim", config.head_dim * heads == width),
+        ("intermediate_size", config.intermediate_size == swiglu_hidden(width)),
+        ("hidden_act", config.hidden_act == "silu"),
+        ("rms_norm_eps", config.rms_norm_eps == RMS_EPS),
+        ("attention_bias", not config.attention_bias),
+        ("tie_word_embeddings", not config.tie_word_embeddings),
+        ("use_sliding_window", not config.use_sliding_window),
+        ("rope_parameters", rope.get("rope_type", "default") == "default")) if not ok]
     if unsupported:
         raise UserError(f"the Qwen3 has {', '.join(unsupported)} in its config.json, a variant "
                         f"that model.py's modern block does not compute: use a folder that "
@@ -168,8 +161,8 @@ def qwen3_name(ours):
     """Qwen3ForCausalLM's name of one of the modern block's parameters."""
     if ours in QWEN3_TOP:
         return QWEN3_TOP[ours]
-    layer, rest = ours.removeprefix("transformer.h.").split(".", 1)
-    return f"model.layers.{layer}.{QWEN3_BLOCK[rest]}"
+    layer, _, rest = ours.removeprefix("transformer.h.").removesuffix(".weight").partition(".")
+    return f"model.layers.{layer}.{QWEN3_BLOCK[rest]}.weight"
 
 
 def to_qwen3_state(state, vocab_size):
@@ -185,20 +178,21 @@ def from_qwen3_state(state):
     block = {v: k for k, v in QWEN3_BLOCK.items()}
     out = {}
     for k, v in state.items():
-        layer, rest = k.removeprefix("model.layers.").split(".", 1)
-        out[theirs[k] if k in theirs else f"transformer.h.{layer}.{block[rest]}"] = v
+        layer, _, rest = k.removeprefix("model.layers.").removesuffix(".weight").partition(".")
+        out[theirs[k] if k in theirs else f"transformer.h.{layer}.{block[rest]}.weight"] = v
     return out
 
 
 # ---- in: loading by name or folder ----
 
 def check_folder(folder):
-    """A folder's model_type: its config.json must be a GPT-2's or a Qwen3's; checked before
+    """A folder's config.json, which must be a GPT-2's or a Qwen3's; checked before
     transformers is imported."""
     path = os.path.join(folder, "config.json")
     try:
         with open(path) as f:
-            model_type = json.load(f).get("model_type")
+            config = json.load(f)
+        model_type = config.get("model_type")
     except FileNotFoundError as e:
         raise UserError(f"{folder} has no config.json: {FOLDER_HINT}.") from e
     except (OSError, ValueError, AttributeError) as e:
@@ -207,7 +201,7 @@ def check_folder(folder):
         raise UserError(f"{folder} holds a {model_type!r} model (config.json's model_type), not a "
                         f"GPT-2 or a Qwen3 (the modern block), the models model.py computes: give "
                         f"a GPT-2 folder, one that export.py wrote, or one of {', '.join(NAMES)}.")
-    return model_type
+    return config
 
 
 def check_init_from(init_from, keywords):
@@ -223,23 +217,16 @@ def shape(init_from):
     loading them (nor transformers): a folder's from its config.json."""
     if init_from in NAMES:
         return SHAPES[init_from]
-    check_folder(init_from)
-    with open(os.path.join(init_from, "config.json")) as f:
-        config = json.load(f)
+    config = check_folder(init_from)
     return tuple(config.get(k, default) for k, default in
                  zip(("n_layer", "n_head", "n_embd", "vocab_size"), SHAPES["gpt2"]))
-
-
-def repo_of(init_from):
-    """What from_pretrained takes: the hub repository of a name in NAMES, else the folder."""
-    return f"{HUB_ORG}/{init_from}" if init_from in NAMES else init_from
 
 
 def cannot_load(init_from, error):
     reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
     if init_from not in NAMES:
         return f"cannot load the GPT-2 in {init_from} ({reason}): {FOLDER_HINT}."
-    repo = repo_of(init_from)
+    repo = f"{HUB_ORG}/{init_from}"
     return (f"GPT-2's weights {init_from!r} ({repo}) are not in Hugging Face's cache and cannot be "
             f"downloaded ({reason}). Run once with network access and without HF_HUB_OFFLINE=1 to "
             f"cache them (in $HF_HOME, by default ~/.cache/huggingface), or download the folder "
@@ -261,9 +248,9 @@ def load(init_from):
     (through Hugging Face's cache, downloaded the first time) or a local folder, which may
     also hold a Qwen3 (the modern block, as export.py writes it)."""
     import torch
-    model_type = "gpt2" if init_from in NAMES else check_folder(init_from)
+    model_type = "gpt2" if init_from in NAMES else check_folder(init_from)["model_type"]
     transformers = _transformers()
-    repo = repo_of(init_from)
+    repo = f"{HUB_ORG}/{init_from}" if init_from in NAMES else init_from
     import huggingface_hub  # comes with transformers
     # unless HF_HUB_OFFLINE=1, the hub is asked about repo's files even when they are cached:
     # with no network, it is retried for about 30 s before the error, which the user should not
@@ -354,21 +341,18 @@ def folder_tokenizer(folder):
         return None
     from tokenizers import Tokenizer
     vocab = Tokenizer.from_file(path).get_vocab(with_added_tokens=True)
-    byte = {char: b for b, char in byte_level_alphabet().items()}
-    return "byte" if vocab == {**byte, EOT: len(byte)} else \
-        None if is_gpt2_vocabulary(vocab) else folder
-
-
-def is_gpt2_vocabulary(vocab):
-    """Is vocab ({token: id}, byte-level characters) GPT-2's? Compared with tiktoken's, token
-    by token, where its size and end-of-text say it may be: another tokenizer of GPT-2's size
-    read with GPT-2's ids would give the model other tokens than it was trained on."""
-    if len(vocab) != SHAPES["gpt2"][3] or vocab.get(EOT) != SHAPES["gpt2"][3] - 1:
-        return False
-    gpt2 = get_tokenizer("gpt2")
     of_byte = byte_level_alphabet()
-    return all(vocab.get("".join(of_byte[b] for b in gpt2.decode_bytes([i]))) == i
+    if vocab == {**{char: b for b, char in of_byte.items()}, EOT: len(of_byte)}:
+        return "byte"
+    # GPT-2's is compared with tiktoken's, token by token, where its size and end-of-text say it
+    # may be: another tokenizer of GPT-2's size read with GPT-2's ids would give the model other
+    # tokens than it was trained on
+    if len(vocab) != GPT2_VOCAB_SIZE or vocab.get(EOT) != GPT2_VOCAB_SIZE - 1:
+        return folder
+    gpt2 = get_tokenizer("gpt2")
+    same = all(vocab.get("".join(of_byte[b] for b in gpt2.decode_bytes([i]))) == i
                for i in range(gpt2.eot))
+    return None if same else folder
 
 
 def save_char_tokenizer(folder, tok, max_length):
