@@ -146,7 +146,12 @@ def for_data(meta):
     tok = get_tokenizer(meta["tokenizer"])
     recorded = meta.get("tokenizer_fingerprint", "")
     if tok.fingerprint != recorded:
-        raise TokenizerChanged(changed(tok.name, recorded, tok.fingerprint))
+        raise TokenizerChanged(
+            f"the tokenizer {tok.name!r} is not the one the data was prepared with: it changed "
+            f"since prepare.py recorded it in meta.json (fingerprint {recorded[:12]} then, "
+            f"{tok.fingerprint[:12]} now), and its ids would not be the data's. Put back the "
+            f"tokenizer the data was made with, or prepare the data again with "
+            f"--tokenizer={tok.name}.")
     return tok
 
 
@@ -250,9 +255,8 @@ def _hf_tokenizer(name):
     fingerprint = fingerprint_of(hf)
     backend.encode_special_tokens = True  # after the fingerprint, which is of the files alone
     to_bytes = {}  # made on the first call: only bits per byte need it
-
-    def encode(text):
-        return backend.encode(text, add_special_tokens=False).ids
+    # TypeError: how the tokenizers library refuses a lone surrogate
+    any_str = _any_str(lambda text: backend.encode(text, add_special_tokens=False).ids, TypeError)
 
     def encode_text(text):
         """any_str, with what the tokenizer cannot encode a UserError: a text that only an
@@ -264,7 +268,7 @@ def _hf_tokenizer(name):
                             f"({e}): give a text of what its vocabulary holds.") from e
 
     def encode_batch(texts):
-        """Without the offsets that encode() computes: a third less CPU per token."""
+        """Without the offsets that backend.encode computes: a third less CPU per token."""
         try:
             return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
         except Exception:  # a lone surrogate in one of them (TypeError), or worse: one by one
@@ -284,7 +288,6 @@ def _hf_tokenizer(name):
         hf.model_max_length = max_length
         hf.save_pretrained(folder)
 
-    any_str = _any_str(encode, TypeError)  # how the tokenizers library refuses a lone surrogate
     eot = hf.eos_token_id if hf.eos_token_id is not None else hf.pad_token_id  # else None
     return Tokenizer(name_of(name), max(vocab.values()) + 1, eot, encode_text, decode,
                      decode_bytes, fingerprint, encode_batch, save)
@@ -382,13 +385,6 @@ def token_bytes(hf, vocab):
         else:
             table[i] = token.replace("\u2581", " ").encode("utf-8")
     return table
-
-
-def changed(name, recorded, now):
-    return (f"the tokenizer {name!r} is not the one the data was prepared with: it changed "
-            f"since prepare.py recorded it in meta.json (fingerprint {recorded[:12]} then, "
-            f"{now[:12]} now), and its ids would not be the data's. Put back the tokenizer the "
-            f"data was made with, or prepare the data again with --tokenizer={name}.")
 
 
 def byte_level_alphabet():
