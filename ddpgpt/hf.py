@@ -157,30 +157,28 @@ def qwen3_config_of(args, vocab_size, eot):
         attention_dropout=args.get("dropout", 0.0), bos_token_id=eot, eos_token_id=eot)
 
 
-def qwen3_name(ours):
-    """Qwen3ForCausalLM's name of one of the modern block's parameters."""
-    if ours in QWEN3_TOP:
-        return QWEN3_TOP[ours]
-    layer, _, rest = ours.removeprefix("transformer.h.").removesuffix(".weight").partition(".")
-    return f"model.layers.{layer}.{QWEN3_BLOCK[rest]}.weight"
+def _renamed(state, top, block, prefix, new_prefix):
+    """state with the names outside the blocks mapped by top, and those in each block (prefix +
+    its number) by block."""
+    out = {}
+    for k, v in state.items():
+        layer, _, rest = k.removeprefix(prefix).removesuffix(".weight").partition(".")
+        out[top[k] if k in top else f"{new_prefix}{layer}.{block[rest]}.weight"] = v
+    return out
 
 
 def to_qwen3_state(state, vocab_size):
     """The modern block's state dict in Qwen3's names, with the first vocab_size rows of the
     embedding and the head (the padding rows belong to no token)."""
-    return {qwen3_name(k): v[:vocab_size] if k in ("transformer.wte.weight", "lm_head.weight")
-            else v for k, v in state.items()}
+    state = {k: v[:vocab_size] if k in ("transformer.wte.weight", "lm_head.weight") else v
+             for k, v in state.items()}
+    return _renamed(state, QWEN3_TOP, QWEN3_BLOCK, "transformer.h.", "model.layers.")
 
 
 def from_qwen3_state(state):
     """A Qwen3ForCausalLM state dict in the modern block's names."""
-    theirs = {v: k for k, v in QWEN3_TOP.items()}
-    block = {v: k for k, v in QWEN3_BLOCK.items()}
-    out = {}
-    for k, v in state.items():
-        layer, _, rest = k.removeprefix("model.layers.").removesuffix(".weight").partition(".")
-        out[theirs[k] if k in theirs else f"transformer.h.{layer}.{block[rest]}.weight"] = v
-    return out
+    return _renamed(state, {v: k for k, v in QWEN3_TOP.items()},
+                    {v: k for k, v in QWEN3_BLOCK.items()}, "model.layers.", "transformer.h.")
 
 
 # ---- in: loading by name or folder ----
