@@ -298,9 +298,8 @@ def save_gpt2_tokenizer(folder, max_length):
 
 def save_tokenizer(tok, folder, max_length):
     """Tokenizer files with which AutoTokenizer.from_pretrained(folder) encodes and decodes as
-    tok (tokenizer.py) does, where transformers can express it: GPT-2's, the byte tokenizer,
-    nanoGPT's characters and a Hugging Face tokenizer's own files. True when they were written;
-    False for other tiktoken encodings, which get none."""
+    tok does, where transformers can express it: True when written, False (none) for tiktoken
+    encodings other than GPT-2's."""
     if tok.save:
         tok.save(folder, max_length)
     elif tok.name in GPT2_NAMES:

@@ -192,8 +192,7 @@ def tokenizer_of(meta, vocab_size):
 
 def check_ids_fit(n_ids, tokens, vocab_size, model, fix):
     """A model embeds the ids 0 .. vocab_size - 1: data or a tokenizer (`tokens`) with more cannot
-    be read by it. The one check of it, wherever data or a tokenizer meets a model (data opened for
-    a model: sources.check_fits; a tokenizer chosen for one: tokenizer_of, weights.load)."""
+    be read by it. The one check of it, wherever data or a tokenizer meets a model."""
     if n_ids > vocab_size:
         raise UserError(f"{tokens} has {n_ids} token ids, more than the {vocab_size} that "
                         f"{model} embeds: {fix}")
@@ -233,11 +232,9 @@ def install_tiktoken_file(vocab_file, cache_dir, encoding="r50k_base"):
 
 # ---- Hugging Face tokenizers: a hub name (owner/name) or a folder ----
 #
-# docs/data.md ("A Hugging Face tokenizer") says what they read and how. As the others, a text
-# is encoded as ordinary text; a document ends with the eos token, else the pad token (the rule
-# of the Lightning prepare script our users came from). meta.json records fingerprint_of(), so
-# that no script reads the ids with another vocabulary than prepare.py wrote them with.
-# transformers is imported only when such a tokenizer is asked for: it takes seconds.
+# docs/data.md ("A Hugging Face tokenizer") says what they read and how; a document ends with
+# the eos token, else the pad token, the rule of the Lightning prepare script our users came
+# from. transformers is imported only when such a tokenizer is asked for: it takes seconds.
 
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte tokens
 

@@ -7,11 +7,7 @@ the tokenizer it reads.
   a run's out_dir, or    for sample.py, eval.py and export.py (load, checkpoint_at)
   one checkpoint (a file
   or a folder)
-  GPT-2's weights        a name (gpt2, gpt2-medium, ...) or a Hugging Face folder (hf.py)
-
-train.py starts through for_training() and checks a resume against its data with
-check_resume(); sample.py and eval.py load through load(); export.py, which exports
-checkpoints only, through checkpoint_at() and tokenizer.py's data_meta() and tokenizer_of()."""
+  GPT-2's weights        a name (gpt2, gpt2-medium, ...) or a Hugging Face folder (hf.py)"""
 import logging
 import os
 import shlex
@@ -49,9 +45,8 @@ def for_training(cfg, given, meta, in_parts=False):
     if resume is not None:
         if cfg.from_weights:
             check_fine_tune(cfg, resume)
-        args = take_architecture(cfg, given, args, resume["model_args"],
-                                 f"the checkpoint in {cfg.out_dir}")
-        return Start(resume, args, None)
+        return Start(resume, take_architecture(cfg, given, args, resume["model_args"],
+                                               f"the checkpoint in {cfg.out_dir}"), None)
     refuse_to_mix(cfg)
     return Start(None, *pretrained(cfg, given, args, meta)) if cfg.from_weights else \
         Start(None, args, None)
