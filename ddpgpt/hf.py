@@ -288,10 +288,9 @@ def save_gpt2_tokenizer(folder, max_length):
     from transformers.integrations.tiktoken import convert_tiktoken_to_fast
     with tempfile.TemporaryDirectory() as scratch:
         convert_tiktoken_to_fast("r50k_base", scratch)  # 'gpt2' in the file tiktoken caches
-        tokenizer = transformers.PreTrainedTokenizerFast(
+        transformers.PreTrainedTokenizerFast(
             tokenizer_file=os.path.join(scratch, "tokenizer.json"), bos_token=EOT,
-            eos_token=EOT, unk_token=EOT, model_max_length=max_length)
-        tokenizer.save_pretrained(folder)
+            eos_token=EOT, unk_token=EOT, model_max_length=max_length).save_pretrained(folder)
 
 
 # ---- out: the tokenizer ----
@@ -314,9 +313,8 @@ def save_tokenizer(tok, folder, max_length):
 
 def save_byte_tokenizer(folder, tok, max_length):
     """The byte tokenizer (ids 0..255 the UTF-8 bytes, tok.eot end-of-text) as a byte-level BPE
-    with no merges: the whole text is one word of byte-level characters, each its own token,
-    whose id is its byte; decoding joins the bytes and reads them as UTF-8, replacing what is
-    not, as tokenizer.py does."""
+    with no merges: each byte-level character of the text is its own token, whose id is its byte;
+    decoding reads the bytes as UTF-8, replacing what is not, as tokenizer.py does."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     vocab = {char: byte for byte, char in byte_level_alphabet().items()}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -330,9 +328,8 @@ def save_byte_tokenizer(folder, tok, max_length):
 def folder_tokenizer(folder):
     """The tokenizer.py name of the tokenizer a folder's weights read, from its tokenizer.json:
     'byte' for the byte tokenizer's (export.py's of a byte-level model); None for GPT-2's, or where
-    there is none, which read GPT-2's tokens (tiktoken's 'gpt2', the same ids); the folder itself
-    for any other, loaded as a Hugging Face tokenizer (tokenizer.py): the weights were trained on
-    its ids, as export.py's of data a Hugging Face tokenizer prepared were."""
+    there is none (tiktoken's 'gpt2' has the same ids); the folder itself for any other, a Hugging
+    Face tokenizer whose ids the weights were trained on (export.py's of data one prepared)."""
     path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(path):
         return None

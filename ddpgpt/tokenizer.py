@@ -1,7 +1,6 @@
 """Tokenizers by name: any tiktoken encoding ('gpt2' by default), 'byte', or a Hugging Face
-tokenizer, a hub name (owner/name) or a folder (below); and 'char', nanoGPT's
-character-level vocabulary, which comes with its data (for_data). The tokenizer of a
-model's data: tokenizer_of(), from the data's meta, a checkpoint's (data_meta()) or none.
+tokenizer, a hub name (owner/name) or a folder (below); and 'char', nanoGPT's character-level
+vocabulary, which comes with its data (for_data).
 
 'byte' is UTF-8 bytes as ids 0..255 plus an end-of-text id 256: it needs no download,
 so a machine with no network can prepare, train and sample.
@@ -365,9 +364,8 @@ def fingerprint_of(hf):
 
 def token_bytes(hf, vocab):
     """{id: the bytes of text it stands for}, for bits per byte: a byte-level tokenizer's
-    characters stand for GPT-2's bytes (byte_level_alphabet), sentencepiece's <0xNN> for
-    its byte and its '▁' for a space; anything else is its text in UTF-8. Special tokens stand
-    for none (byte_lengths counts end-of-text as one)."""
+    characters stand for GPT-2's bytes, sentencepiece's <0xNN> for its byte and '▁' for a space,
+    anything else for its UTF-8; special tokens for none (byte_lengths counts end-of-text as 1)."""
     special = set(hf.all_special_ids) | {i for i, t in hf.added_tokens_decoder.items() if t.special}
     byte_level = "ByteLevel" in str(hf.backend_tokenizer.decoder)  # or in its Sequence
     of_char = {c: bytes([b]) for b, c in byte_level_alphabet().items()}

@@ -217,10 +217,9 @@ def checkpoint_at(source, hint, whole=checkpoint.TENSORS):
 
 
 def load(init_from, out_dir, hint):
-    """Loaded for init_from='resume' (out_dir: a run's folder or one checkpoint file), else
-    for Hugging Face weights by name or folder, which read the tokenizer a folder carries
-    (hf.folder_tokenizer: export.py's of bytes or of a Hugging Face tokenizer's data), else
-    GPT-2's tokens."""
+    """Loaded for init_from='resume' (out_dir: a run's folder or one checkpoint file), else for
+    Hugging Face weights by name or folder, which read the tokenizer a folder carries
+    (hf.folder_tokenizer), else GPT-2's tokens."""
     if init_from == "resume":
         state, path = checkpoint_at(out_dir, hint, whole=("model",))
         meta, where = data_meta(state)
