@@ -1,6 +1,5 @@
 """Hugging Face weights in and out: GPT2LMHeadModel <-> model.py's GPT (arch='gpt2'), and
-Qwen3ForCausalLM <-> the modern block (arch='modern'); docs/evaluation.md says what an export
-writes.
+Qwen3ForCausalLM <-> the modern block (arch='modern'); docs/evaluation.md says what an export holds.
 
 nanoGPT took OpenAI's parameter names, so the two GPT-2 state dicts differ only in HF's Conv1D
 layout, (in, out) (TRANSPOSED); HF's biases, which it always has (NO_BIAS: a model trained with
@@ -251,8 +250,7 @@ def load(init_from):
     repo = f"{HUB_ORG}/{init_from}" if init_from in NAMES else init_from
     import huggingface_hub  # comes with transformers
     # unless HF_HUB_OFFLINE=1, the hub is asked about repo's files even when they are cached:
-    # with no network, it is retried for about 30 s before the error, which the user should not
-    # have to sit through to learn the fix
+    # with no network, the user should not have to sit through its retries to learn the fix
     if init_from in NAMES and not huggingface_hub.constants.HF_HUB_OFFLINE:
         log.info(f"loading {repo} through Hugging Face's hub and its cache; without network, "
                  f"set HF_HUB_OFFLINE=1 to read the cache alone at once (else the hub is "

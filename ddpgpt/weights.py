@@ -5,8 +5,7 @@ the tokenizer it reads.
   resume, auto           out_dir's newest checkpoint that loads (nanoGPT's ckpt.pt too); auto
                          starts from scratch where there is none
   a run's out_dir, or    for sample.py, eval.py and export.py (load, checkpoint_at)
-  one checkpoint (a file
-  or a folder)
+  a checkpoint (file/dir)
   GPT-2's weights        a name (gpt2, gpt2-medium, ...) or a Hugging Face folder (hf.py)"""
 import logging
 import os
