@@ -1,6 +1,5 @@
 """Hugging Face weights in and out: GPT2LMHeadModel <-> model.py's GPT (arch='gpt2'), and
-Qwen3ForCausalLM <-> the modern block (arch='modern'); docs/evaluation.md says what an export
-writes.
+Qwen3ForCausalLM <-> the modern block (arch='modern'); docs/evaluation.md says what an export holds.
 
 nanoGPT took OpenAI's parameter names, so the two GPT-2 state dicts differ only in HF's Conv1D
 layout, (in, out) (TRANSPOSED); HF's biases, which it always has (NO_BIAS: a model trained with
@@ -40,19 +39,14 @@ NO_BIAS = ("wte.weight", "wpe.weight", "lm_head.weight")  # every other weight h
 TO_APPROXIMATE = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 TO_ACTIVATION = {"none": "gelu", "tanh": "gelu_new"}
 MODEL_TYPES = ("gpt2", "qwen3")  # config.json's model_type: GPT-2, or the modern block
-# the modern block's names -> Qwen3ForCausalLM's, in each block (h.N <-> model.layers.N) and
-# outside them
-QWEN3_BLOCK = {"ln_1.weight": "input_layernorm.weight",
-               "attn.c_q.weight": "self_attn.q_proj.weight",
-               "attn.c_k.weight": "self_attn.k_proj.weight",
-               "attn.c_v.weight": "self_attn.v_proj.weight",
-               "attn.q_norm.weight": "self_attn.q_norm.weight",
-               "attn.k_norm.weight": "self_attn.k_norm.weight",
-               "attn.c_proj.weight": "self_attn.o_proj.weight",
-               "ln_2.weight": "post_attention_layernorm.weight",
-               "mlp.c_gate.weight": "mlp.gate_proj.weight",
-               "mlp.c_fc.weight": "mlp.up_proj.weight",
-               "mlp.c_proj.weight": "mlp.down_proj.weight"}
+# the modern block's names -> Qwen3ForCausalLM's, each then ".weight", in each block
+# (h.N <-> model.layers.N) and outside them
+QWEN3_BLOCK = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
+               "attn.c_q": "self_attn.q_proj", "attn.c_k": "self_attn.k_proj",
+               "attn.c_v": "self_attn.v_proj", "attn.c_proj": "self_attn.o_proj",
+               "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm",
+               "mlp.c_gate": "mlp.gate_proj", "mlp.c_fc": "mlp.up_proj",
+               "mlp.c_proj": "mlp.down_proj"}
 QWEN3_TOP = {"transformer.wte.weight": "model.embed_tokens.weight",
              "transformer.ln_f.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
 
@@ -129,18 +123,16 @@ def qwen3_args_of(config):
     not compute is a UserError, as for GPT-2."""
     heads, width = config.num_attention_heads, config.hidden_size
     rope = dict(config.rope_parameters or {})
-    unsupported = [f"{key}={value!r}" for key, value, ok in (
-        ("num_key_value_heads", config.num_key_value_heads,
-         config.num_key_value_heads in (None, heads)),
-        ("head_dim", config.head_dim, config.head_dim * heads == width),
-        ("intermediate_size", config.intermediate_size,
-         config.intermediate_size == swiglu_hidden(width)),
-        ("hidden_act", config.hidden_act, config.hidden_act == "silu"),
-        ("rms_norm_eps", config.rms_norm_eps, config.rms_norm_eps == RMS_EPS),
-        ("attention_bias", config.attention_bias, not config.attention_bias),
-        ("tie_word_embeddings", config.tie_word_embeddings, not config.tie_word_embeddings),
-        ("use_sliding_window", config.use_sliding_window, not config.use_sliding_window),
-        ("rope_parameters", rope, rope.get("rope_type", "default") == "default")) if not ok]
+    unsupported = [f"{key}={getattr(config, key)!r}" for key, ok in (
+        ("num_key_value_heads", config.num_key_value_heads in (None, heads)),
+        ("head_dim", config.head_dim * heads == width),
+        ("intermediate_size", config.intermediate_size == swiglu_hidden(width)),
+        ("hidden_act", config.hidden_act == "silu"),
+        ("rms_norm_eps", config.rms_norm_eps == RMS_EPS),
+        ("attention_bias", not config.attention_bias),
+        ("tie_word_embeddings", not config.tie_word_embeddings),
+        ("use_sliding_window", not config.use_sliding_window),
+        ("rope_parameters", rope.get("rope_type", "default") == "default")) if not ok]
     if unsupported:
         raise UserError(f"the Qwen3 has {', '.join(unsupported)} in its config.json, a variant "
                         f"that model.py's modern block does not compute: use a folder that "
@@ -164,41 +156,40 @@ def qwen3_config_of(args, vocab_size, eot):
         attention_dropout=args.get("dropout", 0.0), bos_token_id=eot, eos_token_id=eot)
 
 
-def qwen3_name(ours):
-    """Qwen3ForCausalLM's name of one of the modern block's parameters."""
-    if ours in QWEN3_TOP:
-        return QWEN3_TOP[ours]
-    layer, rest = ours.removeprefix("transformer.h.").split(".", 1)
-    return f"model.layers.{layer}.{QWEN3_BLOCK[rest]}"
+def _renamed(state, top, block, prefix, new_prefix):
+    """state with the names outside the blocks mapped by top, and those in each block (prefix +
+    its number) by block."""
+    out = {}
+    for k, v in state.items():
+        layer, _, rest = k.removeprefix(prefix).removesuffix(".weight").partition(".")
+        out[top[k] if k in top else f"{new_prefix}{layer}.{block[rest]}.weight"] = v
+    return out
 
 
 def to_qwen3_state(state, vocab_size):
     """The modern block's state dict in Qwen3's names, with the first vocab_size rows of the
     embedding and the head (the padding rows belong to no token)."""
-    return {qwen3_name(k): v[:vocab_size] if k in ("transformer.wte.weight", "lm_head.weight")
-            else v for k, v in state.items()}
+    state = {k: v[:vocab_size] if k in ("transformer.wte.weight", "lm_head.weight") else v
+             for k, v in state.items()}
+    return _renamed(state, QWEN3_TOP, QWEN3_BLOCK, "transformer.h.", "model.layers.")
 
 
 def from_qwen3_state(state):
     """A Qwen3ForCausalLM state dict in the modern block's names."""
-    theirs = {v: k for k, v in QWEN3_TOP.items()}
-    block = {v: k for k, v in QWEN3_BLOCK.items()}
-    out = {}
-    for k, v in state.items():
-        layer, rest = k.removeprefix("model.layers.").split(".", 1)
-        out[theirs[k] if k in theirs else f"transformer.h.{layer}.{block[rest]}"] = v
-    return out
+    return _renamed(state, {v: k for k, v in QWEN3_TOP.items()},
+                    {v: k for k, v in QWEN3_BLOCK.items()}, "model.layers.", "transformer.h.")
 
 
 # ---- in: loading by name or folder ----
 
 def check_folder(folder):
-    """A folder's model_type: its config.json must be a GPT-2's or a Qwen3's; checked before
+    """A folder's config.json, which must be a GPT-2's or a Qwen3's; checked before
     transformers is imported."""
     path = os.path.join(folder, "config.json")
     try:
         with open(path) as f:
-            model_type = json.load(f).get("model_type")
+            config = json.load(f)
+        model_type = config.get("model_type")
     except FileNotFoundError as e:
         raise UserError(f"{folder} has no config.json: {FOLDER_HINT}.") from e
     except (OSError, ValueError, AttributeError) as e:
@@ -207,7 +198,7 @@ def check_folder(folder):
         raise UserError(f"{folder} holds a {model_type!r} model (config.json's model_type), not a "
                         f"GPT-2 or a Qwen3 (the modern block), the models model.py computes: give "
                         f"a GPT-2 folder, one that export.py wrote, or one of {', '.join(NAMES)}.")
-    return model_type
+    return config
 
 
 def check_init_from(init_from, keywords):
@@ -223,23 +214,16 @@ def shape(init_from):
     loading them (nor transformers): a folder's from its config.json."""
     if init_from in NAMES:
         return SHAPES[init_from]
-    check_folder(init_from)
-    with open(os.path.join(init_from, "config.json")) as f:
-        config = json.load(f)
+    config = check_folder(init_from)
     return tuple(config.get(k, default) for k, default in
                  zip(("n_layer", "n_head", "n_embd", "vocab_size"), SHAPES["gpt2"]))
-
-
-def repo_of(init_from):
-    """What from_pretrained takes: the hub repository of a name in NAMES, else the folder."""
-    return f"{HUB_ORG}/{init_from}" if init_from in NAMES else init_from
 
 
 def cannot_load(init_from, error):
     reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
     if init_from not in NAMES:
         return f"cannot load the GPT-2 in {init_from} ({reason}): {FOLDER_HINT}."
-    repo = repo_of(init_from)
+    repo = f"{HUB_ORG}/{init_from}"
     return (f"GPT-2's weights {init_from!r} ({repo}) are not in Hugging Face's cache and cannot be "
             f"downloaded ({reason}). Run once with network access and without HF_HUB_OFFLINE=1 to "
             f"cache them (in $HF_HOME, by default ~/.cache/huggingface), or download the folder "
@@ -261,13 +245,12 @@ def load(init_from):
     (through Hugging Face's cache, downloaded the first time) or a local folder, which may
     also hold a Qwen3 (the modern block, as export.py writes it)."""
     import torch
-    model_type = "gpt2" if init_from in NAMES else check_folder(init_from)
+    model_type = "gpt2" if init_from in NAMES else check_folder(init_from)["model_type"]
     transformers = _transformers()
-    repo = repo_of(init_from)
+    repo = f"{HUB_ORG}/{init_from}" if init_from in NAMES else init_from
     import huggingface_hub  # comes with transformers
     # unless HF_HUB_OFFLINE=1, the hub is asked about repo's files even when they are cached:
-    # with no network, it is retried for about 30 s before the error, which the user should not
-    # have to sit through to learn the fix
+    # with no network, the user should not have to sit through its retries to learn the fix
     if init_from in NAMES and not huggingface_hub.constants.HF_HUB_OFFLINE:
         log.info(f"loading {repo} through Hugging Face's hub and its cache; without network, "
                  f"set HF_HUB_OFFLINE=1 to read the cache alone at once (else the hub is "
@@ -303,19 +286,17 @@ def save_gpt2_tokenizer(folder, max_length):
     from transformers.integrations.tiktoken import convert_tiktoken_to_fast
     with tempfile.TemporaryDirectory() as scratch:
         convert_tiktoken_to_fast("r50k_base", scratch)  # 'gpt2' in the file tiktoken caches
-        tokenizer = transformers.PreTrainedTokenizerFast(
+        transformers.PreTrainedTokenizerFast(
             tokenizer_file=os.path.join(scratch, "tokenizer.json"), bos_token=EOT,
-            eos_token=EOT, unk_token=EOT, model_max_length=max_length)
-        tokenizer.save_pretrained(folder)
+            eos_token=EOT, unk_token=EOT, model_max_length=max_length).save_pretrained(folder)
 
 
 # ---- out: the tokenizer ----
 
 def save_tokenizer(tok, folder, max_length):
     """Tokenizer files with which AutoTokenizer.from_pretrained(folder) encodes and decodes as
-    tok (tokenizer.py) does, where transformers can express it: GPT-2's, the byte tokenizer,
-    nanoGPT's characters and a Hugging Face tokenizer's own files. True when they were written;
-    False for other tiktoken encodings, which get none."""
+    tok does, where transformers can express it: True when written, False (none) for tiktoken
+    encodings other than GPT-2's."""
     if tok.save:
         tok.save(folder, max_length)
     elif tok.name in GPT2_NAMES:
@@ -330,9 +311,8 @@ def save_tokenizer(tok, folder, max_length):
 
 def save_byte_tokenizer(folder, tok, max_length):
     """The byte tokenizer (ids 0..255 the UTF-8 bytes, tok.eot end-of-text) as a byte-level BPE
-    with no merges: the whole text is one word of byte-level characters, each its own token,
-    whose id is its byte; decoding joins the bytes and reads them as UTF-8, replacing what is
-    not, as tokenizer.py does."""
+    with no merges: each byte-level character of the text is its own token, whose id is its byte;
+    decoding reads the bytes as UTF-8, replacing what is not, as tokenizer.py does."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     vocab = {char: byte for byte, char in byte_level_alphabet().items()}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -346,29 +326,25 @@ def save_byte_tokenizer(folder, tok, max_length):
 def folder_tokenizer(folder):
     """The tokenizer.py name of the tokenizer a folder's weights read, from its tokenizer.json:
     'byte' for the byte tokenizer's (export.py's of a byte-level model); None for GPT-2's, or where
-    there is none, which read GPT-2's tokens (tiktoken's 'gpt2', the same ids); the folder itself
-    for any other, loaded as a Hugging Face tokenizer (tokenizer.py): the weights were trained on
-    its ids, as export.py's of data a Hugging Face tokenizer prepared were."""
+    there is none (tiktoken's 'gpt2' has the same ids); the folder itself for any other, a Hugging
+    Face tokenizer whose ids the weights were trained on (export.py's of data one prepared)."""
     path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(path):
         return None
     from tokenizers import Tokenizer
     vocab = Tokenizer.from_file(path).get_vocab(with_added_tokens=True)
-    byte = {char: b for b, char in byte_level_alphabet().items()}
-    return "byte" if vocab == {**byte, EOT: len(byte)} else \
-        None if is_gpt2_vocabulary(vocab) else folder
-
-
-def is_gpt2_vocabulary(vocab):
-    """Is vocab ({token: id}, byte-level characters) GPT-2's? Compared with tiktoken's, token
-    by token, where its size and end-of-text say it may be: another tokenizer of GPT-2's size
-    read with GPT-2's ids would give the model other tokens than it was trained on."""
-    if len(vocab) != SHAPES["gpt2"][3] or vocab.get(EOT) != SHAPES["gpt2"][3] - 1:
-        return False
-    gpt2 = get_tokenizer("gpt2")
     of_byte = byte_level_alphabet()
-    return all(vocab.get("".join(of_byte[b] for b in gpt2.decode_bytes([i]))) == i
+    if vocab == {**{char: b for b, char in of_byte.items()}, EOT: len(of_byte)}:
+        return "byte"
+    # GPT-2's is compared with tiktoken's, token by token, where its size and end-of-text say it
+    # may be: another tokenizer of GPT-2's size read with GPT-2's ids would give the model other
+    # tokens than it was trained on
+    if len(vocab) != GPT2_VOCAB_SIZE or vocab.get(EOT) != GPT2_VOCAB_SIZE - 1:
+        return folder
+    gpt2 = get_tokenizer("gpt2")
+    same = all(vocab.get("".join(of_byte[b] for b in gpt2.decode_bytes([i]))) == i
                for i in range(gpt2.eot))
+    return None if same else folder
 
 
 def save_char_tokenizer(folder, tok, max_length):

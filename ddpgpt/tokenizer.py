@@ -1,7 +1,6 @@
 """Tokenizers by name: any tiktoken encoding ('gpt2' by default), 'byte', or a Hugging Face
-tokenizer, a hub name (owner/name) or a folder (below); and 'char', nanoGPT's
-character-level vocabulary, which comes with its data (for_data). The tokenizer of a
-model's data: tokenizer_of(), from the data's meta, a checkpoint's (data_meta()) or none.
+tokenizer, a hub name (owner/name) or a folder (below); and 'char', nanoGPT's character-level
+vocabulary, which comes with its data (for_data).
 
 'byte' is UTF-8 bytes as ids 0..255 plus an end-of-text id 256: it needs no download,
 so a machine with no network can prepare, train and sample.
@@ -146,7 +145,12 @@ def for_data(meta):
     tok = get_tokenizer(meta["tokenizer"])
     recorded = meta.get("tokenizer_fingerprint", "")
     if tok.fingerprint != recorded:
-        raise TokenizerChanged(changed(tok.name, recorded, tok.fingerprint))
+        raise TokenizerChanged(
+            f"the tokenizer {tok.name!r} is not the one the data was prepared with: it changed "
+            f"since prepare.py recorded it in meta.json (fingerprint {recorded[:12]} then, "
+            f"{tok.fingerprint[:12]} now), and its ids would not be the data's. Put back the "
+            f"tokenizer the data was made with, or prepare the data again with "
+            f"--tokenizer={tok.name}.")
     return tok
 
 
@@ -187,8 +191,7 @@ def tokenizer_of(meta, vocab_size):
 
 def check_ids_fit(n_ids, tokens, vocab_size, model, fix):
     """A model embeds the ids 0 .. vocab_size - 1: data or a tokenizer (`tokens`) with more cannot
-    be read by it. The one check of it, wherever data or a tokenizer meets a model (data opened for
-    a model: sources.check_fits; a tokenizer chosen for one: tokenizer_of, weights.load)."""
+    be read by it. The one check of it, wherever data or a tokenizer meets a model."""
     if n_ids > vocab_size:
         raise UserError(f"{tokens} has {n_ids} token ids, more than the {vocab_size} that "
                         f"{model} embeds: {fix}")
@@ -228,11 +231,9 @@ def install_tiktoken_file(vocab_file, cache_dir, encoding="r50k_base"):
 
 # ---- Hugging Face tokenizers: a hub name (owner/name) or a folder ----
 #
-# docs/data.md ("A Hugging Face tokenizer") says what they read and how. As the others, a text
-# is encoded as ordinary text; a document ends with the eos token, else the pad token (the rule
-# of the Lightning prepare script our users came from). meta.json records fingerprint_of(), so
-# that no script reads the ids with another vocabulary than prepare.py wrote them with.
-# transformers is imported only when such a tokenizer is asked for: it takes seconds.
+# docs/data.md ("A Hugging Face tokenizer") says what they read and how; a document ends with
+# the eos token, else the pad token, the rule of the Lightning prepare script our users came
+# from. transformers is imported only when such a tokenizer is asked for: it takes seconds.
 
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte tokens
 
@@ -250,9 +251,8 @@ def _hf_tokenizer(name):
     fingerprint = fingerprint_of(hf)
     backend.encode_special_tokens = True  # after the fingerprint, which is of the files alone
     to_bytes = {}  # made on the first call: only bits per byte need it
-
-    def encode(text):
-        return backend.encode(text, add_special_tokens=False).ids
+    # TypeError: how the tokenizers library refuses a lone surrogate
+    any_str = _any_str(lambda text: backend.encode(text, add_special_tokens=False).ids, TypeError)
 
     def encode_text(text):
         """any_str, with what the tokenizer cannot encode a UserError: a text that only an
@@ -264,7 +264,7 @@ def _hf_tokenizer(name):
                             f"({e}): give a text of what its vocabulary holds.") from e
 
     def encode_batch(texts):
-        """Without the offsets that encode() computes: a third less CPU per token."""
+        """Without the offsets that backend.encode computes: a third less CPU per token."""
         try:
             return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
         except Exception:  # a lone surrogate in one of them (TypeError), or worse: one by one
@@ -284,7 +284,6 @@ def _hf_tokenizer(name):
         hf.model_max_length = max_length
         hf.save_pretrained(folder)
 
-    any_str = _any_str(encode, TypeError)  # how the tokenizers library refuses a lone surrogate
     eot = hf.eos_token_id if hf.eos_token_id is not None else hf.pad_token_id  # else None
     return Tokenizer(name_of(name), max(vocab.values()) + 1, eot, encode_text, decode,
                      decode_bytes, fingerprint, encode_batch, save)
@@ -365,9 +364,8 @@ def fingerprint_of(hf):
 
 def token_bytes(hf, vocab):
     """{id: the bytes of text it stands for}, for bits per byte: a byte-level tokenizer's
-    characters stand for GPT-2's bytes (byte_level_alphabet), sentencepiece's <0xNN> for
-    its byte and its '▁' for a space; anything else is its text in UTF-8. Special tokens stand
-    for none (byte_lengths counts end-of-text as one)."""
+    characters stand for GPT-2's bytes, sentencepiece's <0xNN> for its byte and '▁' for a space,
+    anything else for its UTF-8; special tokens for none (byte_lengths counts end-of-text as 1)."""
     special = set(hf.all_special_ids) | {i for i, t in hf.added_tokens_decoder.items() if t.special}
     byte_level = "ByteLevel" in str(hf.backend_tokenizer.decoder)  # or in its Sequence
     of_char = {c: bytes([b]) for b, c in byte_level_alphabet().items()}
@@ -382,13 +380,6 @@ def token_bytes(hf, vocab):
         else:
             table[i] = token.replace("\u2581", " ").encode("utf-8")
     return table
-
-
-def changed(name, recorded, now):
-    return (f"the tokenizer {name!r} is not the one the data was prepared with: it changed "
-            f"since prepare.py recorded it in meta.json (fingerprint {recorded[:12]} then, "
-            f"{now[:12]} now), and its ids would not be the data's. Put back the tokenizer the "
-            f"data was made with, or prepare the data again with --tokenizer={name}.")
 
 
 def byte_level_alphabet():

@@ -5,13 +5,8 @@ the tokenizer it reads.
   resume, auto           out_dir's newest checkpoint that loads (nanoGPT's ckpt.pt too); auto
                          starts from scratch where there is none
   a run's out_dir, or    for sample.py, eval.py and export.py (load, checkpoint_at)
-  one checkpoint (a file
-  or a folder)
-  GPT-2's weights        a name (gpt2, gpt2-medium, ...) or a Hugging Face folder (hf.py)
-
-train.py starts through for_training() and checks a resume against its data with
-check_resume(); sample.py and eval.py load through load(); export.py, which exports
-checkpoints only, through checkpoint_at() and tokenizer.py's data_meta() and tokenizer_of()."""
+  a checkpoint (file/dir)
+  GPT-2's weights        a name (gpt2, gpt2-medium, ...) or a Hugging Face folder (hf.py)"""
 import logging
 import os
 import shlex
@@ -49,9 +44,8 @@ def for_training(cfg, given, meta, in_parts=False):
     if resume is not None:
         if cfg.from_weights:
             check_fine_tune(cfg, resume)
-        args = take_architecture(cfg, given, args, resume["model_args"],
-                                 f"the checkpoint in {cfg.out_dir}")
-        return Start(resume, args, None)
+        return Start(resume, take_architecture(cfg, given, args, resume["model_args"],
+                                               f"the checkpoint in {cfg.out_dir}"), None)
     refuse_to_mix(cfg)
     return Start(None, *pretrained(cfg, given, args, meta)) if cfg.from_weights else \
         Start(None, args, None)
@@ -222,10 +216,9 @@ def checkpoint_at(source, hint, whole=checkpoint.TENSORS):
 
 
 def load(init_from, out_dir, hint):
-    """Loaded for init_from='resume' (out_dir: a run's folder or one checkpoint file), else
-    for Hugging Face weights by name or folder, which read the tokenizer a folder carries
-    (hf.folder_tokenizer: export.py's of bytes or of a Hugging Face tokenizer's data), else
-    GPT-2's tokens."""
+    """Loaded for init_from='resume' (out_dir: a run's folder or one checkpoint file), else for
+    Hugging Face weights by name or folder, which read the tokenizer a folder carries
+    (hf.folder_tokenizer), else GPT-2's tokens."""
     if init_from == "resume":
         state, path = checkpoint_at(out_dir, hint, whole=("model",))
         meta, where = data_meta(state)
