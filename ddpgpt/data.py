@@ -350,43 +350,30 @@ def read_xy(token_split, offsets, block_size, vocab_size=None):
     offsets = np.asarray(offsets, dtype=np.int64)
     windows = tokenfile.read(token_split, offsets, block_size + 1)
     check_ids(token_split, offsets, windows, vocab_size)
-    return to_xy(windows, held(token_split, offsets, block_size + 1))
+    x = windows[:, :-1].astype(np.int64, order="C")
+    y = windows[:, 1:].astype(np.int64, order="C")
+    # where a window meets its file's end (sampling='documents'), x goes on with the 0s that
+    # tokenfile filled in, and y's targets beyond the file's tokens are -1, which the loss ignores
+    ends = token_split.starts[np.searchsorted(token_split.starts, offsets, side="right")]
+    tokens = np.minimum(ends - offsets, block_size + 1)
+    if (tokens < block_size + 1).any():
+        y[np.arange(block_size) >= tokens[:, None] - 1] = -1
+    return x, y
 
 
 def read_mixture_xy(mix, source, offsets, block_size, vocab_size=None):
     """read_xy for windows of several sources, in the order given: in one pass over the
     sources' files as one token space, or where their formats differ each source's windows
-    into their rows of one array, which becomes x and y at once."""
+    into their rows of x and y."""
     if len(mix.splits) == 1:
         return read_xy(mix.splits[0], offsets, block_size, vocab_size)
     if mix.joined is not None:
         return read_xy(mix.joined, offsets + mix.bases[source], block_size, vocab_size)
-    windows = np.empty((len(offsets), block_size + 1), dtype=np.int64)
-    tokens = np.empty(len(offsets), dtype=np.int64)
+    x = np.empty((len(offsets), block_size), dtype=np.int64)
+    y = np.empty_like(x)
     for s in np.unique(source).tolist():
         here = np.flatnonzero(source == s)
-        token_split = mix.splits[s]
-        read = tokenfile.read(token_split, offsets[here], block_size + 1)
-        check_ids(token_split, offsets[here], read, vocab_size)
-        windows[here] = read
-        tokens[here] = held(token_split, offsets[here], block_size + 1)
-    return to_xy(windows, tokens)
-
-
-def held(token_split, offsets, length):
-    """How many of each window's `length` tokens its file holds: all, but where the window meets
-    the file's end (sampling='documents')."""
-    ends = token_split.starts[np.searchsorted(token_split.starts, offsets, side="right")]
-    return np.minimum(ends - offsets, length)
-
-
-def to_xy(windows, tokens):
-    """x and y of windows that hold `tokens` tokens each: x goes on with the 0s that tokenfile
-    filled in, and y's targets beyond the window's tokens are -1, which the loss ignores."""
-    x = windows[:, :-1].astype(np.int64, order="C")
-    y = windows[:, 1:].astype(np.int64, order="C")
-    if (tokens < windows.shape[1]).any():
-        y[np.arange(y.shape[1]) >= tokens[:, None] - 1] = -1
+        x[here], y[here] = read_xy(mix.splits[s], offsets[here], block_size, vocab_size)
     return x, y
 
 
