@@ -317,9 +317,7 @@ def sample_offsets(sample_indices, token_split, block_size, seed, mode):
     if not isinstance(token_split, tokenfile.TokenSplit):
         token_split = tokenfile.TokenSplit((), np.dtype(np.uint16), 0,
                                            np.asarray(token_split, dtype=np.int64))
-    indices = np.asarray(sample_indices, dtype=np.int64)
-    return window_offsets(np.zeros_like(indices), indices,
-                          windows(mixture([token_split]), block_size, mode), seed)
+    return sample_windows(sample_indices, mixture([token_split]), block_size, seed, mode)[1]
 
 
 def eval_offsets(starts, block_size, n_windows):
