@@ -16,6 +16,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from itertools import groupby
 
 from ddpgpt import fileio, lock
 from ddpgpt.loader import READER
@@ -236,13 +237,9 @@ def summary(reports, world_size):
 
 def ranks_text(ranks):
     """'rank 3', 'ranks 0, 2-7'"""
-    spans = []
-    for r in ranks:
-        if spans and spans[-1][1] == r - 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    # consecutive ranks, a span, share one value of rank - position
+    spans = [[r for _, r in run] for _, run in groupby(enumerate(ranks), lambda p: p[1] - p[0])]
+    text = ", ".join(str(s[0]) if len(s) == 1 else f"{s[0]}-{s[-1]}" for s in spans)
     return f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
