@@ -347,7 +347,14 @@ def read_xy(token_split, offsets, block_size, vocab_size=None):
     UserError here rather than a CUDA device-side assert later."""
     offsets = np.asarray(offsets, dtype=np.int64)
     windows = tokenfile.read(token_split, offsets, block_size + 1)
-    check_ids(token_split, offsets, windows, vocab_size)
+    if vocab_size is not None and windows.max() >= vocab_size:
+        row = int(np.argmax(windows.max(axis=1) >= vocab_size))
+        k = int(np.searchsorted(token_split.starts, offsets[row], side="right")) - 1
+        raise UserError(
+            f"{token_split.paths[k]} holds token id {int(windows[row].max())} in the window at "
+            f"token offset {int(offsets[row] - token_split.starts[k])}, but the model's vocab_size "
+            f"is {vocab_size}: the file was made with another tokenizer, or it is corrupt. Prepare "
+            f"the data with the model's tokenizer, or set vocab_size above the largest id.")
     x = windows[:, :-1].astype(np.int64, order="C")
     y = windows[:, 1:].astype(np.int64, order="C")
     # where a window meets its file's end (sampling='documents'), x goes on with the 0s that
@@ -373,19 +380,6 @@ def read_mixture_xy(mix, source, offsets, block_size, vocab_size=None):
         here = np.flatnonzero(source == s)
         x[here], y[here] = read_xy(mix.splits[s], offsets[here], block_size, vocab_size)
     return x, y
-
-
-def check_ids(token_split, offsets, windows, vocab_size):
-    """Ids the model cannot embed are a UserError here rather than a CUDA assert later."""
-    if vocab_size is None or windows.max() < vocab_size:
-        return
-    row = int(np.argmax(windows.max(axis=1) >= vocab_size))
-    k = int(np.searchsorted(token_split.starts, offsets[row], side="right")) - 1
-    raise UserError(
-        f"{token_split.paths[k]} holds token id {int(windows[row].max())} in the window at token "
-        f"offset {int(offsets[row] - token_split.starts[k])}, but the model's vocab_size is "
-        f"{vocab_size}: the file was made with another tokenizer, or it is corrupt. Prepare the "
-        f"data with the model's tokenizer, or set vocab_size above the largest id.")
 
 
 SAMPLE_AHEAD = 64  # micro-batches whose windows are drawn in one call: numpy's cost is per
