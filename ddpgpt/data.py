@@ -317,9 +317,7 @@ def sample_offsets(sample_indices, token_split, block_size, seed, mode):
     if not isinstance(token_split, tokenfile.TokenSplit):
         token_split = tokenfile.TokenSplit((), np.dtype(np.uint16), 0,
                                            np.asarray(token_split, dtype=np.int64))
-    indices = np.asarray(sample_indices, dtype=np.int64)
-    return window_offsets(np.zeros_like(indices), indices,
-                          windows(mixture([token_split]), block_size, mode), seed)
+    return sample_windows(sample_indices, mixture([token_split]), block_size, seed, mode)[1]
 
 
 def eval_offsets(starts, block_size, n_windows):
@@ -349,58 +347,39 @@ def read_xy(token_split, offsets, block_size, vocab_size=None):
     UserError here rather than a CUDA device-side assert later."""
     offsets = np.asarray(offsets, dtype=np.int64)
     windows = tokenfile.read(token_split, offsets, block_size + 1)
-    check_ids(token_split, offsets, windows, vocab_size)
-    return to_xy(windows, held(token_split, offsets, block_size + 1))
+    if vocab_size is not None and windows.max() >= vocab_size:
+        row = int(np.argmax(windows.max(axis=1) >= vocab_size))
+        k = int(np.searchsorted(token_split.starts, offsets[row], side="right")) - 1
+        raise UserError(
+            f"{token_split.paths[k]} holds token id {int(windows[row].max())} in the window at "
+            f"token offset {int(offsets[row] - token_split.starts[k])}, but the model's vocab_size "
+            f"is {vocab_size}: the file was made with another tokenizer, or it is corrupt. Prepare "
+            f"the data with the model's tokenizer, or set vocab_size above the largest id.")
+    x = windows[:, :-1].astype(np.int64, order="C")
+    y = windows[:, 1:].astype(np.int64, order="C")
+    # where a window meets its file's end (sampling='documents'), x goes on with the 0s that
+    # tokenfile filled in, and y's targets beyond the file's tokens are -1, which the loss ignores
+    ends = token_split.starts[np.searchsorted(token_split.starts, offsets, side="right")]
+    tokens = np.minimum(ends - offsets, block_size + 1)
+    if (tokens < block_size + 1).any():
+        y[np.arange(block_size) >= tokens[:, None] - 1] = -1
+    return x, y
 
 
 def read_mixture_xy(mix, source, offsets, block_size, vocab_size=None):
     """read_xy for windows of several sources, in the order given: in one pass over the
     sources' files as one token space, or where their formats differ each source's windows
-    into their rows of one array, which becomes x and y at once."""
+    into their rows of x and y."""
     if len(mix.splits) == 1:
         return read_xy(mix.splits[0], offsets, block_size, vocab_size)
     if mix.joined is not None:
         return read_xy(mix.joined, offsets + mix.bases[source], block_size, vocab_size)
-    windows = np.empty((len(offsets), block_size + 1), dtype=np.int64)
-    tokens = np.empty(len(offsets), dtype=np.int64)
+    x = np.empty((len(offsets), block_size), dtype=np.int64)
+    y = np.empty_like(x)
     for s in np.unique(source).tolist():
         here = np.flatnonzero(source == s)
-        token_split = mix.splits[s]
-        read = tokenfile.read(token_split, offsets[here], block_size + 1)
-        check_ids(token_split, offsets[here], read, vocab_size)
-        windows[here] = read
-        tokens[here] = held(token_split, offsets[here], block_size + 1)
-    return to_xy(windows, tokens)
-
-
-def held(token_split, offsets, length):
-    """How many of each window's `length` tokens its file holds: all, but where the window meets
-    the file's end (sampling='documents')."""
-    ends = token_split.starts[np.searchsorted(token_split.starts, offsets, side="right")]
-    return np.minimum(ends - offsets, length)
-
-
-def to_xy(windows, tokens):
-    """x and y of windows that hold `tokens` tokens each: x goes on with the 0s that tokenfile
-    filled in, and y's targets beyond the window's tokens are -1, which the loss ignores."""
-    x = windows[:, :-1].astype(np.int64, order="C")
-    y = windows[:, 1:].astype(np.int64, order="C")
-    if (tokens < windows.shape[1]).any():
-        y[np.arange(y.shape[1]) >= tokens[:, None] - 1] = -1
+        x[here], y[here] = read_xy(mix.splits[s], offsets[here], block_size, vocab_size)
     return x, y
-
-
-def check_ids(token_split, offsets, windows, vocab_size):
-    """Ids the model cannot embed are a UserError here rather than a CUDA assert later."""
-    if vocab_size is None or windows.max() < vocab_size:
-        return
-    row = int(np.argmax(windows.max(axis=1) >= vocab_size))
-    k = int(np.searchsorted(token_split.starts, offsets[row], side="right")) - 1
-    raise UserError(
-        f"{token_split.paths[k]} holds token id {int(windows[row].max())} in the window at token "
-        f"offset {int(offsets[row] - token_split.starts[k])}, but the model's vocab_size is "
-        f"{vocab_size}: the file was made with another tokenizer, or it is corrupt. Prepare the "
-        f"data with the model's tokenizer, or set vocab_size above the largest id.")
 
 
 SAMPLE_AHEAD = 64  # micro-batches whose windows are drawn in one call: numpy's cost is per

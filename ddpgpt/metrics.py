@@ -79,10 +79,9 @@ def drop_cut_off_line(path):
             start = max(0, whole - 2**16)
             f.seek(start)
             newline = f.read(whole - start).rfind(b"\n")
+            whole = start + newline + 1  # start itself where the chunk holds none (rfind: -1)
             if newline >= 0:
-                whole = start + newline + 1
                 break
-            whole = start
         if whole == end:
             return
         f.truncate(whole)
@@ -132,10 +131,8 @@ def out_dir_mark(cfg):
 
 def refuse_another_runs_events(cfg):
     """A fresh start's purge from iter 0 on would hide all of the curves of a run of another
-    out_dir in its tensorboard_dir: refused, as a fresh start beside another run's checkpoints
-    is (weights.refuse_to_mix). Those of out_dir's own earlier run, which left no checkpoint
-    (else its fresh start is refused there), give way to this run's, as in out_dir. Rank 0's
-    alone, which writes there."""
+    out_dir in its tensorboard_dir: refused, as a fresh start beside another run's checkpoints is
+    (weights.refuse_to_mix); out_dir's own earlier run's give way, as in out_dir. Rank 0's alone."""
     for folder, _ in tensorboard_locks(cfg):  # a tensorboard_dir other than out_dir
         others = sorted(name for name in os.listdir(folder) if "tfevents" in name and
                         not name.endswith(out_dir_mark(cfg)))
@@ -172,9 +169,8 @@ def open_tensorboard(cfg):
 
 def purge(start_iter):
     """The events that open a run's event file: its format, and the run's first iter (torch's
-    purge_step), which tells TensorBoard's readers to drop what earlier runs wrote there from that
-    iter on (the steps a crash took past the checkpoint now resumed; all of an earlier run that left
-    no checkpoint), as read() drops those rows of metrics.jsonl: no step is shown twice."""
+    purge_step), from which TensorBoard's readers drop what earlier runs wrote there, as read()
+    drops those rows of metrics.jsonl (docs/training.md): no step is shown twice."""
     event_pb2, _ = import_tensorboard()
     return (as_record(start_iter, file_version="brain.Event:2") + as_record(
         start_iter, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
@@ -262,12 +258,11 @@ def rank_telemetry(alone_s, data_wait_s, peak_mem, device, world_size):
 
 
 def log_straggler(row, slowest):
-    """Name the slowest rank when it has been the slowest at each of the last STRAGGLER_STEPS
-    log steps, each time STRAGGLER_MARGIN times the median of the others or more, saying by
-    how much. On a busy machine the slowest rank of one step is noise that flips from rank to
-    rank; a slow disk, node or GPU stays. slowest (Metrics.slowest) holds the log steps since
-    a rank was last named: naming one empties it, so a rank that stays slow is named again
-    STRAGGLER_STEPS log steps later, not at every one."""
+    """Name the slowest rank, by how much, once it stays the slowest (STRAGGLER_*): on a busy
+    machine the slowest rank of one step is noise that flips from rank to rank; a slow disk,
+    node or GPU stays. slowest (Metrics.slowest) holds the log steps since a rank was last
+    named: naming one empties it, so a rank that stays slow is named again STRAGGLER_STEPS log
+    steps later, not at every one."""
     ms = row["rank_ms"]
     if len(ms) < 2:
         return

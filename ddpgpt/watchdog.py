@@ -16,6 +16,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from itertools import groupby
 
 from ddpgpt import fileio, lock
 from ddpgpt.loader import READER
@@ -119,7 +120,10 @@ class Watchdog:
         in_thread(sys.stdout.flush, 1)  # the log's last lines before the report
         self.say(f"no progress for {idle:.0f} s (limit {self.limit:.0f} s) in {self.at()}; the "
                  f"Python stacks of this rank's threads, most recent call first:")
-        self.say(stacks())
+        with tempfile.TemporaryFile("w+") as f:  # faulthandler writes only to a file descriptor
+            faulthandler.dump_traceback(f, all_threads=True)
+            f.seek(0)
+            self.say(f.read())
         where = where_now(threading.get_ident(), self.world_size)
         self.say(f"where: {where}")
         if self.doing:
@@ -131,15 +135,28 @@ class Watchdog:
         in_thread(lambda: self.share(where), REPORT_WAIT_S + 5)
 
     def dump_flight_recorder(self):
-        """The flight recorder's last collectives of this rank, where torch writes them when a
-        collective times out: this limit ends a hang before dist_timeout_s would."""
+        """Write the flight recorder's record of this rank's collectives where torch writes it
+        when a collective times out (this limit ends a hang before dist_timeout_s would):
+        TORCH_FR_DUMP_TEMP_FILE<rank> (launch/srun.sh sets it), when the recorder is on
+        (TORCH_FR_BUFFER_SIZE; the older TORCH_NCCL_* names too) and the process group is up.
+        NCCL's recorder under nccl, the CPU backends' under gloo."""
+        env, dist = os.environ, sys.modules.get("torch.distributed")
+        entries = env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")
+        if not entries.isdigit() or int(entries) == 0 or dist is None or not dist.is_initialized():
+            return
+        c10d = sys.modules["torch"]._C._distributed_c10d
+        dump = c10d._dump_nccl_trace if dist.get_backend() == "nccl" else c10d._dump_fr_trace
+        prefix = env.get("TORCH_FR_DUMP_TEMP_FILE") or \
+            env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
+        path = f"{prefix}{self.rank}"
         try:
-            path = flight_recorder_dump(self.rank)
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(dump())
         except OSError as e:
             self.say(f"could not write the flight recorder's dump: {e}")
             return
-        if path is not None:
-            self.say(f"the flight recorder's last collectives of this rank are in {path}")
+        self.say(f"the flight recorder's last collectives of this rank are in {path}")
 
     def say(self, text):
         """Each line on its own, prefixed with the rank: ranks that share a log write at the
@@ -189,39 +206,12 @@ class Watchdog:
         return line if line.get("time", 0) >= self.started else None
 
 
-def flight_recorder_dump(rank):
-    """Write the flight recorder's record of this rank's collectives to torch's own place for
-    it, TORCH_FR_DUMP_TEMP_FILE<rank> (launch/srun.sh sets it), when the recorder is on
-    (TORCH_FR_BUFFER_SIZE; the older TORCH_NCCL_* names too) and the process group is up: that
-    path, else None. NCCL's recorder under nccl, the CPU backends' under gloo."""
-    env, dist = os.environ, sys.modules.get("torch.distributed")
-    entries = env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")
-    if not entries.isdigit() or int(entries) == 0 or dist is None or not dist.is_initialized():
-        return None
-    c10d = sys.modules["torch"]._C._distributed_c10d
-    dump = c10d._dump_nccl_trace if dist.get_backend() == "nccl" else c10d._dump_fr_trace
-    path = (env.get("TORCH_FR_DUMP_TEMP_FILE") or
-            env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")) + str(rank)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(dump())
-    return path
-
-
 def in_thread(function, timeout_s):
     """Run function, giving up on it after timeout_s: a write to a full pipe or to a dead
     mount would block for ever."""
     thread = threading.Thread(target=function, daemon=True)
     thread.start()
     thread.join(timeout_s)
-
-
-def stacks():
-    """faulthandler's dump of every thread, as text: it writes only to a file descriptor."""
-    with tempfile.TemporaryFile("w+") as f:
-        faulthandler.dump_traceback(f, all_threads=True)
-        f.seek(0)
-        return f.read()
 
 
 def write_line(path, fields):
@@ -247,13 +237,9 @@ def summary(reports, world_size):
 
 def ranks_text(ranks):
     """'rank 3', 'ranks 0, 2-7'"""
-    spans = []
-    for r in ranks:
-        if spans and spans[-1][1] == r - 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    # consecutive ranks, a span, share one value of rank - position
+    spans = [[r for _, r in run] for _, run in groupby(enumerate(ranks), lambda p: p[1] - p[0])]
+    text = ", ".join(str(s[0]) if len(s) == 1 else f"{s[0]}-{s[-1]}" for s in spans)
     return f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
