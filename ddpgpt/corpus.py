@@ -453,7 +453,7 @@ def streamed_corpus(dataset, hub_config, column):
     local = os.path.exists(dataset) or glob.has_magic(dataset)
     try:
         if local:
-            files = [p for p in local_files(dataset) if document_kind(p)[0] == ".parquet"]
+            files = [p for p in local_files(dataset) if document_kind(p) == (".parquet", "")]
             if not files:
                 raise UserError(f"--streaming reads local .parquet files only; --dataset="
                                 f"{dataset!r} has none: drop --streaming to read it.")

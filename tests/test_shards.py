@@ -311,6 +311,21 @@ def test_streaming_local_parquet_gives_the_same_tokens(env, tmp_path):
     assert sorted(streamed["train"] + streamed["val"]) == sorted(rows)
 
 
+@pytest.mark.parametrize("files", ["*.md", "", "b.txt"], ids=["a glob of another kind",
+                                                          "a folder of text", "a text file"])
+def test_streaming_what_holds_no_parquet_says_so(files, env, tmp_path):
+    """A glob of files prepare.py cannot read at all used to be a TypeError, reported as a
+    dataset that 'could not be streamed'."""
+    (tmp_path / "a.md").write_text("a note\n")
+    (tmp_path / "b.txt").write_text("some text\n")
+    dataset = str(tmp_path / files) if files else str(tmp_path)
+    p = fails("prepare.py", f"--dataset={dataset}", "--streaming", "--tokenizer=byte",
+              f"--out_dir={tmp_path / 'out'}", env=env)
+    assert p.stderr.strip() == (
+        f"prepare.py: error: --streaming reads local .parquet files only; --dataset="
+        f"{dataset!r} has none: drop --streaming to read it."), p.stderr
+
+
 # ---- bad shards: what train.py says ----
 
 def bad_llmc(folder, case):
