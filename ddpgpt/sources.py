@@ -43,7 +43,7 @@ def of(cfg, given):
 
 def parse_mix(data_mix):
     """The Sources of a data_mix string, 'folder=weight,...'."""
-    found, names = [], []
+    found, bases = [], []
     for part in data_mix.split(","):
         folder, has_weight, weight = part.strip().rpartition("=")
         if not has_weight:  # a source without a weight weighs 1
@@ -58,9 +58,9 @@ def parse_mix(data_mix):
         if not os.path.isdir(folder):
             raise UserError(f"data_mix source {folder!r} is not a folder: give each source as "
                             f"<data folder>=<weight>, separated by commas.")
-        name = os.path.basename(os.path.normpath(folder))
-        names.append(name if name not in names else f"{name}-{names.count(name) + 1}")
-        found.append(Source(folder, weight, names[-1]))
+        bases.append(os.path.basename(os.path.normpath(folder)))
+        n = bases.count(bases[-1])  # the second data/web is web-2, the third web-3
+        found.append(Source(folder, weight, bases[-1] if n == 1 else f"{bases[-1]}-{n}"))
     return found if len(found) > 1 else [Source(found[0].folder, 1.0, "")]
 
 

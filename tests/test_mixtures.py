@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ddpgpt import data, tokenfile
+from ddpgpt.sources import parse_mix
 from conftest import (TINY, batches_and_losses, evals, fails, python,
                       same_on_any_world_size_and_resumed, steps, write_token_files)
 
@@ -131,6 +132,15 @@ def test_bad_mixtures(case, named, env, sources, tmp_path):
     err = fails("train.py", mix, *extra, f"--out_dir={tmp_path / 'out'}", *TINY,
                 "--max_iters=1", env=env).stderr
     assert all(n in err for n in named), err
+
+
+def test_sources_of_one_folder_name_are_named_apart(tmp_path):
+    """Their val losses are logged by name: the third data/web was named web-2 as the second."""
+    folders = [tmp_path / where / "web" for where in ("a", "b", "c")]
+    for folder in folders:
+        folder.mkdir(parents=True)
+    mix = parse_mix(",".join(f"{folder}=1" for folder in folders))
+    assert [s.name for s in mix] == ["web", "web-2", "web-3"]
 
 
 def test_a_weight_too_small_for_any_sample_is_an_error():
