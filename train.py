@@ -177,7 +177,7 @@ def start_up(cfg, given, ranks, device):
         model.load_state_dict(start.weights)
     if cfg.optimizer == "muon":  # its patterns checked here, before any collective
         optim.muon_parameters(model, cfg.muon_params)
-    checkpoint.check_room(cfg.out_dir, model)
+    checkpoint.check_room(cfg.out_dir, model, cfg.ema_tail > 0)
     ev = evaluation.for_training(cfg, splits, meta, cfg.vocab_size)
     return StartUp(cfg, start, meta, splits, identity, model, ev)
 
@@ -226,7 +226,8 @@ def saver(cfg, ranks, model):
     """The run's checkpoint.Saver: in the background with async_save, where this host has
     memory for the copy of what this rank writes (the whole state under ddp, on rank 0; its
     shard of it under fsdp) with as much to spare, else with a note."""
-    n_bytes = checkpoint.size(model) // (ranks.world_size if parallel.sharded(cfg, ranks) else 1)
+    n_bytes = checkpoint.size(model, cfg.ema_tail > 0) // (
+        ranks.world_size if parallel.sharded(cfg, ranks) else 1)
     background = cfg.async_save and checkpoint.host_has_room(n_bytes, ranks)
     if cfg.async_save and not background:
         log.info(f"note: async_save: this host has too little memory for the copy of a checkpoint "
@@ -259,6 +260,11 @@ def loop(run, stop_signals):
     t_last, skipped = time.perf_counter(), 0  # non-finite steps skipped in a row
     profiled, profiler = profiling.window(cfg.profile_steps, cfg.max_iters), None
     while True:
+        if cfg.ema_tail and state.iter_num >= cfg.max_iters:
+            optim.use_average(run.optimizer)
+            log.info(f"the weights are now their average over the last "
+                     f"{cfg.max_iters - optim.tail_start(cfg)} steps (ema_tail): the run's end, "
+                     f"evaluated, saved and exported as such")
         if state.iter_num % cfg.eval_interval == 0 or \
                 state.iter_num >= cfg.max_iters or cfg.eval_only:
             evaluate_and_save(run, may_save=state.iter_num > start_iter)
@@ -371,6 +377,7 @@ def train_step(run, history, stop_signals):
     problem = step_problem(cfg, loss, grad_norm, history, scaler.is_enabled())
     if problem is None:
         scaler.step(optimizer)
+        optim.average(optimizer, cfg, iter_num)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
 

@@ -271,13 +271,14 @@ def resume(saved, model, optimizer, scaler, train_state):
     train_state.load_state_dict(saved)
 
 
-def size(model):
+def size(model, averaged=False):
     """About how many bytes a checkpoint of the model takes: its float32 weights and AdamW's
-    two moments (of each parameter whole, also where it is sharded)."""
-    return 3 * 4 * sum(p.numel() for p in model.parameters())
+    two moments (of each parameter whole, also where it is sharded), and their average
+    (optim.average) if averaged."""
+    return (4 if averaged else 3) * 4 * sum(p.numel() for p in model.parameters())
 
 
-def check_room(out_dir, model):
+def check_room(out_dir, model, averaged):
     """out_dir can be written, and has room for a checkpoint of the model."""
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -287,7 +288,7 @@ def check_room(out_dir, model):
     except OSError as e:
         raise UserError(f"out_dir {out_dir} cannot be written ({e.strerror or e}): set "
                         f"--out_dir to a folder you can write to.") from e
-    need = size(model) * 1.1
+    need = size(model, averaged) * 1.1
     free = shutil.disk_usage(out_dir).free
     if free < need:
         raise UserError(f"out_dir {out_dir} has {free / 2**20:.0f} MiB free, less than one "

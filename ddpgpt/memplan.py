@@ -137,6 +137,7 @@ def tracked_steps(cfg, model, train_model, ranks, device, vocab_size):
                     log.info(f"  step {step + 1}, micro-step {micro_step + 1}: {took:.0f} s")
             parallel.clip_grad_norm(model, cfg.grad_clip or math.inf)
             optimizer.step()
+            optim.average(optimizer, cfg, optim.tail_start(cfg) + step)  # ema_tail: the tail
             optimizer.zero_grad(set_to_none=True)
     return by_kind(next(iter(tracker.get_tracker_snapshot("peak").values())))
 

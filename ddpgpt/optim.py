@@ -11,11 +11,17 @@ biases, which Muon is not made for (docs/training.md has its settings). The two 
 stepped as one (MuonAdamW), so that train.py, float16's GradScaler and a checkpoint see one.
 
 The schedule (schedule.py) is learning_rate's (AdamW's); Muon's follows it in proportion, from
-muon_lr at the peak (set_lr)."""
+muon_lr at the peak (set_lr).
+
+ema_tail: an exponential moving average of the weights over the schedule's last steps (average),
+which the run ends with (use_average). It is kept in the optimizer's state, as 'ema' beside each
+parameter's moments, so that a checkpoint saves it and resumes it on any world size, ddp or fsdp,
+as it does them."""
 import collections.abc
 import fnmatch
 import inspect
 import itertools
+import math
 
 import torch
 
@@ -202,3 +208,39 @@ def set_lr(optimizer, cfg, it):
     for group in muon_groups:
         group["lr"] = cfg.muon_lr * (lr / cfg.learning_rate)
     return lr
+
+
+def tail_start(cfg):
+    """ema_tail: the first step that the average takes in, the last ema_tail of max_iters (a step
+    at least)."""
+    return cfg.max_iters - math.ceil(cfg.ema_tail * cfg.max_iters)
+
+
+def weights_and_states(optimizer):
+    """(parameter, its state) of each parameter the optimizer has stepped (a state to add to)."""
+    parts = optimizer.parts.values() if isinstance(optimizer, MuonAdamW) else [optimizer]
+    return [(p, o.state[p]) for o in parts for g in o.param_groups for p in g["params"]
+            if o.state.get(p)]
+
+
+@torch.no_grad()
+def average(optimizer, cfg, it):
+    """After step it, the weights taken into their average, from the tail's first step (where the
+    average starts as the weights: also a resume on another max_iters starts it again there)."""
+    if not cfg.ema_tail or it < tail_start(cfg):
+        for _, state in weights_and_states(optimizer):
+            state.pop("ema", None)  # a resume's with the tail off, or later: not kept
+        return
+    for p, state in weights_and_states(optimizer):
+        if it == tail_start(cfg) or "ema" not in state:
+            state["ema"] = p.detach().clone()
+        else:
+            local(state["ema"]).lerp_(local(p), 1 - cfg.ema_decay)
+
+
+@torch.no_grad()
+def use_average(optimizer):
+    """The weights become their average, where there is one: what a run ends with."""
+    for p, state in weights_and_states(optimizer):
+        if "ema" in state:
+            local(p).copy_(local(state["ema"]))

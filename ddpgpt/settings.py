@@ -25,6 +25,7 @@ Parallel = Literal["ddp", "fsdp"]
 Recompute = Literal["none", "full", "selective"]
 INIT_FROM = ("scratch", "resume", "auto")  # train.py's; else GPT-2's weights
 SPIKE_WINDOW = 100  # the applied steps that spike_policy judges a step against
+EMA_DECAY = 0.95  # ema_decay's default, which a run without ema_tail may leave alone
 YEAR_S = 365 * 24 * 3600  # a watchdog limit beyond it is an error, not an OverflowError; 0: off
 DEVICE_HELP = "auto: this rank's GPU when torch sees one, else cpu; cuda: cuda:<local rank>"
 DTYPE_HELP = "auto: bfloat16 on a GPU that has it natively, else float16; float32 on a CPU"
@@ -136,6 +137,11 @@ class TrainConfig:
     cautious_weight_decay: bool = key(
         False, "decay a weight (weight_decay, muon_weight_decay) only where its update has "
                "the weight's sign")
+    ema_tail: float = key(0.0, "average the weights (an exponential moving average) over this "
+                               "last share of max_iters, and end the run with the average: its "
+                               "final evaluation, checkpoint and export (0: off)",
+                          at_least=0, at_most=1)
+    ema_decay: float = key(EMA_DECAY, "ema_tail: the average's decay per step", above=0, below=1)
     muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = key(
         "auto", "muon: the dtype of Newton-Schulz's matmuls; auto: bfloat16 where the device "
                 "has it natively (CUDA from Ampere on, CPUs with AVX512-BF16 or AMX), else "
@@ -246,6 +252,11 @@ class TrainConfig:
         for name in ("reshard_after_forward", "reduce_every_micro_step"):
             check_only_for(self, name, "parallel", "fsdp")
         check_only_for(self, "tensorboard_dir", "tensorboard_log", True)
+        if self.ema_decay != EMA_DECAY and not self.ema_tail:
+            raise UserError(f"ema_decay={self.ema_decay} is a setting of the weights' average, "
+                            f"and this run has none (ema_tail=0): set ema_tail, e.g. "
+                            f"--ema_tail=0.1 for the last tenth of max_iters, or leave ema_decay "
+                            f"out.")
         profiling.window(self.profile_steps, self.max_iters)
 
     @property

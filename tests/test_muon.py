@@ -90,6 +90,29 @@ def test_on_one_process_it_is_torch_muon_bit_for_bit_and_takes_its_state():
     assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), torchs.parameters()))
 
 
+def test_the_tail_average_starts_at_the_tail_and_the_run_ends_with_it():
+    """ema_tail: from the tail's first step (the last half of 6 here) the optimizer keeps each
+    weight's average, which use_average makes the weights; before the tail, and with the tail
+    off, it keeps none (a stale one, a resume's with the tail off, is dropped)."""
+    model = small_model()
+    cfg = TrainConfig(optimizer="muon", max_iters=6, ema_tail=0.5, ema_decay=0.75)
+    optimizer, expected = optim.make(cfg, model, "cpu"), None
+    for it in range(6):
+        train(model, optimizer, 1, start=it)
+        optim.average(optimizer, cfg, it)
+        now = [p.detach().clone() for p in model.parameters()]
+        if it >= 3:
+            expected = now if it == 3 else [0.75 * e + 0.25 * w for e, w in zip(expected, now)]
+        kept = ["ema" in state for _, state in optim.weights_and_states(optimizer)]
+        assert len(kept) == len(now) and set(kept) == {it >= 3}
+    optim.use_average(optimizer)
+    assert all(torch.allclose(p, e, rtol=0, atol=1e-6)  # lerp rounds otherwise
+               for p, e in zip(model.parameters(), expected))
+    assert not all(torch.equal(p, w) for p, w in zip(model.parameters(), now))
+    optim.average(optimizer, TrainConfig(optimizer="muon", max_iters=6), 6)
+    assert not any("ema" in state for _, state in optim.weights_and_states(optimizer))
+
+
 def test_newton_schulz_runs_in_the_dtype_of_muon_ns_dtype_and_auto_where_it_is_native():
     cfg = TrainConfig(optimizer="muon", muon_ns_dtype="float32")
     assert optim.make(cfg, small_model(), "cpu").muon.ns_dtype == torch.float32
@@ -207,12 +230,19 @@ def test_matrices_sharded_other_than_by_rows_over_every_rank_are_refused():
         torch.distributed.destroy_process_group()
 
 
-# recipe two's pieces on: Polar Express, NorMuon and cautious weight decay (Muon's and
-# AdamW's)
+# recipe two's pieces on: Polar Express, NorMuon, cautious weight decay (Muon's and AdamW's)
+# and the weights' tail average, from step 2 (so that the checkpoint at 4 holds it), whose
+# first value still counts for 0.9^5 of the end's (so that a resume that lost it would show)
 ARGS = [*TINY, "--arch=modern", "--optimizer=muon", "--muon_ns_dtype=float32",
         "--gradient_accumulation_steps=4", "--eval_interval=4", "--max_iters=8",
         "--grad_clip=0.1", "--muon_coefficients=polar_express", "--cautious_weight_decay=True",
-        "--muon_weight_decay=0.1", "--muon_beta2=0.95"]
+        "--muon_weight_decay=0.1", "--muon_beta2=0.95", "--ema_tail=0.75", "--ema_decay=0.9"]
+
+
+def end_difference(a, b):
+    """The relative difference of two runs' final val losses: of the weights' averages they
+    ended with."""
+    return abs(evals(a)[-1]["val_loss"] / evals(b)[-1]["val_loss"] - 1)
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +262,8 @@ def test_ddp_on_2_ranks_trains_as_one_process_and_fsdp_as_ddp(runs):
     assert sorted(steps(runs["one"])) == sorted(steps(runs["fsdp"])) == list(range(8))
     assert relative_difference(runs["one"], runs["ddp"]) <= RTOL
     assert relative_difference(runs["ddp"], runs["fsdp"]) <= RTOL
+    assert end_difference(runs["one"], runs["ddp"]) <= RTOL
+    assert end_difference(runs["ddp"], runs["fsdp"]) <= RTOL
 
 
 @pytest.mark.slow
@@ -247,8 +279,13 @@ def test_muon_resumes_bit_for_bit_on_2_ranks_and_on_1_reads_the_same_batches(run
     state, _ = checkpoint.load_latest(runs["ddp"])
     assert state["model_args"]["arch"] == "modern" and set(state["optimizer"]) == {"muon", "adamw"}
     assert state["optimizer"]["muon"]["state"], "Muon's momentum buffers are saved"
+    # the run ends with its weights' average, resumed from the checkpoint at 4 bit for bit
+    ended, ended_too = (checkpoint.model_state(checkpoint.load_latest(out)[0])
+                        for out in (runs["ddp"], half))
+    assert all(torch.equal(ended[name], ended_too[name]) for name in ended)
     one = resumed(checkpoint.path_for(runs["ddp"], 4), tmp_path / "one", 1, "ddp", corpus, env)
     assert sorted(steps(one)) == list(range(4, 8)) and relative_difference(runs["ddp"], one) <= RTOL
+    assert end_difference(runs["ddp"], one) <= RTOL
 
 
 @pytest.fixture(scope="module")
@@ -277,16 +314,19 @@ def test_fsdp_resumes_bit_for_bit_and_its_folder_on_one_process(runs, killed, co
     out, said = killed
     assert f"resuming from {checkpoint.path_for(out, 4, folder=True)} (iter 4)" in said
     assert batches_and_losses(runs["fsdp"], range(4, 8)) == batches_and_losses(out, range(4, 8))
+    assert evals(runs["fsdp"])[-1] == evals(out)[-1]  # its weights' average, resumed
     state = checkpoint.read(checkpoint.path_for(out, 8, folder=True))[0]
     shapes = {i: tuple(p.shape) for i, p in enumerate(
         p for n, p in GPT(GPTConfig(**state["model_args"])).named_parameters()
         if n.startswith("transformer.h.") and p.dim() == 2)}
     momentum = state["optimizer"]["muon"]["state"]
     assert {i: tuple(v["momentum_buffer"].shape) for i, v in momentum.items()} == shapes
+    assert {i: tuple(v["ema"].shape) for i, v in momentum.items()} == shapes
     # Muon's sharded momentum read whole: one process goes on as the one-process run
     one = resumed(checkpoint.path_for(runs["fsdp"], 4, folder=True), tmp_path / "one", 1,
                   "ddp", corpus, env)
     assert relative_difference(runs["one"], one) <= RTOL
+    assert end_difference(runs["one"], one) <= RTOL
 
 
 def resumed(source, out, nproc, kind, corpus, env):
@@ -307,6 +347,8 @@ def test_ddp_checkpoints_resume_under_fsdp_on_4_ranks_and_fsdp_folders_under_ddp
                         "ddp", corpus, env)
     assert relative_difference(runs["ddp"], under_fsdp) <= RTOL
     assert relative_difference(runs["fsdp"], under_ddp) <= RTOL
+    assert end_difference(runs["ddp"], under_fsdp) <= RTOL
+    assert end_difference(runs["fsdp"], under_ddp) <= RTOL
 
 
 @pytest.mark.slow

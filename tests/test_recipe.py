@@ -156,7 +156,10 @@ def test_export_is_a_qwen3_that_transformers_loads_and_init_from_loads_back(
     out, dest, tuned = tmp_path / "out", tmp_path / "exported", tmp_path / "tuned"
     run = [f"--data_dir={gpt2_data}", *TINY, "--gradient_accumulation_steps=1",
            "--eval_interval=2", "--max_iters=2"]
-    python("train.py", *run, *MODERN, f"--out_dir={out}", "--rope_theta=500000", env=env)
+    # the run ends with its weights' average over both steps, which is what is exported
+    p = python("train.py", *run, *MODERN, f"--out_dir={out}", "--rope_theta=500000",
+               "--ema_tail=1", "--ema_decay=0.5", env=env)
+    assert "the weights are now their average over the last 2 steps (ema_tail)" in p.stdout
     exported = python("export.py", f"--out_dir={out}", f"--to={dest}", env=env)
     config = json.loads((dest / "config.json").read_text())
     assert config["model_type"] == "qwen3" and "auto_map" not in config  # no remote code
@@ -166,6 +169,10 @@ def test_export_is_a_qwen3_that_transformers_loads_and_init_from_loads_back(
     state, _ = checkpoint.load_latest(str(out))
     ours = GPT(GPTConfig(**state["model_args"]))
     ours.load_state_dict(checkpoint.model_state(state))
+    averages = [s["ema"] for part in ("muon", "adamw")
+                for s in state["optimizer"][part]["state"].values()]
+    assert len(averages) == len(list(ours.parameters())) and all(
+        any(torch.equal(p, a) for a in averages) for p in ours.parameters())
     ids = random_ids(32, vocab_size=50257)
     with torch.no_grad():
         diff = (ours.eval()(ids, ids)[0][..., :50257] - theirs(ids).logits).abs().max().item()
@@ -252,11 +259,13 @@ def test_eval_sample_and_lightning_with_the_modern_block(modern_run, corpus, tmp
     (["--cautious_weight_decay=True", "--weight_decay=0"],
      "cautious_weight_decay=True with weight_decay=0 and muon_weight_decay=0: there is no "
      "weight decay to make cautious."),
+    (["--ema_decay=0.99"], "ema_decay=0.99 is a setting of the weights' average, and this run "
+                           "has none (ema_tail=0): set ema_tail"),
 ], ids=["modern GPT-2 weights", "modern with biases", "Muon on a norm", "Muon on nothing",
         "empty muon_params", "muon without a schedule", "rope_theta with gpt2",
         "muon's keys with adamw",
         "rope_theta overflows float32", "rope_theta vanishes in float32",
-        "zero projections of GPT-2's weights", "cautious without decay"])
+        "zero projections of GPT-2's weights", "cautious without decay", "ema_decay alone"])
 def test_combinations_that_cannot_work(args, message, env, corpus, tmp_path):
     p = fails("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path}", *TINY, *args, env=env)
     assert message in p.stderr.strip().splitlines()[-1], p.stderr
