@@ -261,10 +261,9 @@ def missing_split(data_dir, split, meta):
     """Why <split>.bin is not there, as far as the folder tells: an unfinished prepare, shards
     without their meta.json, llm.c shards beside a stray train.bin, or nothing at all."""
     hint = PREPARE_HINT.format(data_dir)
-    progress = os.path.join(data_dir, PROGRESS_NAME)
     ours = sorted(glob.glob(os.path.join(glob.escape(data_dir), f"{split}_[0-9]*.bin")))
     llmc = [p for s in SPLITS for p in llmc_shards(data_dir, s)]
-    if meta is None and os.path.exists(progress):
+    if meta is None and os.path.exists(os.path.join(data_dir, PROGRESS_NAME)):
         return (f"{data_dir} holds an unfinished prepare: {PROGRESS_NAME} and the shards it "
                 f"has published so far, but no {META_NAME}, which prepare.py writes last. Run "
                 f"the prepare.py command that wrote it again: it resumes after those shards, "
