@@ -417,9 +417,8 @@ def read(token_split, offsets, length):
                                      (offsets - token_split.starts[files]).tolist())):
         by_file.setdefault(k, []).append((row, o))
     out = np.zeros((len(offsets), length), dtype=token_split.dtype)
-    rows = memoryview(out).cast("B")
     for k, windows in by_file.items():
-        read_file(token_split, k, windows, length, rows)
+        read_file(token_split, k, windows, length, memoryview(out).cast("B"))
     return out
 
 
