@@ -188,9 +188,8 @@ class CodeInPickle(pickle.UnpicklingError):
 
 
 class PlainData(pickle.Unpickler):
-    """Unpickles plain data only: dicts, lists, tuples, sets, str, bytes, numbers, True, False,
-    None. Anything else is made by a class or function that the pickle names (a global), and
-    loading it would import and call that: no global is ever looked up."""
+    """Unpickles plain data only (dicts, lists, str, numbers, ...): a global, the class or function
+    that would make anything else, is never looked up (the module docstring says why)."""
 
     def find_class(self, module, name):
         raise CodeInPickle(f"{module}.{name}")
@@ -352,9 +351,8 @@ def file_tokens(paths, dtype, header_bytes, listed, hint):
 
 
 def open_split(data_dir, split, block_size):
-    """Check one split on disk (against meta.json where there is one) and return its
-    TokenSplit, without its document index (sources.open_split adds it). The checks cost the
-    same for any file size: sizes, headers, and a fingerprint of 64 chunks."""
+    """Check one split on disk (against meta.json where there is one; file_tokens and the
+    fingerprint) and return its TokenSplit, without its document index (sources.open_split)."""
     meta = read_meta(data_dir)
     hint = PREPARE_HINT.format(data_dir)
     paths, header, listed = split_files(data_dir, split, meta)
