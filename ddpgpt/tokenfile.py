@@ -140,19 +140,6 @@ def meta_path(data_dir):
     return pickled if not os.path.exists(path) and os.path.exists(pickled) else path
 
 
-def load_without_gc(f):
-    """json.load with the garbage collector paused. A meta.json of 10,000 shards is 10,000
-    dicts, whose allocation sets off collections that walk every object torch made at import:
-    0.17 s of a 0.19 s parse, most of a sharded split's start-up."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return json.load(f)
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def read_meta(data_dir):
     """meta.json as a dict; for nanoGPT's meta.pkl or llm.c shards without one, what they
     imply; None for a nanoGPT-style folder of raw .bin files."""
@@ -164,15 +151,22 @@ def read_meta(data_dir):
             any(llmc_shards(data_dir, split) for split in SPLITS)
         return dict(LLMC_META) if has_llmc else None
     hint = PREPARE_HINT.format(data_dir)
+    # gc paused for the parse: a meta.json of 10,000 shards is 10,000 dicts, whose allocation
+    # sets off collections that walk every object torch made at import (0.17 s of a 0.19 s parse)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
         with open(path) as f:
-            meta = load_without_gc(f)
+            meta = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         problem = f"{type(e).__name__}: {e}"
     else:
         missing = [k for k in ("dtype", "splits", "vocab_size")
                    if not isinstance(meta, dict) or k not in meta]
         problem = f"it has no {', '.join(missing)}" if missing else None
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     if problem:
         raise UserError(f"{path} is not a valid ddpgpt meta.json ({problem}). It is written "
                         f"last by prepare.py, so a damaged one means the folder is "
