@@ -70,8 +70,7 @@ def read_doc_header(path):
         head = f.read(DOCS_HEADER_BYTES)
     if len(head) < DOCS_HEADER.size or head[:8] != DOCS_MAGIC:
         raise ValueError("it does not start with a ddpgpt document index's header")
-    _, version, documents, lengths, _, _, eot, split_fp, own_fp = \
-        DOCS_HEADER.unpack(head[:DOCS_HEADER.size])
+    _, version, documents, lengths, _, _, eot, split_fp, own_fp = DOCS_HEADER.unpack_from(head)
     if version != DOCS_VERSION:
         raise ValueError(f"format version {version}; this code reads {DOCS_VERSION}")
     size, expected = os.path.getsize(path), DOCS_HEADER_BYTES + 8 * (documents + 2 * lengths)
