@@ -400,8 +400,7 @@ def check_block_size(token_split, block_size):
 
 def read(token_split, offsets, length):
     """The tokens [o, o + length) of the split for each offset o, as a (len(offsets), length)
-    array. Each window lies inside one file and is cut at its end, if it meets it (only
-    sampling='documents' reads there: data.py); the rest of its row is 0."""
+    array. A window cut at its file's end (the module docstring) has 0 in the rest of its row."""
     offsets = np.asarray(offsets, dtype=np.int64)
     files = np.searchsorted(token_split.starts, offsets, side="right") - 1
     by_file = {}  # {file: [(row, offset in the file), ...]}, grouped in python: a batch has few
