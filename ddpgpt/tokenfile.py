@@ -202,29 +202,20 @@ def char_meta(path):
     except Exception as e:  # a damaged pickle fails in many ways (EOFError, KeyError, ...)
         raise UserError(f"{path} is not a readable pickle ({type(e).__name__}: {e}): "
                         f"{remake}.") from None
-    if (checked := char_table(table)) is None:
+    table = table if isinstance(table, dict) else {}
+    vocab, stoi, itos = table.get("vocab_size"), table.get("stoi"), table.get("itos")
+    vocab_ok = isinstance(vocab, int) and 0 < vocab <= 2**16
+    if vocab_ok and isinstance(itos, dict) and len(itos) == vocab:  # nanoGPT's is {id: char}
+        itos = [itos.get(i) for i in range(vocab)]
+    if not (vocab_ok and isinstance(itos, list) and len(itos) == vocab
+            and all(isinstance(c, str) and len(c) == 1 for c in itos)
+            and stoi == {c: i for i, c in enumerate(itos)}):
         raise UserError(f"{path} is not nanoGPT's character-level meta.pkl: it must be a dict "
                         f"of vocab_size (an int up to 65536), itos (each id below it -> its "
                         f"character) and stoi (character -> id, the inverse): {remake}.")
-    vocab, stoi, itos = checked
     return {"format_version": FORMAT_VERSION, "dtype": "uint16", "vocab_size": vocab,
             "tokenizer": "char", "stoi": stoi, "itos": itos, "splits": {},
             "source": f"{path} (nanoGPT's character-level data)"}
-
-
-def char_table(table):
-    """(vocab_size, stoi, itos as a list) of a meta.pkl's contents, None if it is no table."""
-    if not isinstance(table, dict):
-        return None
-    vocab, stoi, itos = table.get("vocab_size"), table.get("stoi"), table.get("itos")
-    if not isinstance(vocab, int) or not 0 < vocab <= 2**16:
-        return None
-    if isinstance(itos, dict):  # nanoGPT's is {id: char}
-        itos = [itos.get(i) for i in range(vocab)] if len(itos) == vocab else None
-    if not isinstance(itos, list) or len(itos) != vocab or \
-            not all(isinstance(c, str) and len(c) == 1 for c in itos):
-        return None
-    return (vocab, stoi, itos) if stoi == {c: i for i, c in enumerate(itos)} else None
 
 
 def split_files(data_dir, split, meta):
