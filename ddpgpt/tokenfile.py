@@ -182,8 +182,7 @@ class CodeInPickle(pickle.UnpicklingError):
 
 
 class PlainData(pickle.Unpickler):
-    """Unpickles plain data only (dicts, lists, str, numbers, ...): a global, the class or function
-    that would make anything else, is never looked up (the module docstring says why)."""
+    """Unpickles plain data only: no global (a class or function it would call) is looked up."""
 
     def find_class(self, module, name):
         raise CodeInPickle(f"{module}.{name}")
