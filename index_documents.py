@@ -27,8 +27,7 @@ from ddpgpt.tokenfile import GPT2_EOT  # nanoGPT's raw files and llm.c's shards 
 
 def end_of_text(cfg, meta):
     """The id that ends each document; None for data that has none (nanoGPT's characters: each file
-    is one document). --eot_token is for folders without a meta.json: where there is one, prepare.py
-    ended every document with its eot_token, and an index at another id would cut them elsewhere."""
+    is one document). --eot_token is for folders without a meta.json (the error below says why)."""
     if meta is None:
         return cfg.eot_token if cfg.eot_token >= 0 else GPT2_EOT
     eot = meta.get("eot_token")

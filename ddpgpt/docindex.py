@@ -64,23 +64,20 @@ def doc_index_path(data_dir, split):
 
 
 def read_doc_header(path):
-    """(documents, lengths, tokens, files, eot, the split's fingerprint, its own) of an index
-    file; ValueError saying what is wrong with one that is not whole."""
+    """(documents, lengths, eot, the split's fingerprint, its own) of an index file; ValueError
+    saying what is wrong with one that is not whole."""
     with open(path, "rb") as f:
         head = f.read(DOCS_HEADER_BYTES)
     if len(head) < DOCS_HEADER.size or head[:8] != DOCS_MAGIC:
         raise ValueError("it does not start with a ddpgpt document index's header")
-    magic, version, documents, lengths, tokens, files, eot, split_fp, own_fp = \
-        DOCS_HEADER.unpack(head[:DOCS_HEADER.size])
+    _, version, documents, lengths, _, _, eot, split_fp, own_fp = DOCS_HEADER.unpack_from(head)
     if version != DOCS_VERSION:
         raise ValueError(f"format version {version}; this code reads {DOCS_VERSION}")
-    size = os.path.getsize(path)
-    if size != DOCS_HEADER_BYTES + 8 * (documents + 2 * lengths):
+    size, expected = os.path.getsize(path), DOCS_HEADER_BYTES + 8 * (documents + 2 * lengths)
+    if size != expected:
         raise ValueError(f"{size} bytes, where its header's {documents} documents and {lengths} "
-                         f"lengths take {DOCS_HEADER_BYTES + 8 * (documents + 2 * lengths)}: it "
-                         f"was cut short or written over")
-    return documents, lengths, tokens, files, None if eot < 0 else eot, split_fp.decode(), \
-        own_fp.decode()
+                         f"lengths take {expected}: it was cut short or written over")
+    return documents, lengths, None if eot < 0 else eot, split_fp.decode(), own_fp.decode()
 
 
 def open_doc_index(token_split, data_dir, split):
@@ -94,7 +91,7 @@ def open_doc_index(token_split, data_dir, split):
                         f"sampling='documents' reads. Make it with {make} (it reads the token "
                         f"files once; prepare.py writes it with them).")
     try:
-        documents, lengths, _, _, eot, split_fp, own_fp = read_doc_header(path)
+        documents, lengths, eot, split_fp, own_fp = read_doc_header(path)
     except ValueError as e:
         raise UserError(f"{path} is not a document index that this code reads ({e}). Make it "
                         f"again with {make}.") from None

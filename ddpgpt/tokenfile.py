@@ -140,19 +140,6 @@ def meta_path(data_dir):
     return pickled if not os.path.exists(path) and os.path.exists(pickled) else path
 
 
-def load_without_gc(f):
-    """json.load with the garbage collector paused. A meta.json of 10,000 shards is 10,000
-    dicts, whose allocation sets off collections that walk every object torch made at import:
-    0.17 s of a 0.19 s parse, most of a sharded split's start-up."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return json.load(f)
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def read_meta(data_dir):
     """meta.json as a dict; for nanoGPT's meta.pkl or llm.c shards without one, what they
     imply; None for a nanoGPT-style folder of raw .bin files."""
@@ -164,15 +151,22 @@ def read_meta(data_dir):
             any(llmc_shards(data_dir, split) for split in SPLITS)
         return dict(LLMC_META) if has_llmc else None
     hint = PREPARE_HINT.format(data_dir)
+    # gc paused for the parse: a meta.json of 10,000 shards is 10,000 dicts, whose allocation
+    # sets off collections that walk every object torch made at import (0.17 s of a 0.19 s parse)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
         with open(path) as f:
-            meta = load_without_gc(f)
+            meta = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         problem = f"{type(e).__name__}: {e}"
     else:
         missing = [k for k in ("dtype", "splits", "vocab_size")
                    if not isinstance(meta, dict) or k not in meta]
         problem = f"it has no {', '.join(missing)}" if missing else None
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     if problem:
         raise UserError(f"{path} is not a valid ddpgpt meta.json ({problem}). It is written "
                         f"last by prepare.py, so a damaged one means the folder is "
@@ -188,9 +182,7 @@ class CodeInPickle(pickle.UnpicklingError):
 
 
 class PlainData(pickle.Unpickler):
-    """Unpickles plain data only: dicts, lists, tuples, sets, str, bytes, numbers, True, False,
-    None. Anything else is made by a class or function that the pickle names (a global), and
-    loading it would import and call that: no global is ever looked up."""
+    """Unpickles plain data only: no global (a class or function it would call) is looked up."""
 
     def find_class(self, module, name):
         raise CodeInPickle(f"{module}.{name}")
@@ -209,29 +201,20 @@ def char_meta(path):
     except Exception as e:  # a damaged pickle fails in many ways (EOFError, KeyError, ...)
         raise UserError(f"{path} is not a readable pickle ({type(e).__name__}: {e}): "
                         f"{remake}.") from None
-    if (checked := char_table(table)) is None:
+    table = table if isinstance(table, dict) else {}
+    vocab, stoi, itos = table.get("vocab_size"), table.get("stoi"), table.get("itos")
+    vocab_ok = isinstance(vocab, int) and 0 < vocab <= 2**16
+    if vocab_ok and isinstance(itos, dict) and len(itos) == vocab:  # nanoGPT's is {id: char}
+        itos = [itos.get(i) for i in range(vocab)]
+    if not (vocab_ok and isinstance(itos, list) and len(itos) == vocab
+            and all(isinstance(c, str) and len(c) == 1 for c in itos)
+            and stoi == {c: i for i, c in enumerate(itos)}):
         raise UserError(f"{path} is not nanoGPT's character-level meta.pkl: it must be a dict "
                         f"of vocab_size (an int up to 65536), itos (each id below it -> its "
                         f"character) and stoi (character -> id, the inverse): {remake}.")
-    vocab, stoi, itos = checked
     return {"format_version": FORMAT_VERSION, "dtype": "uint16", "vocab_size": vocab,
             "tokenizer": "char", "stoi": stoi, "itos": itos, "splits": {},
             "source": f"{path} (nanoGPT's character-level data)"}
-
-
-def char_table(table):
-    """(vocab_size, stoi, itos as a list) of a meta.pkl's contents, None if it is no table."""
-    if not isinstance(table, dict):
-        return None
-    vocab, stoi, itos = table.get("vocab_size"), table.get("stoi"), table.get("itos")
-    if not isinstance(vocab, int) or not 0 < vocab <= 2**16:
-        return None
-    if isinstance(itos, dict):  # nanoGPT's is {id: char}
-        itos = [itos.get(i) for i in range(vocab)] if len(itos) == vocab else None
-    if not isinstance(itos, list) or len(itos) != vocab or \
-            not all(isinstance(c, str) and len(c) == 1 for c in itos):
-        return None
-    return (vocab, stoi, itos) if stoi == {c: i for i, c in enumerate(itos)} else None
 
 
 def split_files(data_dir, split, meta):
@@ -261,10 +244,9 @@ def missing_split(data_dir, split, meta):
     """Why <split>.bin is not there, as far as the folder tells: an unfinished prepare, shards
     without their meta.json, llm.c shards beside a stray train.bin, or nothing at all."""
     hint = PREPARE_HINT.format(data_dir)
-    progress = os.path.join(data_dir, PROGRESS_NAME)
     ours = sorted(glob.glob(os.path.join(glob.escape(data_dir), f"{split}_[0-9]*.bin")))
     llmc = [p for s in SPLITS for p in llmc_shards(data_dir, s)]
-    if meta is None and os.path.exists(progress):
+    if meta is None and os.path.exists(os.path.join(data_dir, PROGRESS_NAME)):
         return (f"{data_dir} holds an unfinished prepare: {PROGRESS_NAME} and the shards it "
                 f"has published so far, but no {META_NAME}, which prepare.py writes last. Run "
                 f"the prepare.py command that wrote it again: it resumes after those shards, "
@@ -353,9 +335,8 @@ def file_tokens(paths, dtype, header_bytes, listed, hint):
 
 
 def open_split(data_dir, split, block_size):
-    """Check one split on disk (against meta.json where there is one) and return its
-    TokenSplit, without its document index (sources.open_split adds it). The checks cost the
-    same for any file size: sizes, headers, and a fingerprint of 64 chunks."""
+    """Check one split on disk (against meta.json where there is one; file_tokens and the
+    fingerprint) and return its TokenSplit, without its document index (sources.open_split)."""
     meta = read_meta(data_dir)
     hint = PREPARE_HINT.format(data_dir)
     paths, header, listed = split_files(data_dir, split, meta)
@@ -409,8 +390,7 @@ def check_block_size(token_split, block_size):
 
 def read(token_split, offsets, length):
     """The tokens [o, o + length) of the split for each offset o, as a (len(offsets), length)
-    array. Each window lies inside one file and is cut at its end, if it meets it (only
-    sampling='documents' reads there: data.py); the rest of its row is 0."""
+    array. A window cut at its file's end (the module docstring) has 0 in the rest of its row."""
     offsets = np.asarray(offsets, dtype=np.int64)
     files = np.searchsorted(token_split.starts, offsets, side="right") - 1
     by_file = {}  # {file: [(row, offset in the file), ...]}, grouped in python: a batch has few
@@ -418,9 +398,8 @@ def read(token_split, offsets, length):
                                      (offsets - token_split.starts[files]).tolist())):
         by_file.setdefault(k, []).append((row, o))
     out = np.zeros((len(offsets), length), dtype=token_split.dtype)
-    rows = memoryview(out).cast("B")
     for k, windows in by_file.items():
-        read_file(token_split, k, windows, length, rows)
+        read_file(token_split, k, windows, length, memoryview(out).cast("B"))
     return out
 
 
