@@ -72,10 +72,9 @@ def start(s, start_up):
     for r, e in enumerate(gather(error, s.ranks.world_size)):
         if e is not None:
             problems.setdefault(e, []).append(r)
-    if problems and s.ranks.master:
-        for message, where in problems.items():
-            say(line(s.script, message, where if s.ranks.world_size > 1 else ()))
     if problems:
+        for message, where in problems.items() if s.ranks.master else ():
+            say(line(s.script, message, where if s.ranks.world_size > 1 else ()))
         raise StartUpFailed
     return found
 
@@ -132,12 +131,11 @@ def finish(world_size, status=0):
     thread that is still dropping a collective's tensor waits for that GIL: the rank hangs for ever
     (1 in 6 runs on 4 ranks here). Everything a script writes is closed or flushed by then. (A rank
     that fails alone never comes here: errors.run ends it at once too.)"""
-    if world_size == 1:
-        if status:
-            raise SystemExit(status)
-        return
-    dist.destroy_process_group()
-    exit_now(status)
+    if world_size > 1:
+        dist.destroy_process_group()
+        exit_now(status)  # os._exit: it does not return
+    if status:
+        raise SystemExit(status)
 
 
 def gather(value, world_size):
