@@ -81,7 +81,13 @@ def pick_device(device, ranks):
         raise UserError(f"device={device!r} is not a device: use auto, cpu, cuda (this rank's "
                         f"GPU) or cuda:N.") from None
     if chosen.type == "mps":
-        return apple_gpu(device, ranks)
+        if not torch.backends.mps.is_available():
+            raise UserError(f"device={device!r}, but torch {torch.__version__} has no MPS device "
+                            f"here (Apple's GPUs, on macOS). {can_run_on()}")
+        if ranks.world_size > 1:
+            raise UserError(f"device={device!r} runs one process only (gloo cannot all-reduce "
+                            f"MPS tensors): run python train.py, not {ranks.world_size} ranks.")
+        return device
     if chosen.type not in ("cpu", "cuda"):
         raise UserError(f"device={device!r}: ddpgpt does not run on {chosen.type} devices. "
                         f"{can_run_on()}")
@@ -123,18 +129,6 @@ def gpu_job_signs():
     if os.path.exists(NVIDIA_DRIVER):
         signs.append(f"this machine has an NVIDIA driver ({NVIDIA_DRIVER})")
     return ", ".join(signs)
-
-
-def apple_gpu(device, ranks):
-    """mps, where this torch has it, for one process: gloo, the one backend that could join
-    several, all-reduces CPU and CUDA tensors only."""
-    if not torch.backends.mps.is_available():
-        raise UserError(f"device={device!r}, but torch {torch.__version__} has no MPS device "
-                        f"here (Apple's GPUs, on macOS). {can_run_on()}")
-    if ranks.world_size > 1:
-        raise UserError(f"device={device!r} runs one process only (gloo cannot all-reduce MPS "
-                        f"tensors): run python train.py, not {ranks.world_size} ranks.")
-    return device
 
 
 def can_run_on():
