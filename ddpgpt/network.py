@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ddpgpt import peers, runtime
+from ddpgpt import launch, peers, runtime
 from ddpgpt.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -76,9 +76,8 @@ def check(ranks, device, min_gbps, stop, one_node_too):
     if len(nodes) == 1 and not one_node_too:
         return
     members = [[r for r, h in enumerate(hosts) if h == node] for node in nodes]
-    every = [None] * ranks.world_size
-    dist.all_gather_object(every, (*measure(ranks.rank, device, members), {
-        k: v for k, v in os.environ.items() if k.startswith(VARIABLES)}))
+    every = launch.gather((*measure(ranks.rank, device, members), {
+        k: v for k, v in os.environ.items() if k.startswith(VARIABLES)}), ranks.world_size)
     size = MIB[runtime.device_type(device)] << 20
 
     def gbps(t, k=2):  # an all-reduce's bus bandwidth over k ranks; a pair's, each way
