@@ -65,9 +65,8 @@ def slurm_tasks_on_this_node(env):
 def pick_device(device, ranks):
     """'auto' is this rank's GPU when torch sees one, else the CPU (with a note where the
     process looks launched to run on a GPU: gpu_job_signs); 'cuda' is this rank's GPU,
-    cuda:<local rank>, since a launcher starts one process per GPU. cuda:N with several ranks on
-    this node would put them all on one GPU. A device this torch cannot serve is a UserError
-    that names the ones it can."""
+    cuda:<local rank>, since a launcher starts one process per GPU. A device this torch cannot
+    serve is a UserError that names the ones it can."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cpu" and (signs := gpu_job_signs()):
@@ -120,12 +119,10 @@ NVIDIA_DRIVER = "/dev/nvidiactl"  # the loaded driver's control device, on Linux
 
 
 def gpu_job_signs():
-    """Why this process looks launched to run on a GPU ('' when it does not): GPUs given to it
-    by CUDA_VISIBLE_DEVICES or SLURM, or an NVIDIA driver loaded on this machine. A CPU-only
+    """Why this process looks launched to run on a GPU ('' when it does not). A CPU-only
     machine shows none, whatever torch build it has, so device='auto' goes to the CPU there
     without a word."""
-    env = os.environ
-    signs = [f"{name}={env[name]}" for name in GPU_JOB_VARIABLES if env.get(name)]
+    signs = [f"{name}={os.environ[name]}" for name in GPU_JOB_VARIABLES if os.environ.get(name)]
     if os.path.exists(NVIDIA_DRIVER):
         signs.append(f"this machine has an NVIDIA driver ({NVIDIA_DRIVER})")
     return ", ".join(signs)
