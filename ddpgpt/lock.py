@@ -21,7 +21,7 @@ def locked(folder, script, fix=None):
     folder if need be. Another holder is a UserError that names it; a folder that cannot be
     written in is a UserError that says what it is and then fix, what to do.
 
-    The lock is fcntl.flock on folder/ddpgpt.lock, which names its holder (write_holder) and is
+    The lock is fcntl.flock on folder/ddpgpt.lock, which names its holder (acquire) and is
     removed when the block ends. The kernel releases a flock when its process dies, however it
     dies; a lock file left by a holder that is gone (gone()) is taken over, logged (INFO). What
     it protects, across hosts too, and what it does not: docs/bad_inputs.md (prepare.py's)."""
@@ -80,7 +80,10 @@ def acquire(path, script):
             log.info(f"{script}: taking over the lock on {os.path.dirname(path)}: "
                      f"{describe_holder(holder)} held it and is no longer running")
         if locked_now:
-            write_holder(fd, script)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({"script": script, "pid": os.getpid(), "host": HOST,
+                                      "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                                      "slurm": slurm_run()}).encode(), 0)
             return fd
         # its flock is still held (by its children, or for a crashed host by the file
         # server, until its lease ends): a new lock file replaces the old one
@@ -126,13 +129,6 @@ def read_holder(fd):
     except ValueError:
         return {}
     return holder if isinstance(holder, dict) else {}
-
-
-def write_holder(fd, script):
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({"script": script, "pid": os.getpid(), "host": HOST,
-                              "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-                              "slurm": slurm_run()}).encode(), 0)
 
 
 def same_file(fd, path):
