@@ -1,8 +1,7 @@
 """The network check before the first step (train.py's network_check; docs/performance.md): timed
 all-reduces within each node and over all ranks, then rounds in which the first ranks of two
 nodes exchange, every pair of nodes once, so that one slow node or link is named instead of
-averaged into the group's figure. It logs the bus bandwidths and says where the network is slow.
-"""
+averaged into the group's figure. It logs the bus bandwidths and says where the network is slow."""
 import logging
 import os
 import re

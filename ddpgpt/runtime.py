@@ -1,7 +1,6 @@
 """Where and how a process computes, for every script: its rank among the launched processes,
 its device, its precision (dtype, autocast and gradient scaler) and the device's peak FLOP/s for
-MFU. The process group that the ranks form is launch.py's.
-"""
+MFU. The process group that the ranks form is launch.py's."""
 import logging
 import os
 import time
