@@ -30,12 +30,11 @@ class StartUpFailed(Exception):
 @contextlib.contextmanager
 def session(script, device, backend="", timeout_s=600, *, locks=(), watch=None, stops=False,
             standing=lambda: ("", ""), log_stream=None):
-    """The Session of a script's process, in this order: stop signals recorded (stops), the launcher
-    watched, the hang watchdog started (watch: out_dir, hang_timeout_s, startup_timeout_s), logging
-    set up, the device picked, the process group joined, and on rank 0 a lock on each of `locks`
-    ((folder, what to do when it cannot be written), held until the end). A rank that loses another
-    says so with standing(): (where the run is, how to go on). At the end every rank leaves together
-    (finish): with status 1 when the start-up failed."""
+    """The Session of a script's process, made in the order below: stops records stop signals
+    and watches the launcher; watch is the hang watchdog's (out_dir, hang_timeout_s,
+    startup_timeout_s); on rank 0 each of `locks`, (folder, what to do when it cannot be written),
+    is locked until the end. A rank that loses another says so with standing(): (where the run is,
+    how to go on). At the end every rank leaves together (finish): status 1 if start-up failed."""
     received = signals.catch_stop_signals(script) if stops else []
     ranks = runtime.ranks()
     if stops:

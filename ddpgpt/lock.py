@@ -97,9 +97,8 @@ def slurm_run():
 
 
 def gone(holder):
-    """Has the holder a lock file names ended? Only when that is known: a process of this host
-    that no longer runs, or an earlier run of this SLURM job (requeued, perhaps onto another
-    node: SLURM runs one at a time)."""
+    """Has the holder a lock file names ended? Only when known: a process of this host that no
+    longer runs, or an earlier run of this SLURM job (one at a time, perhaps on another node)."""
     if holder.get("host") == HOST and not alive(holder.get("pid")):
         return True
     ours, theirs = slurm_run(), holder.get("slurm")
