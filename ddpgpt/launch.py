@@ -107,9 +107,7 @@ def check_backend(backend, device):
     UserError that names those it can."""
     kind = runtime.device_type(device)
     backend = backend or ("nccl" if kind == "cuda" else "gloo")
-    built = [name for name, there in (("gloo", dist.is_gloo_available()),
-                                      ("nccl", dist.is_nccl_available()),
-                                      ("mpi", dist.is_mpi_available())) if there]
+    built = [name for name in ("gloo", "nccl", "mpi") if getattr(dist, f"is_{name}_available")()]
     if backend not in built:
         raise UserError(f"backend={backend!r}, but torch {torch.__version__} was built without "
                         f"it{' (a CPU build)' if not torch.version.cuda else ''}: it has "
