@@ -30,12 +30,11 @@ class StartUpFailed(Exception):
 @contextlib.contextmanager
 def session(script, device, backend="", timeout_s=600, *, locks=(), watch=None, stops=False,
             standing=lambda: ("", ""), log_stream=None):
-    """The Session of a script's process, in this order: stop signals recorded (stops), the launcher
-    watched, the hang watchdog started (watch: out_dir, hang_timeout_s, startup_timeout_s), logging
-    set up, the device picked, the process group joined, and on rank 0 a lock on each of `locks`
-    ((folder, what to do when it cannot be written), held until the end). A rank that loses another
-    says so with standing(): (where the run is, how to go on). At the end every rank leaves together
-    (finish): with status 1 when the start-up failed."""
+    """The Session of a script's process, made in the order below: stops records stop signals
+    and watches the launcher; watch is the hang watchdog's (out_dir, hang_timeout_s,
+    startup_timeout_s); on rank 0 each of `locks`, (folder, what to do when it cannot be written),
+    is locked until the end. A rank that loses another says so with standing(): (where the run is,
+    how to go on). At the end every rank leaves together (finish): status 1 if start-up failed."""
     received = signals.catch_stop_signals(script) if stops else []
     ranks = runtime.ranks()
     if stops:
@@ -72,10 +71,9 @@ def start(s, start_up):
     for r, e in enumerate(gather(error, s.ranks.world_size)):
         if e is not None:
             problems.setdefault(e, []).append(r)
-    if problems and s.ranks.master:
-        for message, where in problems.items():
-            say(line(s.script, message, where if s.ranks.world_size > 1 else ()))
     if problems:
+        for message, where in problems.items() if s.ranks.master else ():
+            say(line(s.script, message, where if s.ranks.world_size > 1 else ()))
         raise StartUpFailed
     return found
 
@@ -109,9 +107,7 @@ def check_backend(backend, device):
     UserError that names those it can."""
     kind = runtime.device_type(device)
     backend = backend or ("nccl" if kind == "cuda" else "gloo")
-    built = [name for name, there in (("gloo", dist.is_gloo_available()),
-                                      ("nccl", dist.is_nccl_available()),
-                                      ("mpi", dist.is_mpi_available())) if there]
+    built = [name for name in ("gloo", "nccl", "mpi") if getattr(dist, f"is_{name}_available")()]
     if backend not in built:
         raise UserError(f"backend={backend!r}, but torch {torch.__version__} was built without "
                         f"it{' (a CPU build)' if not torch.version.cuda else ''}: it has "
@@ -132,12 +128,11 @@ def finish(world_size, status=0):
     thread that is still dropping a collective's tensor waits for that GIL: the rank hangs for ever
     (1 in 6 runs on 4 ranks here). Everything a script writes is closed or flushed by then. (A rank
     that fails alone never comes here: errors.run ends it at once too.)"""
-    if world_size == 1:
-        if status:
-            raise SystemExit(status)
-        return
-    dist.destroy_process_group()
-    exit_now(status)
+    if world_size > 1:
+        dist.destroy_process_group()
+        exit_now(status)  # os._exit: it does not return
+    if status:
+        raise SystemExit(status)
 
 
 def gather(value, world_size):

@@ -17,17 +17,14 @@ _held = {}  # {path: open descriptor} of the locks this process holds, for relea
 
 @contextlib.contextmanager
 def locked(folder, script, fix=None):
-    """Hold folder's lock while the block runs, in one process of a run (rank 0). The folder
-    is made if it does not exist. Another holder is a UserError that names it; taking over a
-    dead holder's lock is logged (INFO); a folder that cannot be written in is a UserError
-    that says what it is and then fix, what to do.
+    """Hold folder's lock while the block runs, in one process of a run (rank 0), making the
+    folder if need be. Another holder is a UserError that names it; a folder that cannot be
+    written in is a UserError that says what it is and then fix, what to do.
 
-    The lock is fcntl.flock on folder/ddpgpt.lock, which holds its holder's host, pid, script,
-    start time and SLURM job, and is removed when the block ends. The kernel releases a flock
-    when its process dies, however it dies; a lock file left by a holder that is gone is taken
-    over with a notice: a process of this host that no longer runs, or an earlier run of this
-    SLURM job (requeued, perhaps onto another node). What it protects, across hosts too, and
-    what it does not: docs/bad_inputs.md (prepare.py's section)."""
+    The lock is fcntl.flock on folder/ddpgpt.lock, which names its holder (acquire) and is
+    removed when the block ends. The kernel releases a flock when its process dies, however it
+    dies; a lock file left by a holder that is gone (gone()) is taken over, logged (INFO). What
+    it protects, across hosts too, and what it does not: docs/bad_inputs.md (prepare.py's)."""
     path = os.path.join(folder, LOCK_NAME)
     if os.path.isdir(path):
         raise UserError(f"{path} is a folder, where {script} keeps its lock file (one writer "
@@ -83,7 +80,10 @@ def acquire(path, script):
             log.info(f"{script}: taking over the lock on {os.path.dirname(path)}: "
                      f"{describe_holder(holder)} held it and is no longer running")
         if locked_now:
-            write_holder(fd, script)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({"script": script, "pid": os.getpid(), "host": HOST,
+                                      "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                                      "slurm": slurm_run()}).encode(), 0)
             return fd
         # its flock is still held (by its children, or for a crashed host by the file
         # server, until its lease ends): a new lock file replaces the old one
@@ -97,8 +97,8 @@ def slurm_run():
 
 
 def gone(holder):
-    """Has the holder a lock file names ended? Only when that is known: a process of this host
-    that no longer runs, or an earlier run of this SLURM job (SLURM runs one at a time)."""
+    """Has the holder a lock file names ended? Only when known: a process of this host that no
+    longer runs, or an earlier run of this SLURM job (one at a time, perhaps on another node)."""
     if holder.get("host") == HOST and not alive(holder.get("pid")):
         return True
     ours, theirs = slurm_run(), holder.get("slurm")
@@ -107,12 +107,11 @@ def gone(holder):
 
 
 def refusal(path, holder):
-    folder = os.path.dirname(path)
     who = describe_holder(holder) if holder else "another process (which has not yet " \
                                                    "written its name in the lock file)"
-    return (f"{folder} is being written by {who}, and two writers in one folder would destroy "
-            f"each other's output: wait for it to end or stop it, or choose another folder. "
-            f"If it is not running (its machine crashed, say), remove {path}.")
+    return (f"{os.path.dirname(path)} is being written by {who}, and two writers in one folder "
+            f"would destroy each other's output: wait for it to end or stop it, or choose "
+            f"another folder. If it is not running (its machine crashed, say), remove {path}.")
 
 
 def describe_holder(holder):
@@ -129,13 +128,6 @@ def read_holder(fd):
     except ValueError:
         return {}
     return holder if isinstance(holder, dict) else {}
-
-
-def write_holder(fd, script):
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({"script": script, "pid": os.getpid(), "host": HOST,
-                              "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-                              "slurm": slurm_run()}).encode(), 0)
 
 
 def same_file(fd, path):

@@ -1,8 +1,7 @@
 """The network check before the first step (train.py's network_check; docs/performance.md): timed
 all-reduces within each node and over all ranks, then rounds in which the first ranks of two
 nodes exchange, every pair of nodes once, so that one slow node or link is named instead of
-averaged into the group's figure. It logs the bus bandwidths and says where the network is slow.
-"""
+averaged into the group's figure. It logs the bus bandwidths and says where the network is slow."""
 import logging
 import os
 import re
@@ -11,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ddpgpt import peers, runtime
+from ddpgpt import launch, peers, runtime
 from ddpgpt.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -76,9 +75,8 @@ def check(ranks, device, min_gbps, stop, one_node_too):
     if len(nodes) == 1 and not one_node_too:
         return
     members = [[r for r, h in enumerate(hosts) if h == node] for node in nodes]
-    every = [None] * ranks.world_size
-    dist.all_gather_object(every, (*measure(ranks.rank, device, members), {
-        k: v for k, v in os.environ.items() if k.startswith(VARIABLES)}))
+    every = launch.gather((*measure(ranks.rank, device, members), {
+        k: v for k, v in os.environ.items() if k.startswith(VARIABLES)}), ranks.world_size)
     size = MIB[runtime.device_type(device)] << 20
 
     def gbps(t, k=2):  # an all-reduce's bus bandwidth over k ranks; a pair's, each way

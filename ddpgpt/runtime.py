@@ -1,7 +1,6 @@
 """Where and how a process computes, for every script: its rank among the launched processes,
 its device, its precision (dtype, autocast and gradient scaler) and the device's peak FLOP/s for
-MFU. The process group that the ranks form is launch.py's.
-"""
+MFU. The process group that the ranks form is launch.py's."""
 import logging
 import os
 import time
@@ -65,9 +64,8 @@ def slurm_tasks_on_this_node(env):
 def pick_device(device, ranks):
     """'auto' is this rank's GPU when torch sees one, else the CPU (with a note where the
     process looks launched to run on a GPU: gpu_job_signs); 'cuda' is this rank's GPU,
-    cuda:<local rank>, since a launcher starts one process per GPU. cuda:N with several ranks on
-    this node would put them all on one GPU. A device this torch cannot serve is a UserError
-    that names the ones it can."""
+    cuda:<local rank>, since a launcher starts one process per GPU. A device this torch cannot
+    serve is a UserError that names the ones it can."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cpu" and (signs := gpu_job_signs()):
@@ -81,7 +79,13 @@ def pick_device(device, ranks):
         raise UserError(f"device={device!r} is not a device: use auto, cpu, cuda (this rank's "
                         f"GPU) or cuda:N.") from None
     if chosen.type == "mps":
-        return apple_gpu(device, ranks)
+        if not torch.backends.mps.is_available():
+            raise UserError(f"device={device!r}, but torch {torch.__version__} has no MPS device "
+                            f"here (Apple's GPUs, on macOS). {can_run_on()}")
+        if ranks.world_size > 1:
+            raise UserError(f"device={device!r} runs one process only (gloo cannot all-reduce "
+                            f"MPS tensors): run python train.py, not {ranks.world_size} ranks.")
+        return device
     if chosen.type not in ("cpu", "cuda"):
         raise UserError(f"device={device!r}: ddpgpt does not run on {chosen.type} devices. "
                         f"{can_run_on()}")
@@ -114,27 +118,13 @@ NVIDIA_DRIVER = "/dev/nvidiactl"  # the loaded driver's control device, on Linux
 
 
 def gpu_job_signs():
-    """Why this process looks launched to run on a GPU ('' when it does not): GPUs given to it
-    by CUDA_VISIBLE_DEVICES or SLURM, or an NVIDIA driver loaded on this machine. A CPU-only
+    """Why this process looks launched to run on a GPU ('' when it does not). A CPU-only
     machine shows none, whatever torch build it has, so device='auto' goes to the CPU there
     without a word."""
-    env = os.environ
-    signs = [f"{name}={env[name]}" for name in GPU_JOB_VARIABLES if env.get(name)]
+    signs = [f"{name}={os.environ[name]}" for name in GPU_JOB_VARIABLES if os.environ.get(name)]
     if os.path.exists(NVIDIA_DRIVER):
         signs.append(f"this machine has an NVIDIA driver ({NVIDIA_DRIVER})")
     return ", ".join(signs)
-
-
-def apple_gpu(device, ranks):
-    """mps, where this torch has it, for one process: gloo, the one backend that could join
-    several, all-reduces CPU and CUDA tensors only."""
-    if not torch.backends.mps.is_available():
-        raise UserError(f"device={device!r}, but torch {torch.__version__} has no MPS device "
-                        f"here (Apple's GPUs, on macOS). {can_run_on()}")
-    if ranks.world_size > 1:
-        raise UserError(f"device={device!r} runs one process only (gloo cannot all-reduce MPS "
-                        f"tensors): run python train.py, not {ranks.world_size} ranks.")
-    return device
 
 
 def can_run_on():
