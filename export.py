@@ -64,20 +64,16 @@ def tokenizer_note(tok, dest):
             f"{tok.eot}.")
 
 
-def architecture_note(args):
-    """(what the folder holds, its block in a few words)."""
-    if args.get("arch", "gpt2") == "modern":
-        return "Qwen3 (ddpgpt's arch='modern')", (
-            f"Qwen3's block: RMSNorm, rotary position embeddings (theta "
-            f"{args['rope_theta']:g}), QK-norm, SwiGLU, no biases, untied output head")
-    gelu = {"none": "exact (`gelu`)", "tanh": "tanh approximation (`gelu_new`)"}[
-        args.get("gelu_approximate", "none")]
-    return "GPT-2", f"GELU {gelu}"
-
-
 def readme(state, path, tok, dest):
     args = state["model_args"]
-    kind, block = architecture_note(args)
+    if args.get("arch", "gpt2") == "modern":  # what the folder holds, its block in a few words
+        kind, block = "Qwen3 (ddpgpt's arch='modern')", (
+            f"Qwen3's block: RMSNorm, rotary position embeddings (theta "
+            f"{args['rope_theta']:g}), QK-norm, SwiGLU, no biases, untied output head")
+    else:
+        gelu = {"none": "exact (`gelu`)", "tanh": "tanh approximation (`gelu_new`)"}[
+            args.get("gelu_approximate", "none")]
+        kind, block = "GPT-2", f"GELU {gelu}"
     text = (f"# A {kind} exported by ddpgpt\n\n"
             f"From `{path}` (iter {state['iter_num']}) by `python export.py`: "
             f"{args['n_layer']} layers, {args['n_head']} heads, {args['n_embd']} dimensions, "
