@@ -113,16 +113,6 @@ def write(dest, state, path, tok):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_file(dest, state):
-    """dest, a checkpoint file, complete or not at all."""
-    try:
-        with fileio.publishing(dest) as tmp:
-            torch.save(state, tmp)
-    except (OSError, RuntimeError) as e:  # torch.save reports a short write as RuntimeError
-        raise UserError(f"could not write {dest} ({e}); nothing is left there: free space or "
-                        f"give another --to.") from e
-
-
 def main(argv):
     cfg = configurator.parse(ExportConfig, argv, "export.py")
     if not cfg.to:
@@ -137,7 +127,12 @@ def main(argv):
         cfg.out_dir, "give the out_dir of a run, or one checkpoint (a file or a folder).",
         whole=checkpoint.TENSORS if one_file else ("model",))
     if one_file:
-        write_file(dest, state)
+        try:
+            with fileio.publishing(dest) as tmp:
+                torch.save(state, tmp)
+        except (OSError, RuntimeError) as e:  # torch.save reports a short write as RuntimeError
+            raise UserError(f"could not write {dest} ({e}); nothing is left there: free space "
+                            f"or give another --to.") from e
         print(f"export.py: wrote {path} (iter {state['iter_num']}) as {dest}")
         return 0
     meta, where = data_meta(state)
