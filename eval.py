@@ -37,8 +37,12 @@ def main(argv):
                         standing=lambda: ("", "Nothing is lost: run it again."),
                         log_stream=sys.stderr) as s:
         cfg, model, loaded, ev, where = launch.start(s, lambda: start_up(cfg, given))
-        results = evaluate(model.to(s.device), ev, s.ranks,
-                           runtime.precision(cfg.dtype, s.device), s.device)
+        model, autocast = model.to(s.device), runtime.precision(cfg.dtype, s.device).autocast
+        results = evaluation.losses(model, ev, s.ranks, autocast, s.device) if ev.splits else {}
+        if ev.hellaswag is not None:
+            t0 = time.perf_counter()
+            results.update(evaluation.hellaswag_scores(model, ev, s.ranks, autocast, s.device))
+            results["hellaswag_s"] = time.perf_counter() - t0
         if s.ranks.master:
             print(summary(cfg, results, loaded.source, where, ev.hellaswag))
             print(json.dumps({**results, "model": loaded.source}))
@@ -122,18 +126,6 @@ def make_evaluation(cfg, given, val, loaded):
         log.info(f"eval.py: HellaSwag skipped: {e} --hellaswag=False leaves it out without this "
                  f"line.")
         return evaluation.make(val, cfg, vocab_size, tok, False, "")
-
-
-def evaluate(model, ev, ranks, precision, device):
-    """{'val_loss', 'val_bpb', 'hellaswag_...'}: what was asked for, on every rank."""
-    results = {}
-    if ev.splits:
-        results.update(evaluation.losses(model, ev, ranks, precision.autocast, device))
-    if ev.hellaswag is not None:
-        t0 = time.perf_counter()
-        results.update(evaluation.hellaswag_scores(model, ev, ranks, precision.autocast, device))
-        results["hellaswag_s"] = time.perf_counter() - t0
-    return results
 
 
 def summary(cfg, results, source, where, hellaswag_data):
