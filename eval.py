@@ -37,8 +37,12 @@ def main(argv):
                         standing=lambda: ("", "Nothing is lost: run it again."),
                         log_stream=sys.stderr) as s:
         cfg, model, loaded, ev, where = launch.start(s, lambda: start_up(cfg, given))
-        results = evaluate(model.to(s.device), ev, s.ranks,
-                           runtime.precision(cfg.dtype, s.device), s.device)
+        model, autocast = model.to(s.device), runtime.precision(cfg.dtype, s.device).autocast
+        results = evaluation.losses(model, ev, s.ranks, autocast, s.device) if ev.splits else {}
+        if ev.hellaswag is not None:
+            t0 = time.perf_counter()
+            results.update(evaluation.hellaswag_scores(model, ev, s.ranks, autocast, s.device))
+            results["hellaswag_s"] = time.perf_counter() - t0
         if s.ranks.master:
             print(summary(cfg, results, loaded.source, where, ev.hellaswag))
             print(json.dumps({**results, "model": loaded.source}))
@@ -46,13 +50,22 @@ def main(argv):
 
 
 def start_up(cfg, given):
-    """(the settings as the checkpoint trained with, the model, weights.Loaded, the Evaluation,
-    where its val split comes from)."""
-    model, loaded = load_model(cfg)
+    """(the settings as the checkpoint trained with, the model on the CPU, weights.Loaded, the
+    Evaluation, where its val split comes from)."""
+    loaded = weights.load(cfg.init_from, cfg.out_dir, "give --out_dir a run's out_dir or one "
+                          "checkpoint file, or --init_from=gpt2.")
+    log.info(f"eval.py: {loaded.source}")
+    positions = loaded.args["block_size"]
+    if cfg.block_size > positions:
+        raise UserError(f"block_size={cfg.block_size} is more than the model's {positions} "
+                        f"positions: use block_size <= {positions}, or 0 for all of them.")
+    # the loss as the run's was: over the tokenizer's ids, or every row in older checkpoints
+    model = GPT(GPTConfig(**loaded.args), loaded.state and Saved.of(loaded.state).scored_ids)
+    model.load_state_dict(loaded.weights)
     trained = Saved.of(loaded.state).config if loaded.state else {}  # {} for HF weights
     # the evaluation settings left at 0 as the checkpoint's run had them (train.py's defaults for
     # weights that come with no run), and block_size the model's
-    cfg = dataclasses.replace(cfg, block_size=cfg.block_size or loaded.args["block_size"], **{
+    cfg = dataclasses.replace(cfg, block_size=cfg.block_size or positions, **{
         key: getattr(cfg, key) or trained.get(key) or getattr(TrainConfig, key)
         for key in ("eval_iters", "batch_size")})
     val, where = val_split(cfg, trained, loaded) if cfg.val_loss else ({}, None)
@@ -113,33 +126,6 @@ def make_evaluation(cfg, given, val, loaded):
         log.info(f"eval.py: HellaSwag skipped: {e} --hellaswag=False leaves it out without this "
                  f"line.")
         return evaluation.make(val, cfg, vocab_size, tok, False, "")
-
-
-def load_model(cfg):
-    """(the model on the CPU, weights.Loaded)."""
-    loaded = weights.load(cfg.init_from, cfg.out_dir, "give --out_dir a run's out_dir or one "
-                          "checkpoint file, or --init_from=gpt2.")
-    log.info(f"eval.py: {loaded.source}")
-    positions = loaded.args["block_size"]
-    if cfg.block_size > positions:
-        raise UserError(f"block_size={cfg.block_size} is more than the model's {positions} "
-                        f"positions: use block_size <= {positions}, or 0 for all of them.")
-    # the loss as the run's was: over the tokenizer's ids, or every row in older checkpoints
-    model = GPT(GPTConfig(**loaded.args), loaded.state and Saved.of(loaded.state).scored_ids)
-    model.load_state_dict(loaded.weights)
-    return model, loaded
-
-
-def evaluate(model, ev, ranks, precision, device):
-    """{'val_loss', 'val_bpb', 'hellaswag_...'}: what was asked for, on every rank."""
-    results = {}
-    if ev.splits:
-        results.update(evaluation.losses(model, ev, ranks, precision.autocast, device))
-    if ev.hellaswag is not None:
-        t0 = time.perf_counter()
-        results.update(evaluation.hellaswag_scores(model, ev, ranks, precision.autocast, device))
-        results["hellaswag_s"] = time.perf_counter() - t0
-    return results
 
 
 def summary(cfg, results, source, where, hellaswag_data):

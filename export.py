@@ -64,20 +64,16 @@ def tokenizer_note(tok, dest):
             f"{tok.eot}.")
 
 
-def architecture_note(args):
-    """(what the folder holds, its block in a few words)."""
-    if args.get("arch", "gpt2") == "modern":
-        return "Qwen3 (ddpgpt's arch='modern')", (
-            f"Qwen3's block: RMSNorm, rotary position embeddings (theta "
-            f"{args['rope_theta']:g}), QK-norm, SwiGLU, no biases, untied output head")
-    gelu = {"none": "exact (`gelu`)", "tanh": "tanh approximation (`gelu_new`)"}[
-        args.get("gelu_approximate", "none")]
-    return "GPT-2", f"GELU {gelu}"
-
-
 def readme(state, path, tok, dest):
     args = state["model_args"]
-    kind, block = architecture_note(args)
+    if args.get("arch", "gpt2") == "modern":  # what the folder holds, its block in a few words
+        kind, block = "Qwen3 (ddpgpt's arch='modern')", (
+            f"Qwen3's block: RMSNorm, rotary position embeddings (theta "
+            f"{args['rope_theta']:g}), QK-norm, SwiGLU, no biases, untied output head")
+    else:
+        gelu = {"none": "exact (`gelu`)", "tanh": "tanh approximation (`gelu_new`)"}[
+            args.get("gelu_approximate", "none")]
+        kind, block = "GPT-2", f"GELU {gelu}"
     text = (f"# A {kind} exported by ddpgpt\n\n"
             f"From `{path}` (iter {state['iter_num']}) by `python export.py`: "
             f"{args['n_layer']} layers, {args['n_head']} heads, {args['n_embd']} dimensions, "
@@ -117,16 +113,6 @@ def write(dest, state, path, tok):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_file(dest, state):
-    """dest, a checkpoint file, complete or not at all."""
-    try:
-        with fileio.publishing(dest) as tmp:
-            torch.save(state, tmp)
-    except (OSError, RuntimeError) as e:  # torch.save reports a short write as RuntimeError
-        raise UserError(f"could not write {dest} ({e}); nothing is left there: free space or "
-                        f"give another --to.") from e
-
-
 def main(argv):
     cfg = configurator.parse(ExportConfig, argv, "export.py")
     if not cfg.to:
@@ -141,7 +127,12 @@ def main(argv):
         cfg.out_dir, "give the out_dir of a run, or one checkpoint (a file or a folder).",
         whole=checkpoint.TENSORS if one_file else ("model",))
     if one_file:
-        write_file(dest, state)
+        try:
+            with fileio.publishing(dest) as tmp:
+                torch.save(state, tmp)
+        except (OSError, RuntimeError) as e:  # torch.save reports a short write as RuntimeError
+            raise UserError(f"could not write {dest} ({e}); nothing is left there: free space "
+                            f"or give another --to.") from e
         print(f"export.py: wrote {path} (iter {state['iter_num']}) as {dest}")
         return 0
     meta, where = data_meta(state)

@@ -91,7 +91,11 @@ def locate(path):
         with open(cached + ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not os.path.exists(cached):
-                download(cached)
+                log.info(f"hellaswag: downloading {URL} to {cached}")
+                with fileio.publishing(cached) as tmp:
+                    with urllib.request.urlopen(URL, timeout=60) as response, open(tmp, "wb") as f:
+                        shutil.copyfileobj(response, f)
+                    read(tmp)  # a complete, well-formed file, or none at all
     except (OSError, http.client.HTTPException) as e:  # urllib's errors are OSErrors
         raise Unavailable(
             f"HellaSwag's validation set is not in {cache_dir()} and could not be downloaded "
@@ -100,14 +104,6 @@ def locate(path):
             f"--hellaswag_path={FILE_NAME} (or put it in that folder, where it is looked for "
             f"first; DDPGPT_CACHE chooses the folder).") from e
     return cached
-
-
-def download(path):
-    log.info(f"hellaswag: downloading {URL} to {path}")
-    with fileio.publishing(path) as tmp:
-        with urllib.request.urlopen(URL, timeout=60) as response, open(tmp, "wb") as f:
-            shutil.copyfileobj(response, f)
-        read(tmp)  # a complete, well-formed file, or none at all
 
 
 def read(path):
