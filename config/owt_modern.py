@@ -32,7 +32,9 @@ muon_lr = 0.02  # Muon's peak, for the blocks' matrices
 muon_momentum = 0.95
 muon_beta2 = 0.95  # NorMuon; with proj_init, what paid at the quick start's size (training.md)
 proj_init = "zero"
-learning_rate = 6e-4  # AdamW's, for the embeddings, the head and the norms
+# AdamW's, for the embeddings, the head and the norms: 5 times GPT-2's, as paid at the quick
+# start's size (training.md); nanochat's output layer takes 0.004, its embeddings far more
+learning_rate = 3e-3
 weight_decay = 1e-1
 max_iters = 10000
 lr_schedule = "wsd"  # warm-up, stable, then the last 40% decaying to min_lr

@@ -20,15 +20,15 @@ batch_size = 16
 gradient_accumulation_steps = 2  # a multiple of the ranks: 1 or 2 on a 2-core machine
 optimizer = "muon"
 muon_lr = 0.02  # Muon's peak, for the blocks' matrices
-# recipe two's pieces that paid on this corpus (docs/training.md, "The modern recipe"): NorMuon
-# and output projections that start at zero
+# recipe two's pieces that paid on this corpus (docs/training.md, "The modern recipe"): NorMuon,
+# output projections that start at zero, and AdamW's rate 5 times the quick start's
 muon_beta2 = 0.95
 proj_init = "zero"
-learning_rate = 2e-3  # AdamW's, for the embeddings, the head and the norms
+learning_rate = 1e-2  # AdamW's, for the embeddings, the head and the norms
 max_iters = 1000
 lr_decay_iters = 1000
 warmup_iters = 50
-min_lr = 2e-4  # Muon's is muon_lr x min_lr / learning_rate
+min_lr = 1e-3  # Muon's is muon_lr x min_lr / learning_rate: as before, 0.1 of its peak
 beta2 = 0.99  # a small model on few tokens per step: a shorter memory is steadier
 
 eval_interval = 250
