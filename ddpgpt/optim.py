@@ -33,9 +33,8 @@ from ddpgpt.parallel import local
 
 def make(cfg, model, device_type):
     """train.py's optimizer for its settings (cfg: a TrainConfig)."""
-    own_rates = [(embeddings(model), cfg.embedding_lr)] if cfg.embedding_lr else []
     adamw_settings = (cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type,
-                      cfg.cautious_weight_decay, own_rates)
+                      cfg.cautious_weight_decay)
     if cfg.optimizer == "adamw":
         return make_optimizer(model, *adamw_settings)
     matrices = muon_parameters(model, cfg.muon_params)
@@ -49,44 +48,21 @@ def make(cfg, model, device_type):
     return MuonAdamW(muon, adamw(rest, *adamw_settings))
 
 
-def make_optimizer(model, weight_decay, learning_rate, betas, device_type, cautious=False,
-                   own_rates=()):
+def make_optimizer(model, weight_decay, learning_rate, betas, device_type, cautious=False):
     """AdamW over every parameter of the model."""
-    return adamw(model.parameters(), weight_decay, learning_rate, betas, device_type, cautious,
-                 own_rates)
+    return adamw(model.parameters(), weight_decay, learning_rate, betas, device_type, cautious)
 
 
-def embeddings(model):
-    """The token embedding (the output layer too, where tied) and GPT-2's position embedding."""
-    return [m.weight for name, m in model.transformer.named_children() if name in ("wte", "wpe")]
-
-
-def adamw(parameters, weight_decay, learning_rate, betas, device_type, cautious=False,
-          own_rates=()):
-    """AdamW with weight decay on the matrices; own_rates: [(parameters, their peak learning
-    rate)] (embedding_lr), each a group of its own after the matrices', its rate following the
-    schedule in proportion (lr_ratios, for set_lr). Without them its groups are as before."""
-    params = [p for p in parameters if p.requires_grad]
-    own = {id(p): i for i, (group, _) in enumerate(own_rates) for p in group}
+def adamw(parameters, weight_decay, learning_rate, betas, device_type, cautious=False):
     # decaying biases and LayerNorm gains just pulls them towards a degenerate zero
-    groups = [{"params": [p for p in params if p.dim() >= 2 and id(p) not in own],
-               "weight_decay": weight_decay},
-              *({"params": [p for p in params if own.get(id(p)) == i],
-                 "weight_decay": weight_decay} for i in range(len(own_rates))),
-              {"params": [p for p in params if p.dim() < 2 and id(p) not in own],
-               "weight_decay": 0.0}]
-    ratios = [1.0, *(peak / learning_rate for _, peak in own_rates), 1.0]
-    kept = [i for i, group in enumerate(groups) if group["params"]]
-    for i in kept:  # each group at its peak for a loop that keeps the rates (Lightning's)
-        groups[i]["lr"] = learning_rate * ratios[i]
+    params = [p for p in parameters if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     # the fused kernel is one launch for all parameters instead of several per tensor
     fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
     extra = dict(fused=True) if fused else dict()
     kind = CautiousAdamW if cautious else torch.optim.AdamW
-    optimizer = kind([groups[i] for i in kept], lr=learning_rate, betas=betas, **extra)
-    # an attribute, not a group's setting: a checkpoint does not keep it, a resume takes the run's
-    optimizer.lr_ratios = [ratios[i] for i in kept]
-    return optimizer
+    return kind(groups, lr=learning_rate, betas=betas, **extra)
 
 
 class CautiousAdamW(torch.optim.AdamW):
@@ -223,14 +199,12 @@ class States(collections.abc.MutableMapping):
 
 def set_lr(optimizer, cfg, it):
     """Set every group's learning rate for step it, and return the schedule's (lr_at): the
-    AdamW groups take it (times their lr_ratios: embedding_lr's), Muon's muon_lr /
-    learning_rate times it."""
+    AdamW groups take it, Muon's muon_lr / learning_rate times it."""
     lr = schedule.lr_at(cfg, it)
-    adamw_part, muon_groups = (optimizer.adamw, optimizer.muon.param_groups) \
-        if isinstance(optimizer, MuonAdamW) else (optimizer, [])
-    ratios = getattr(adamw_part, "lr_ratios", None) or [1.0] * len(adamw_part.param_groups)
-    for group, ratio in zip(adamw_part.param_groups, ratios):
-        group["lr"] = lr * ratio
+    adamw_groups, muon_groups = (optimizer.adamw.param_groups, optimizer.muon.param_groups) \
+        if isinstance(optimizer, MuonAdamW) else (optimizer.param_groups, [])
+    for group in adamw_groups:
+        group["lr"] = lr
     for group in muon_groups:
         group["lr"] = cfg.muon_lr * (lr / cfg.learning_rate)
     return lr

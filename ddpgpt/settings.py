@@ -115,10 +115,6 @@ class TrainConfig:
         "adamw", "adamw: AdamW for every parameter; muon: Muon for the matrices "
                  "that muon_params names, AdamW (learning_rate) for the rest")
     learning_rate: float = key(6e-4, "the peak learning rate (AdamW's)", at_least=0)
-    embedding_lr: float = key(0.0, "AdamW's peak learning rate for the embeddings (the token "
-                                   "embedding, tied or not, and gpt2's positions), in a group of "
-                                   "their own; it follows the schedule in proportion to "
-                                   "learning_rate (0: learning_rate)", at_least=0)
     max_iters: int = key(600000, "optimizer steps in all", at_least=0)
     weight_decay: float = key(1e-1, "AdamW's, on the matrices only", at_least=0)
     beta1: float = key(0.9, "AdamW's beta1", at_least=0, below=1)
@@ -251,11 +247,6 @@ class TrainConfig:
                             "follows the schedule of learning_rate in proportion (muon_lr at "
                             "its peak), which a peak of 0 leaves undefined. Set learning_rate "
                             "(the AdamW part's) above 0.")
-        if self.embedding_lr and self.learning_rate == 0:
-            raise UserError("embedding_lr with learning_rate=0: the embeddings' rate follows "
-                            "the schedule of learning_rate in proportion (embedding_lr at its "
-                            "peak), which a peak of 0 leaves undefined. Set learning_rate above "
-                            "0.")
         # the keys that only fsdp reads (what it cannot train in, float16, is parallel.check's:
         # the device says what dtype='auto' is)
         for name in ("reshard_after_forward", "reduce_every_micro_step"):

@@ -187,14 +187,6 @@ def check_same_optimizer(cfg, trained):
         raise UserError(f"{changed}: the checkpoint in {cfg.out_dir} holds the state of the "
                         f"optimizer it was trained with, which another one cannot take up. Resume "
                         f"with {fix}, or start a new run in another out_dir.")
-    was, now = trained.get("embedding_lr", 0.0), cfg.embedding_lr
-    if bool(was) != bool(now):  # its rate may change, as learning_rate's may
-        fix = "--embedding_lr above 0 (any rate)" if was else "--embedding_lr=0"
-        raise UserError(f"embedding_lr={now!r} ({was!r} there): the checkpoint in {cfg.out_dir} "
-                        f"holds AdamW's state in the groups its run had, "
-                        f"{'with' if was else 'without'} one of the embeddings' own, which this "
-                        f"run's cannot take up. Resume with {fix}, or start a new run in another "
-                        f"out_dir.")
 
 
 # ---- sample.py, eval.py, export.py: a run, a checkpoint file, or GPT-2's weights ----

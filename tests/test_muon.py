@@ -230,15 +230,13 @@ def test_matrices_sharded_other_than_by_rows_over_every_rank_are_refused():
         torch.distributed.destroy_process_group()
 
 
-# recipe two's pieces on: Polar Express, NorMuon, cautious weight decay (Muon's and AdamW's),
-# the embedding's own learning rate (an AdamW group of its own), and the weights' tail average,
-# from step 2 (so that the checkpoint at 4 holds it), whose first value still counts for 0.9^5
-# of the end's (so that a resume that lost it would show)
+# recipe two's pieces on: Polar Express, NorMuon, cautious weight decay (Muon's and AdamW's)
+# and the weights' tail average, from step 2 (so that the checkpoint at 4 holds it), whose
+# first value still counts for 0.9^5 of the end's (so that a resume that lost it would show)
 ARGS = [*TINY, "--arch=modern", "--optimizer=muon", "--muon_ns_dtype=float32",
         "--gradient_accumulation_steps=4", "--eval_interval=4", "--max_iters=8",
         "--grad_clip=0.1", "--muon_coefficients=polar_express", "--cautious_weight_decay=True",
-        "--muon_weight_decay=0.1", "--muon_beta2=0.95", "--embedding_lr=0.03", "--ema_tail=0.75",
-        "--ema_decay=0.9"]
+        "--muon_weight_decay=0.1", "--muon_beta2=0.95", "--ema_tail=0.75", "--ema_decay=0.9"]
 
 
 def end_difference(a, b):

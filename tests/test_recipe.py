@@ -109,29 +109,6 @@ def test_muon_steps_the_blocks_matrices_and_adamw_the_rest():
                                                        "cpu").param_groups]
 
 
-def test_embedding_lr_gives_the_embeddings_a_group_and_a_rate_of_their_own():
-    """embedding_lr: under either optimizer the embeddings (GPT-2's tied one and its positions,
-    the modern block's untied token embedding) are an AdamW group of their own after the
-    matrices', whose rate follows the schedule at embedding_lr / learning_rate of its rate."""
-    for arch, optimizer, groups in (("gpt2", "adamw", [
-            {n for n, p in modern(arch="gpt2").named_parameters()
-             if p.dim() == 2 and n.startswith("transformer.h.")},
-            {"transformer.wte.weight", "transformer.wpe.weight"}]),
-            ("modern", "muon", [{"lm_head.weight"}, {"transformer.wte.weight"}])):
-        model = modern(arch=arch)
-        cfg = TrainConfig(optimizer=optimizer, arch=arch, learning_rate=2e-3, embedding_lr=0.02,
-                          warmup_iters=0, lr_decay_iters=10, min_lr=2e-4)
-        opt = optim.make(cfg, model, "cpu")
-        adamw = opt.adamw if optimizer == "muon" else opt
-        names = {id(p): n for n, p in model.named_parameters()}
-        assert [{names[id(p)] for p in g["params"]} for g in adamw.param_groups[:2]] == groups
-        assert [g["weight_decay"] for g in adamw.param_groups] == [0.1, 0.1, 0.0]
-        assert [g["lr"] for g in adamw.param_groups] == [2e-3, 0.02, 2e-3]  # at their peaks
-        for it in (0, 5, 10):
-            lr = optim.set_lr(opt, cfg, it)
-            assert [g["lr"] for g in adamw.param_groups] == [lr, lr * 10, lr]
-
-
 def test_muon_params_that_name_a_norm_or_nothing_are_user_errors():
     model = modern()
     with pytest.raises(UserError, match=r"gives Muon transformer.h.0.ln_1.weight \(32,\), .*"
@@ -282,16 +259,13 @@ def test_eval_sample_and_lightning_with_the_modern_block(modern_run, corpus, tmp
     (["--cautious_weight_decay=True", "--weight_decay=0"],
      "cautious_weight_decay=True with weight_decay=0 and muon_weight_decay=0: there is no "
      "weight decay to make cautious."),
-    (["--embedding_lr=0.02", "--learning_rate=0"], "embedding_lr with learning_rate=0: the "
-                                                    "embeddings' rate follows the schedule"),
     (["--ema_decay=0.99"], "ema_decay=0.99 is a setting of the weights' average, and this run "
                            "has none (ema_tail=0): set ema_tail"),
 ], ids=["modern GPT-2 weights", "modern with biases", "Muon on a norm", "Muon on nothing",
         "empty muon_params", "muon without a schedule", "rope_theta with gpt2",
         "muon's keys with adamw",
         "rope_theta overflows float32", "rope_theta vanishes in float32",
-        "zero projections of GPT-2's weights", "cautious without decay", "embedding_lr without a schedule",
-        "ema_decay alone"])
+        "zero projections of GPT-2's weights", "cautious without decay", "ema_decay alone"])
 def test_combinations_that_cannot_work(args, message, env, corpus, tmp_path):
     p = fails("train.py", f"--data_dir={corpus}", f"--out_dir={tmp_path}", *TINY, *args, env=env)
     assert message in p.stderr.strip().splitlines()[-1], p.stderr
@@ -315,9 +289,6 @@ def test_a_resume_keeps_its_optimizer_and_its_arch(modern_run, env, corpus, tmp_
            "--muon_params='transformer.h.*.c_*.weight'" in p.stderr
     p = fails("train.py", *resume, f"--out_dir={adamw}", "--arch=modern", env=env)
     assert "arch='modern' ('gpt2' there): the architecture comes from the checkpoint" in p.stderr
-    p = fails("train.py", *resume, f"--out_dir={adamw}", "--embedding_lr=0.03", env=env)
-    assert "embedding_lr=0.03 (0.0 there): the checkpoint in" in p.stderr
-    assert "Resume with --embedding_lr=0, or start a new run" in p.stderr
     # the arch comes from the checkpoint when it is not given, as the other architecture keys
     p = python("train.py", *resume, "--optimizer=muon", f"--out_dir={muon}", env=env)
     assert "arch = 'modern'" in p.stdout and sorted(steps(muon)) == [0, 1, 2, 3, 4]
