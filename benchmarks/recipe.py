@@ -29,9 +29,14 @@ TITLE = "Recipe"
 # (arch, optimizer, piece): the four combinations of the two keys, then recipe two's pieces
 # (PIECES), each alone on modern+muon, and all of them together
 PIECES = {"polar": ["--muon_coefficients=polar_express"], "normuon": ["--muon_beta2=0.95"],
-          "cautious": ["--cautious_weight_decay=True"], "zero": ["--proj_init=zero"]}
+          "cautious": ["--cautious_weight_decay=True"], "zero": ["--proj_init=zero"],
+          "ema": ["--ema_tail=0.2"],
+          # AdamW's peak and floor 5 times the quick start's: Muon's schedule, in proportion to
+          # them, is unchanged
+          "adamw5": ["--learning_rate=1e-2", "--min_lr=1e-3"]}
 ALL = "+".join(PIECES)
-KEPT = "normuon+zero"  # those that paid, which the modern configs take: the targets' combination
+# those that paid, which the modern configs take: the targets' combination
+KEPT = "normuon+zero+adamw5"
 COMBOS = [("gpt2", "adamw", ""), ("gpt2", "muon", ""), ("modern", "adamw", ""),
           ("modern", "muon", ""), *(("modern", "muon", piece) for piece in PIECES),
           ("modern", "muon", ALL), ("modern", "muon", KEPT)]
