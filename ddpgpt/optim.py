@@ -227,12 +227,13 @@ def weights_and_states(optimizer):
 def average(optimizer, cfg, it):
     """After step it, the weights taken into their average, from the tail's first step (where the
     average starts as the weights: also a resume on another max_iters starts it again there)."""
-    if not cfg.ema_tail or it < tail_start(cfg):
+    start = tail_start(cfg)
+    if not cfg.ema_tail or it < start:
         for _, state in weights_and_states(optimizer):
             state.pop("ema", None)  # a resume's with the tail off, or later: not kept
         return
     for p, state in weights_and_states(optimizer):
-        if it == tail_start(cfg) or "ema" not in state:
+        if it == start or "ema" not in state:
             state["ema"] = p.detach().clone()
         else:
             local(state["ema"]).lerp_(local(p), 1 - cfg.ema_decay)
