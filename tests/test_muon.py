@@ -1,8 +1,8 @@
 """Muon over the ranks (ddpgpt/muon.py): the owners of the matrices, Newton-Schulz's dtype, one
 process equal to torch.optim.Muon bit for bit, and under torchrun (gloo) ddp on 2 ranks as on 1
 process, fsdp as ddp, ddp's and fsdp's exact resumes, ddp's file resumed on one process and
-under fsdp on 4 ranks, fsdp's folder on one process and under ddp, and a rank killed mid-run
-under fsdp."""
+under fsdp on 3 ranks, fsdp's folder on one process and under ddp on 4, and a rank killed
+mid-run under fsdp."""
 import copy
 import os
 
@@ -231,10 +231,11 @@ def test_matrices_sharded_other_than_by_rows_over_every_rank_are_refused():
 
 
 # recipe two's pieces on: Polar Express, NorMuon, cautious weight decay (Muon's and AdamW's)
-# and the weights' tail average, from step 2 (so that the checkpoint at 4 holds it), whose
-# first value still counts for 0.9^5 of the end's (so that a resume that lost it would show)
+# and the weights' tail average from step 2 (so that the checkpoint at 4 holds it), whose first
+# value still counts for 0.9^5 of the end's (so that a resume that lost it would show); 12
+# micro-steps, which 1, 2, 3 and 4 ranks divide
 ARGS = [*TINY, "--arch=modern", "--optimizer=muon", "--muon_ns_dtype=float32",
-        "--gradient_accumulation_steps=4", "--eval_interval=4", "--max_iters=8",
+        "--gradient_accumulation_steps=12", "--eval_interval=4", "--max_iters=8",
         "--grad_clip=0.1", "--muon_coefficients=polar_express", "--cautious_weight_decay=True",
         "--muon_weight_decay=0.1", "--muon_beta2=0.95", "--ema_tail=0.75", "--ema_decay=0.9"]
 
@@ -337,13 +338,14 @@ def resumed(source, out, nproc, kind, corpus, env):
 
 
 @pytest.mark.slow
-def test_ddp_checkpoints_resume_under_fsdp_on_4_ranks_and_fsdp_folders_under_ddp(
+def test_ddp_checkpoints_resume_under_fsdp_on_3_ranks_and_fsdp_folders_under_ddp_on_4(
         runs, corpus, tmp_path, env):
-    """Muon's momentum: whole in ddp's file (2 ranks), each of 4 ranks takes its rows under
-    fsdp; sharded in fsdp's folder (2 ranks), each ddp rank reads it whole."""
-    under_fsdp = resumed(checkpoint.path_for(runs["ddp"], 4), tmp_path / "fsdp", 4, "fsdp",
+    """Muon's momentum and the average: whole in ddp's file (2 ranks), each of 3 ranks takes its
+    rows under fsdp (uneven shards); sharded in fsdp's folder (2 ranks), each of 4 ddp ranks
+    reads them whole."""
+    under_fsdp = resumed(checkpoint.path_for(runs["ddp"], 4), tmp_path / "fsdp", 3, "fsdp",
                          corpus, env)
-    under_ddp = resumed(checkpoint.path_for(runs["fsdp"], 4, folder=True), tmp_path / "ddp", 2,
+    under_ddp = resumed(checkpoint.path_for(runs["fsdp"], 4, folder=True), tmp_path / "ddp", 4,
                         "ddp", corpus, env)
     assert relative_difference(runs["ddp"], under_fsdp) <= RTOL
     assert relative_difference(runs["fsdp"], under_ddp) <= RTOL
