@@ -1,12 +1,13 @@
 """examples/lightning_datamodule.py under real Lightning, run as a user runs it: a script on 2
 CPU processes (gloo) that Lightning starts itself. A 16 GiB file costs the ranks what a 16 MiB
 one does, where the seed's design grows with the file; the ranks read train.py's global
-batches (also in sampling='documents' mode), and a resumed checkpoint continues them exactly;
-under Lightning's default use_distributed_sampler=True the DataModule stops with one clear
-error."""
+batches (also in sampling='documents' mode), train with Muon as train.py does, and a resumed
+checkpoint continues them exactly; under Lightning's default use_distributed_sampler=True the
+DataModule stops with one clear error."""
 import glob
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -109,20 +110,41 @@ def lightning(devices, out_dir, *args, env, **kw):
     return python(EXAMPLE, f"--devices={devices}", f"--out_dir={out_dir}", *args, env=env, **kw)
 
 
+# Muon for the blocks' matrices and AdamW for the rest (the example's optimizers both), at
+# constant rates: train.py's losses too, with decay_lr=False
+RECIPE = ["--arch=modern", "--optimizer=muon", "--muon_ns_dtype=float32",
+          "--gradient_accumulation_steps=4"]
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory, session_env):
+    """The RECIPE's 6 steps: train.py's (train_py), Lightning's on 2 processes (whole: its
+    CompletedProcess too), and Lightning's stopped at 3 (a copy of it: stopped) then resumed
+    (halves)."""
+    root = tmp_path_factory.mktemp("lightning_runs")
+    out = {name: root / name for name in ("train_py", "whole", "stopped", "halves")}
+    python("train.py", f"--data_dir={corpus}", f"--out_dir={out['train_py']}", *TINY, *RECIPE,
+           "--max_iters=6", "--decay_lr=False", env=session_env)
+    args = [f"--data_dir={corpus}", *TINY_LIGHTNING, *RECIPE, "--checkpoint_interval=3"]
+    whole = lightning(2, out["whole"], *args, "--max_steps=6", "--num_workers=1",
+                      env=session_env)
+    lightning(2, out["halves"], *args, "--max_steps=3", "--num_workers=0", env=session_env)
+    shutil.copytree(out["halves"], out["stopped"])
+    lightning(2, out["halves"], *args, "--max_steps=6", "--num_workers=0", "--ckpt_path=last",
+              env=session_env)
+    return out, args, whole
+
+
 @pytest.mark.slow
-def test_ranks_read_train_py_batches_and_a_resumed_checkpoint_continues_them(env, corpus, tmp_path):
-    ref, whole, halves = tmp_path / "train_py", tmp_path / "whole", tmp_path / "halves"
-    python("train.py", f"--data_dir={corpus}", f"--out_dir={ref}", *TINY,
-           "--gradient_accumulation_steps=4", "--max_iters=6", env=env)
-    args = [f"--data_dir={corpus}", *TINY_LIGHTNING, "--gradient_accumulation_steps=4",
-            "--checkpoint_interval=3"]
-    p = lightning(2, whole, *args, "--max_steps=6", "--num_workers=1", env=env)
+def test_ranks_read_train_py_batches_and_a_resumed_checkpoint_continues_them(runs, env, corpus,
+                                                                             tmp_path):
+    out, args, p = runs
+    stopped = out["stopped"]
     printed = [line for line in p.stdout.splitlines() if ": loss " in line]  # rank 0's alone
     assert [line.split(":")[0] for line in printed] == ["step 0", "step 5"], p.stdout
     assert "is deprecated" not in p.stderr, p.stderr  # Lightning's use of torch, not ours
-    lightning(2, halves, *args, "--max_steps=3", "--num_workers=0", env=env)
     global_batch = 4 * 4
-    state = torch.load(halves / "last.ckpt", map_location="cpu", weights_only=True)
+    state = torch.load(stopped / "last.ckpt", map_location="cpu", weights_only=True)
     assert state["BlockDataModule"] == {"samples_consumed": 3 * global_batch,
                                         "data_identity": sources.identity({"train": data.mixture(
                                             [tokenfile.open_split(corpus, "train", 1)])})}
@@ -130,51 +152,44 @@ def test_ranks_read_train_py_batches_and_a_resumed_checkpoint_continues_them(env
     # (each process checks it, before the check of devices below: one process shows it)
     other = tmp_path / "other"
     write_token_files(str(other), {s: np.random.default_rng(1).integers(0, 256, 9000)
-                                             for s in ("train", "val")},
-                                tokenizer="byte", vocab_size=257, eot_token=256)
-    err = fails(EXAMPLE, "--devices=1", f"--out_dir={halves}", *args, f"--data_dir={other}",
+                                   for s in ("train", "val")},
+                      tokenizer="byte", vocab_size=257, eot_token=256)
+    err = fails(EXAMPLE, "--devices=1", f"--out_dir={stopped}", *args, f"--data_dir={other}",
                 "--max_steps=6", "--ckpt_path=last", env=env).stderr
-    assert f"data_dir='{other}' is not the data the checkpoint {halves / 'last.ckpt'} was " \
+    assert f"data_dir='{other}' is not the data the checkpoint {stopped / 'last.ckpt'} was " \
            f"trained on" in err and "--allow_data_change=True" in err, err
     # on one process, 4 micro-steps a step: the checkpoint's 6 micro-batches per rank are not
     # whole steps there, and Lightning would step the optimizer mid-batch
-    err = fails(EXAMPLE, "--devices=1", f"--out_dir={halves}", *args, "--max_steps=6",
+    err = fails(EXAMPLE, "--devices=1", f"--out_dir={stopped}", *args, "--max_steps=6",
                 "--ckpt_path=last", env=env).stderr
     assert "saved after 6 micro-batches per rank" in err and "Resume with the devices" in err
-    lightning(2, halves, *args, "--max_steps=6", "--num_workers=0", "--ckpt_path=last", env=env)
-    err = fails(EXAMPLE, f"--out_dir={halves}", "--ckpt_path=lats", env=env).stderr
+    err = fails(EXAMPLE, f"--out_dir={stopped}", "--ckpt_path=lats", env=env).stderr
     assert err.strip().splitlines()[-1] == (  # it was Lightning's FileNotFoundError
         f"{EXAMPLE}: error: ckpt_path='lats' is not a file: give a checkpoint that "
-        f"Lightning saved (such as {halves / 'step=0000050.ckpt'}), 'last' for the newest in "
+        f"Lightning saved (such as {stopped / 'step=0000050.ckpt'}), 'last' for the newest in "
         f"out_dir, or '' to train from scratch.")
 
-    a, b, c = steps(ref), steps(whole), steps(halves)
+    a, b, c = (steps(out[name]) for name in ("train_py", "whole", "halves"))
     assert sorted(a) == sorted(b) == sorted(c) == list(range(6))
     fps = [[run[i]["batch_fp"] for i in range(6)] for run in (a, b, c)]
     assert fps[0] == fps[1] == fps[2] and len(set(fps[0])) == 6
-    # the same initial weights on the same tokens: the same first loss as train.py
-    assert b[0]["loss"] == pytest.approx(a[0]["loss"], rel=1e-5)
     assert [b[i]["loss"] for i in range(6)] == [c[i]["loss"] for i in range(6)]
-    p = python("compare_runs.py", f"--out_dir={ref},{whole}", env=env)
+    p = python("compare_runs.py", f"--out_dir={out['train_py']},{out['whole']}", env=env)
     assert "identical batch_fp over 6 steps" in p.stdout
 
 
 @pytest.mark.slow
-def test_muon_trains_as_train_py_at_constant_rates_and_resumes_its_state(env, corpus, tmp_path):
-    ref, run = tmp_path / "train_py", tmp_path / "lightning"
-    recipe = ["--arch=modern", "--optimizer=muon", "--muon_ns_dtype=float32",
-              "--gradient_accumulation_steps=4"]
-    python("train.py", f"--data_dir={corpus}", f"--out_dir={ref}", *TINY, *recipe,
-           "--max_iters=4", "--decay_lr=False", env=env)
-    args = [f"--data_dir={corpus}", *TINY_LIGHTNING, *recipe, "--num_workers=0"]
-    lightning(2, run, *args, "--max_steps=2", "--checkpoint_interval=2", env=env)
-    state = torch.load(run / "last.ckpt", map_location="cpu", weights_only=True)
+def test_muon_trains_as_train_py_at_constant_rates_and_resumes_its_state(runs, env, tmp_path):
+    out, _, _ = runs
+    state = torch.load(out["stopped"] / "last.ckpt", map_location="cpu", weights_only=True)
     assert state["optimizer_states"][0]["muon"]["state"], "Muon's momentum is in the checkpoint"
-    lightning(2, run, *args, "--max_steps=4", "--ckpt_path=last", env=env)
-    a, b = steps(ref), steps(run)
-    assert sorted(b) == list(range(4)) and all(a[i]["batch_fp"] == b[i]["batch_fp"] for i in b)
-    # Muon's and AdamW's updates as train.py's, on 2 ranks and across the resume
-    assert all(b[i]["loss"] == pytest.approx(a[i]["loss"], rel=1e-5) for i in b)
+    # the same initial weights on the same tokens, then Muon's and AdamW's updates as
+    # train.py's, on 2 ranks and across the resume (which the test above finds exact)
+    a = steps(out["train_py"])
+    for name in ("whole", "halves"):
+        b = steps(out[name])
+        assert sorted(b) == list(range(6))
+        assert all(b[i]["loss"] == pytest.approx(a[i]["loss"], rel=1e-5) for i in b), name
     err = fails(EXAMPLE, f"--out_dir={tmp_path / 'adamw'}", "--muon_lr=0.05", env=env).stderr
     assert ("muon_lr=0.05 is a setting of optimizer='muon', and this run is "
             "optimizer='adamw': add --optimizer=muon, or leave muon_lr out.") in err, err

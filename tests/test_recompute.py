@@ -1,9 +1,9 @@
 """activation_checkpointing and loss_chunks under torchrun (gloo, CPU), as a user runs them:
-full and selective train with the losses of none bit for bit in float32 with dropout (the
-recompute must draw its masks again), and selective without (where the CPU runs the fused
-attention kernel it keeps), under ddp and fsdp, with the loss in one piece and in chunks; a run
-resumes exactly under another mode than the one that saved its checkpoint; the loss in chunks
-trains as in one piece but for the sums' rounding."""
+full and selective train with the losses of none bit for bit in float32, under fsdp with dropout
+(the recompute must draw its masks again) and under ddp without (where the CPU runs the fused
+attention kernel that selective keeps), with the loss in chunks and in one piece; a run resumes
+exactly under another mode than the one that saved its checkpoint; the loss in chunks trains as
+in one piece but for the sums' rounding."""
 import collections
 
 import pytest
@@ -18,17 +18,16 @@ from ddpgpt.errors import UserError
 from ddpgpt.model import GPT, GPTConfig, rotary
 from ddpgpt.settings import TrainConfig
 
-# each parallel with dropout, and one without; both architectures (gpt2's head tied to its
-# embeddings); the loss in one piece, and in chunks (loss_chunks) under each parallel:
-# (parallel, dropout, arch, loss_chunks)
-CASES = {"ddp-dropout": ("ddp", 0.1, "gpt2", 1), "fsdp-dropout": ("fsdp", 0.1, "modern", 3),
-         "ddp": ("ddp", 0.0, "gpt2", 2)}
-# the modes each case compares with none. full recomputes a block whole: what can go wrong is
-# its dropout masks, drawn again (the dropout cases). selective keeps the fused attention
-# kernel's outputs, and a CPU runs that kernel only without dropout (with dropout, attention is
-# computed op by op): every case.
-COMPARED = {"ddp-dropout": ("full", "selective"), "fsdp-dropout": ("full", "selective"),
-            "ddp": ("selective",)}
+# (parallel, dropout, arch, loss_chunks): both architectures (gpt2's head tied to its
+# embeddings). full recomputes a block whole: what can go wrong is its dropout masks, drawn
+# again, which do not depend on the parallel. selective keeps the fused attention kernel's
+# outputs, and a CPU runs that kernel only without dropout (with dropout, attention is computed
+# op by op): a case of each.
+CASES = {"fsdp-dropout": ("fsdp", 0.1, "modern", 3), "ddp": ("ddp", 0.0, "gpt2", 1)}
+MODES = ("none", "selective", "full")  # each resumed run (RESUMED) after the run it resumes
+# {(case, mode): the mode whose run's checkpoint at STEPS // 2 it resumes}: an fsdp folder, and
+# a ddp file saved by blocks that were not wrapped in a checkpoint
+RESUMED = {("fsdp-dropout", "full"): "selective", ("ddp", "selective"): "none"}
 STEPS = 4  # saving at STEPS // 2 and STEPS
 
 
@@ -43,13 +42,20 @@ def train_args(corpus, out, case, mode, *extra):
 
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory, session_env):
-    """{(case, mode): out_dir} of every case trained STEPS steps on 2 ranks in none and in
-    the modes it compares with none."""
+    """{(case, mode): out_dir} of every case in every mode on 2 ranks: STEPS steps, or those
+    after STEPS // 2 of a run resumed from another mode's (RESUMED)."""
     root = tmp_path_factory.mktemp("recompute")
-    out = {(case, mode): str(root / f"{case}-{mode}") for case in CASES
-           for mode in ("none", *COMPARED[case])}
-    for (case, mode), out_dir in out.items():
-        torchrun(2, "train.py", *train_args(corpus, out_dir, case, mode), env=session_env)
+    out = {}
+    for case in CASES:
+        for mode in MODES:
+            out[case, mode] = root / f"{case}-{mode}"
+            args = train_args(corpus, out[case, mode], case, mode)
+            if (case, mode) in RESUMED:
+                source = checkpoint.path_for(out[case, RESUMED[case, mode]], STEPS // 2,
+                                             folder=CASES[case][0] == "fsdp")
+                resumed_from(source, out[case, mode], 2, args, STEPS // 2, session_env)
+            else:
+                torchrun(2, "train.py", *args, env=session_env)
     return out
 
 
@@ -65,39 +71,36 @@ def val_losses(out_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_full_and_selective_train_as_none_bit_for_bit(runs, case):
-    expected = losses(runs[case, "none"])
+    """From the step each run starts at: a resumed one's halfway."""
+    expected, evaluated = losses(runs[case, "none"]), val_losses(runs[case, "none"])
     assert len(expected) == STEPS
-    for mode in COMPARED[case]:
-        assert losses(runs[case, mode]) == expected, mode
+    for mode in ("full", "selective"):
+        start = STEPS // 2 if (case, mode) in RESUMED else 0
+        assert losses(runs[case, mode]) == expected[start:], mode
         # the evaluation, without gradients, goes through the checkpointed blocks too
-        assert val_losses(runs[case, mode]) == val_losses(runs[case, "none"]), mode
+        assert val_losses(runs[case, mode]) == [e for e in evaluated if e[0] >= start], mode
 
 
 @pytest.mark.slow
-def test_a_run_resumes_exactly_under_another_mode(runs, corpus, tmp_path, env):
-    """fsdp's checkpoint folder written under full, resumed under selective, and ddp's file
-    written under selective, resumed under none: each goes on as the run that never stopped."""
-    for case, saved_by, resumed_in in (("fsdp-dropout", "full", "selective"),
-                                       ("ddp-dropout", "selective", "none")):
-        out = tmp_path / case
-        source = checkpoint.path_for(runs[case, saved_by], STEPS // 2,
-                                     folder=CASES[case][0] == "fsdp")
-        resumed_from(source, out, 2, train_args(corpus, out, case, resumed_in), STEPS // 2, env)
-        assert losses(out) == losses(runs[case, "none"])[STEPS // 2:]
+def test_a_run_resumes_exactly_under_another_mode(runs):
+    """fsdp's checkpoint folder written under selective, resumed under full, and ddp's file
+    written under none, resumed under selective: each goes on as the run that never stopped."""
+    for (case, mode), saved_by in RESUMED.items():
+        assert losses(runs[case, mode]) == losses(runs[case, saved_by])[STEPS // 2:], case
 
 
 @pytest.mark.slow
 def test_the_loss_in_chunks_trains_as_in_one_piece_but_for_rounding(runs, corpus, tmp_path, env):
-    """The ddp case's loss in 2 chunks against the same run with the loss in one piece: the
-    same batches, losses and gradient norms within float32's rounding of the sums."""
-    one_piece = tmp_path / "one_piece"
-    torchrun(2, "train.py", *train_args(corpus, one_piece, "ddp", "none", "--loss_chunks=1"),
-             env=env)
-    chunked, whole = losses(runs["ddp", "none"]), losses(one_piece)
-    assert [fp for fp, _, _ in chunked] == [fp for fp, _, _ in whole]
+    """The ddp case's run under none, its loss in one piece, against the same run with the loss
+    in 2 chunks: the same batches, losses and gradient norms within float32's rounding of the
+    sums."""
+    out = tmp_path / "chunked"
+    torchrun(2, "train.py", *train_args(corpus, out, "ddp", "none", "--loss_chunks=2"), env=env)
+    chunked, whole = losses(out), losses(runs["ddp", "none"])
+    assert len(chunked) == STEPS and [fp for fp, _, _ in chunked] == [fp for fp, _, _ in whole]
     for (_, loss, norm), (_, loss1, norm1) in zip(chunked, whole):
         assert loss == pytest.approx(loss1, rel=1e-5) and norm == pytest.approx(norm1, rel=1e-4)
-    assert val_losses(runs["ddp", "none"]) == pytest.approx(val_losses(one_piece), rel=1e-5)
+    assert val_losses(out) == pytest.approx(val_losses(runs["ddp", "none"]), rel=1e-5)
 
 
 class MadeBy(TorchDispatchMode):
