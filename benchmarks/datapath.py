@@ -29,11 +29,16 @@ FULL = {"sizes": [16 * MiB, GiB, 16 * GiB], "ranks": [1, 2, 8], "batches": 1000,
         "launches": 3, "seed_mem_cap": 6 * GiB, "seed_time_cap_s": 30, "shards": 10_000,
         "index_size": GiB}
 # small: the seed's loader still finishes at 1 MiB and passes its cap at 64 MiB (its one
-# rank's permutation alone holds more than the cap); one rank, so that each of the nine
-# launches starts two processes, not three (the mix part reads with two ranks)
+# rank's permutation alone holds more than the cap); one rank, started without torchrun, so
+# that each of the nine launches starts one process, not two or three (the mix part reads with
+# two ranks, through torchrun)
 SMALL = {"sizes": [MiB, 64 * MiB], "ranks": [1], "batches": 20,
          "launches": 1, "seed_mem_cap": GiB, "seed_time_cap_s": 30, "shards": 1_000,
-         "index_size": 32 * MiB}
+         "index_size": 32 * MiB, "torchrun": False}
+# what torchrun gives one rank, for one started without it: a process group of one, whose
+# store needs no free port
+ALONE = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+         "MASTER_PORT": "0"}
 EOT = 50256
 # documents' lengths in tokens, lognormal: a median of 600 and a mean of about 1,000, as web
 # text's in GPT-2's tokens (OpenWebText: 9.0e9 tokens in 8.0e6 documents)
@@ -147,9 +152,11 @@ def launch(loader, folder, ranks, settings, out):
     for source in data_sources(folder):
         evict(source.folder)
     is_seed = loader == "seed"
+    alone = ranks == 1 and not settings.get("torchrun", True)
     finished = common.run_watched(
-        [*common.torchrun(ranks), "-m", "benchmarks.datapath_rank", loader, folder, out,
-         str(settings["batches"])], common.child_env(OMP_NUM_THREADS="1"),
+        [*([sys.executable] if alone else common.torchrun(ranks)), "-m",
+         "benchmarks.datapath_rank", loader, folder, out, str(settings["batches"])],
+        common.child_env(OMP_NUM_THREADS="1", **(ALONE if alone else {})),
         settings["seed_time_cap_s"] if is_seed else SAFETY_TIME_CAP_S,
         settings["seed_mem_cap"] if is_seed else None)
     row = {"loader": loader, "ranks": ranks, "load_1m": common.load_1m(),

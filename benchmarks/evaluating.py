@@ -18,9 +18,9 @@ TITLE = "Evaluation"
 SHAPES = {"GPT-2 124M": dict(n_layer=12, n_head=12, n_embd=768),
           "tiny": dict(n_layer=2, n_head=2, n_embd=64)}
 # on a CPU, batches of 1 x 1024 tokens (their logits take 0.2 GiB in float32): several batches
-# for each rank, so that the ranks' shares are even
+# for each rank, so that the ranks' shares are even; small: a batch or two for each
 CPU = ["--device=cpu", "--dtype=float32", "--batch_size=1"]
-SMALL = [dict(name="tiny", ranks=ranks, examples=16, args=CPU) for ranks in (1, 2)]
+SMALL = [dict(name="tiny", ranks=ranks, examples=8, args=CPU) for ranks in (1, 2)]
 FULL = [dict(name="GPT-2 124M", ranks=ranks, examples=32, args=CPU) for ranks in (1, 2)]
 GPU = dict(name="GPT-2 124M", ranks=1, examples=10042, args=["--device=cuda"], gpu=True)
 NO_GPU = "not run: no GPU in this session (run `python bench.py eval --device=cuda` on one)"

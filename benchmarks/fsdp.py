@@ -149,9 +149,10 @@ def bytes_target(results, n):
 # ---- losses ----
 
 def train(args, n, out):
-    """train.py on n ranks: ({iter: its step's row}, what it printed)."""
+    """train.py on n ranks (one: a plain process): ({iter: its step's row}, what it
+    printed)."""
     finished = common.check(common.run_watched(
-        [*common.torchrun(n), "train.py", *args, f"--out_dir={out}"],
+        [*common.ranks_command(n), "train.py", *args, f"--out_dir={out}"],
         common.child_env(OMP_NUM_THREADS="1"), TIME_CAP_S), f"train.py ({' '.join(args)})")
     return step_rows(out), finished.output
 

@@ -70,7 +70,9 @@ SPECS = {
                            "pystdlib-gpt2": dict(tokenizer="gpt2", seeds=(1,), args=[
                                *TINY, "--max_iters=4", "--lr_decay_iters=4", "--warmup_iters=1",
                                "--eval_interval=2", "--eval_iters=2"])},
-                  combos=TARGETED,
+                  # the targets' combinations but modern+adamw, which no target reads: that
+                  # the optimizer leaves a run's start alone, gpt2's pair shows
+                  combos=[COMBOS[0], COMBOS[1], COMBOS[3], COMBOS[-1]],
                   # train.py timed for the two combinations the targets compare only
                   speed=dict(args=TINY, steps=4, warmup=1, rounds=1, combos=MINIMAL))}
 SMALL_DOCS = ("argparse", "shutil", "textwrap")  # the small mode's corpus: three modules
