@@ -84,8 +84,10 @@ def test_gpt2_124m_maps_both_ways_exactly():
     args = hf.model_args_of(theirs.config)
     assert args == dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257,
                         bias=True, gelu_approximate="tanh")
-    model = GPT(GPTConfig(**args))
-    model.load_state_dict(hf.from_hf_state(theirs.state_dict()))  # strict: every key, shape
+    with torch.device("meta"):  # their weights are assigned: 124M not initialised twice
+        model = GPT(GPTConfig(**args))
+    # strict: every key, shape
+    model.load_state_dict(hf.from_hf_state(theirs.state_dict()), assign=True)
     back, expected = hf.to_hf_state(model.state_dict(), 50257), theirs.state_dict()
     assert back.keys() == expected.keys()
     assert all(torch.equal(back[k], expected[k]) for k in expected)
